@@ -1,0 +1,110 @@
+"""Model configuration: one frozen dataclass drives every supported decoder family.
+
+Llama 1/2/3 (with llama3 RoPE scaling), Mistral-style grouped-query attention, Qwen2/Qwen2.5 (bias on
+the q/k/v projections) and Qwen3 (per-head RMSNorm on q and k) differ only in a handful of switches,
+so they share one implementation in `transformer.py`. `ModelConfig.validate` checks the fields before
+anything is built, so a bad checkpoint config fails with the name of the field, not with a shape error
+deep inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `rope_type` 'llama3' uses the four llama3 fields; 'linear' uses factor."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer hyper-parameters (Hugging Face field meanings).
+
+    `dtype` is the compute dtype (float32 on CPU, bfloat16 on TPU/GPU); master parameters are always
+    `param_dtype` (float32) so that tiny RL updates are not lost to bf16 rounding in the learner.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **kwargs: Any) -> ModelConfig:
+        return dataclasses.replace(self, **kwargs)
+
+    def validate(self) -> ModelConfig:
+        """Raises ValueError naming the first inconsistent field; returns self for chaining."""
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={self.model_type!r} is not supported; expected one of "
+                f"{SUPPORTED_MODEL_TYPES}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"ModelConfig.rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
+                f"supported; expected one of {SUPPORTED_ROPE_TYPES}"
+            )
+        for name in ("dtype", "param_dtype"):
+            try:
+                jnp.dtype(getattr(self, name))
+            except TypeError as e:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not a dtype") from e
+        return self
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings included, LM head counted once when tied)."""
+        e, m, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = e * q + 2 * e * kv + q * e + (q + 2 * kv if self.attention_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        layer = attn + 3 * e * m + 2 * e
+        head = 0 if self.tie_word_embeddings else e * v
+        return v * e + self.num_layers * layer + e + head

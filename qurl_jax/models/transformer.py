@@ -1,0 +1,324 @@
+"""Flax (linen) decoder-only transformer for Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+
+Parameters are the plain linen `params` collection: a nested dict of float32 arrays whose module
+names follow Hugging Face (`embed_tokens`, `layers_{i}/self_attn/q_proj/kernel`, ...), with every
+kernel stored as [in_features, out_features]. Each parameter is declared with logical axis names
+(`embed`, `heads`, `kv_heads`, `mlp`, `vocab`, ...) that `qurl_jax.sharding` maps to mesh axes.
+
+Every matrix product (q/k/v/o, gate/up/down and the LM head) goes through one injectable
+`dot_general(lhs, rhs, dimension_numbers)` hook with the signature of `jax.lax.dot_general`. The
+learner passes nothing (plain float matmuls); the rollout passes `qurl_jax.quant`'s hook together with
+parameters whose kernels have been replaced by quantized tensors. The model code never changes.
+
+Attention takes explicit per-token positions and a validity mask, so prompts can be left-padded, and
+an optional `KVCache` for prefill/decode: new keys and values are written at slot `cache_index`
+(shared by the whole batch) and queries attend to every valid slot up to their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from qurl_jax.models.config import ModelConfig
+
+DotGeneral = Callable[..., jax.Array]
+# Finite "minus infinity": a fully masked row (a left-pad query) stays NaN-free.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Preallocated key/value cache shared by all layers.
+
+    k, v: f[L, B, S, Hkv, D]   keys/values in compute dtype, S = cache length (slots).
+    mask: bool[B, S]           slot holds a real (non-pad) token.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
+        dtype = config.compute_dtype if dtype is None else dtype
+        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            mask=jnp.zeros((batch, length), jnp.bool_),
+        )
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+def _cast_float(x: Any, dtype: Any) -> Any:
+    """Casts float arrays to the compute dtype; quantized tensors (pytrees) pass through untouched."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(dtype)
+    return x
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """f32[D/2] RoPE inverse frequencies, with 'linear' or 'llama3' scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    rs = config.rope_scaling
+    if rs is None or rs.rope_type == "default":
+        return inv_freq
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between them
+    # interpolated smoothly (Hugging Face `_compute_llama3_parameters`).
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates halves (Hugging Face convention). x: [B, T, H, D]; positions: i32[B, T]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(freqs)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(freqs)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, gain applied in the compute dtype (as Hugging Face does)."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],), self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias) through the injected dot_general; kernel is [in, out]."""
+
+    features: int
+    axes: tuple[str, str]
+    dot_general: DotGeneral
+    dtype: Any
+    param_dtype: Any
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
+            (x.shape[-1], self.features), self.param_dtype,
+        )
+        y = self.dot_general(
+            x.astype(self.dtype), _cast_float(kernel, self.dtype), (((x.ndim - 1,), (0,)), ((), ()))
+        )
+        if self.use_bias:
+            bias = self.param(
+                "bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axes[1],)),
+                (self.features,), self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    dot_general: DotGeneral
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        cache: tuple[jax.Array, jax.Array] | None,
+        cache_mask: jax.Array | None,
+        cache_index: jax.Array | None,
+        layer: int = 0,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """`cache` holds all layers' (k, v) f[L, B, S, Hkv, D]; this layer writes row `layer` in place."""
+        cfg = self.config
+        b, t, _ = x.shape
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dt, pdt = cfg.compute_dtype, cfg.params_dtype
+        lin = lambda n, f, axes, bias: Linear(  # noqa: E731
+            f, axes, self.dot_general, dt, pdt, use_bias=bias, name=n
+        )
+        q = lin("q_proj", h * d, ("embed", "heads"), cfg.attention_bias)(x).reshape(b, t, h, d)
+        k = lin("k_proj", hkv * d, ("embed", "kv_heads"), cfg.attention_bias)(x).reshape(b, t, hkv, d)
+        v = lin("v_proj", hkv * d, ("embed", "kv_heads"), cfg.attention_bias)(x).reshape(b, t, hkv, d)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(k)
+        inv_freq = rope_inv_freq(cfg)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+
+        if cache is None:
+            keys, values = k, v
+            key_mask = mask  # [B, T]
+            q_slot = jnp.arange(t)
+            k_slot = jnp.arange(t)
+            new_cache = None
+        else:
+            ck, cv = cache
+            # Write into the stacked buffer (not a per-layer copy) so XLA updates it in place.
+            idx = (layer, 0, cache_index, 0, 0)
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), idx)
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), idx)
+            keys, values = ck[layer], cv[layer]
+            key_mask = cache_mask  # [B, S], already updated with this call's tokens
+            q_slot = cache_index + jnp.arange(t)
+            k_slot = jnp.arange(keys.shape[1])
+            new_cache = (ck, cv)
+
+        # Grouped-query attention: q heads [Hkv, G] share one kv head. Scores in float32.
+        g = h // hkv
+        qg = q.reshape(b, t, hkv, g, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(dt)).astype(jnp.float32)
+        scores = scores / math.sqrt(d)
+        allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
+        scores = jnp.where(allowed[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt)).reshape(b, t, h * d)
+        out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
+        return out, new_cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dot_general: DotGeneral
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        dt, pdt, m = cfg.compute_dtype, cfg.params_dtype, cfg.intermediate_size
+        gate = Linear(m, ("embed", "mlp"), self.dot_general, dt, pdt, name="gate_proj")(x)
+        up = Linear(m, ("embed", "mlp"), self.dot_general, dt, pdt, name="up_proj")(x)
+        return Linear(cfg.hidden_size, ("mlp", "embed"), self.dot_general, dt, pdt,
+                      name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    dot_general: DotGeneral
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache, cache_mask, cache_index, layer):
+        cfg = self.config
+        dt, pdt = cfg.compute_dtype, cfg.params_dtype
+        h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
+        attn, new_cache = Attention(cfg, self.dot_general, name="self_attn")(
+            h, positions, mask, cache, cache_mask, cache_index, layer
+        )
+        x = x + attn
+        h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
+        x = x + MLP(cfg, self.dot_general, name="mlp")(h)
+        return x, new_cache
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `__call__` returns (float32 logits, updated cache or None).
+
+    Args to `__call__`:
+      tokens: i32[B, T] token ids (pad positions may hold any id).
+      positions: i32[B, T] RoPE positions (for a left-padded prompt: 0 at the first real token).
+      mask: bool[B, T] real tokens; None means all real. Padded keys are never attended to.
+      cache: optional KVCache; this call's keys/values are written at slots
+        [cache_index, cache_index + T) and queries attend to all valid slots up to their own.
+      cache_index: i32 scalar write slot (required with a cache).
+      last_only: return logits for the last position only ([B, 1, V]); what prefill needs.
+    """
+
+    config: ModelConfig
+    dot_general: DotGeneral = jax.lax.dot_general
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int | None = None,
+        last_only: bool = False,
+    ) -> tuple[jax.Array, KVCache | None]:
+        cfg = self.config
+        dt, pdt = cfg.compute_dtype, cfg.params_dtype
+        b, t = tokens.shape
+        if mask is None:
+            mask = jnp.ones((b, t), jnp.bool_)
+        embed = Embed(cfg, name="embed_tokens")
+        x = embed(tokens)
+
+        cache_mask = None
+        if cache is not None:
+            if cache_index is None:
+                raise ValueError("Transformer: a cache needs a cache_index")
+            cache_index = jnp.asarray(cache_index, jnp.int32)
+            cache_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache_index))
+        kv = None if cache is None else (cache.k, cache.v)
+        for i in range(cfg.num_layers):
+            x, kv = DecoderLayer(cfg, self.dot_general, name=f"layers_{i}")(
+                x, positions, mask, kv, cache_mask, cache_index, i
+            )
+        x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
+        if last_only:
+            x = x[:, -1:]
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x, self.dot_general)
+        else:
+            logits = Linear(cfg.vocab_size, ("embed", "vocab"), self.dot_general, dt, pdt,
+                            name="lm_head")(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=kv[0], v=kv[1], mask=cache_mask)
+        return logits.astype(jnp.float32), new_cache
+
+
+class Embed(nn.Module):
+    """Token embedding [V, E]; `attend` is the tied LM head (x @ embedding.T)."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+            (cfg.vocab_size, cfg.hidden_size), cfg.params_dtype,
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)
+
+    def attend(self, x: jax.Array, dot_general: DotGeneral) -> jax.Array:
+        dt = self.config.compute_dtype
+        return dot_general(
+            x.astype(dt), _cast_float(self.embedding, dt), (((x.ndim - 1,), (1,)), ((), ()))
+        )
