@@ -1,0 +1,56 @@
+"""QuRL's DAPO setting: Qwen2.5-Math-7B, FP8 (E4M3 W8A8) rollout with ACR and invariant scaling.
+
+DAPO: clip-higher (0.2 / 0.28), token-mean loss, dynamic sampling of all-equal groups, overlong
+reward shaping (L_max = max_new_tokens, buffer 4096), no KL; C = 5 as in FlashRL's 7B recipe.
+Point `model.path` at the local model and `data.train_files` at DAPO-Math-17k (parquet, verl layout);
+the MATH train split is the default so the config validates from a fresh checkout.
+Evaluation: AIME 2024 Avg@32.
+"""
+
+from qurl_jax.config import base_config
+
+MATH = "third_party/math_data/"
+
+
+def get_config():
+    c = base_config()
+    c.model.source = "hf"
+    c.model.path = "checkpoints/Qwen2.5-Math-7B"
+    c.model.dtype = "bfloat16"
+    c.data.task = "math"
+    c.data.train_files = (MATH + "train_math.json",)
+    c.data.prompts_per_step = 512
+    c.data.max_prompt_len = 2048
+    c.rollout.precision = "fp8"
+    c.rollout.n = 16
+    c.rollout.max_new_tokens = 20480
+    c.rollout.temperature = 1.0
+    c.rollout.invariant_scaling = 1.5
+    c.rl.loss_mode = "acr"
+    c.rl.cap = 5.0
+    c.rl.eps_low = 0.2
+    c.rl.eps_high = 0.28
+    c.rl.agg = "token_mean"
+    c.rl.kl_coef = 0.0
+    c.rl.advantage = "grpo"
+    c.rl.dynamic_sampling = True
+    c.rl.max_gen_batches = 10
+    c.rl.overlong_buffer = 4096
+    c.rl.overlong_factor = 1.0
+    c.rl.num_minibatches = 16
+    c.rl.num_micro_batches = 64
+    c.optim.learning_rate = 1e-6
+    c.optim.warmup_steps = 10
+    c.optim.weight_decay = 0.1
+    c.optim.grad_clip = 1.0
+    c.mesh.data = 1
+    c.mesh.fsdp = 8
+    c.mesh.tensor = 2
+    c.train.num_steps = 1200
+    c.train.checkpoint_every = 20
+    c.train.eval_every = 50
+    c.eval.files = (MATH + "test_aime.json",)
+    c.eval.k = 32
+    c.eval.temperature = 1.0
+    c.eval.max_new_tokens = 20480
+    return c

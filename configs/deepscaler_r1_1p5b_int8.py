@@ -1,0 +1,53 @@
+"""QuRL's GRPO setting: DeepSeek-R1-Distill-Qwen-1.5B on DeepScaleR-style math, INT8 rollout + ACR.
+
+Point `model.path` at a local copy of the model (`--config.model.path=/ckpt/R1-Distill-Qwen-1.5B`).
+The MATH train split and AIME 1983-2023 in third_party/math_data stand in for the DeepScaleR set (a
+DeepScaleR JSON/parquet file with problem/answer fields works the same: override data.train_files).
+Evaluation: Avg@k on AIME24, AMC, MATH-500, Minerva and OlympiadBench (the QuRL table).
+"""
+
+from qurl_jax.config import base_config
+
+MATH = "third_party/math_data/"
+
+
+def get_config():
+    c = base_config()
+    c.model.source = "hf"
+    c.model.path = "checkpoints/DeepSeek-R1-Distill-Qwen-1.5B"
+    c.model.dtype = "bfloat16"
+    c.data.task = "math"
+    c.data.train_files = (MATH + "train_math.json", MATH + "train_aime.json")
+    c.data.prompts_per_step = 128
+    c.data.max_prompt_len = 1024
+    c.rollout.precision = "int8"
+    c.rollout.n = 8
+    c.rollout.max_new_tokens = 8192
+    c.rollout.temperature = 0.6
+    c.rollout.invariant_scaling = 1.5
+    c.rollout.invariant_scaling_targets = ("qkv",)
+    c.rl.loss_mode = "acr"
+    c.rl.cap = 2.0
+    c.rl.eps_low = 0.2
+    c.rl.eps_high = 0.2
+    c.rl.agg = "seq_mean_token_mean"
+    c.rl.kl_coef = 1e-3
+    c.rl.kl_estimator = "k3"
+    c.rl.advantage = "grpo"
+    c.rl.num_minibatches = 4
+    c.rl.num_micro_batches = 32
+    c.optim.learning_rate = 1e-6
+    c.optim.weight_decay = 0.01
+    c.optim.grad_clip = 1.0
+    c.mesh.data = 1
+    c.mesh.fsdp = 8
+    c.mesh.tensor = 1
+    c.train.num_steps = 1200
+    c.train.checkpoint_every = 20
+    c.train.eval_every = 100
+    c.eval.files = tuple(MATH + f for f in ("test_aime.json", "test_amc.json", "test_math.json",
+                                            "test_minerva.json", "test_olympiad_bench.json"))
+    c.eval.k = 32
+    c.eval.temperature = 0.6
+    c.eval.max_new_tokens = 8192
+    return c

@@ -1,0 +1,174 @@
+"""The run configuration: one documented `base_config()` and a validator that runs before compiling.
+
+Every config file in `configs/` starts from `base_config()` and overrides fields, so each default
+lives in exactly one place. The returned `ConfigDict` is locked and type-safe: an override of an
+unknown field (`--config.rl.los_mode=...`) or of the wrong type (`--config.rollout.n=abc`) is
+rejected by `ml_collections` while the flags are parsed; `validate` then checks the values (enums,
+ranges, file paths) and raises `ValueError` naming the field, still before any JAX compilation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from qurl_jax.models.config import SUPPORTED_MODEL_TYPES
+
+PRECISIONS = ("fp", "int8", "fp8", "fp8_block")
+LOSS_MODES = ("on_policy", "naive", "tis", "mis", "acr", "sparse_rl")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+MODEL_SOURCES = ("hf", "tiny")
+TASKS = ("math", "arithmetic")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field with its default and meaning."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.source = "hf"  # 'hf': load model.path; 'tiny': build model.tiny in code (tests/demo)
+    c.model.path = ""  # local Hugging Face directory (config.json + *.safetensors + tokenizer)
+    c.model.dtype = "float32"  # compute dtype; master weights are always float32
+    c.model.tiny = ml_collections.ConfigDict(dict(  # used when source == 'tiny'
+        model_type="qwen2", hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
+        max_position_embeddings=256))
+
+    c.data = ml_collections.ConfigDict()
+    c.data.task = "math"  # 'math' (files + math-verify) or 'arithmetic' (synthetic, exact match)
+    c.data.train_files = ("third_party/math_data/train_math.json",)
+    c.data.prompts_per_step = 8  # distinct prompts per RL step (each sampled rollout.n times)
+    c.data.max_prompt_len = 512  # prompts longer than this (in tokens) are skipped and counted
+    c.data.chat_template = True
+    c.data.arith_digits = 2
+    c.data.arith_ops = "+-"
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.precision = "int8"  # fp | int8 | fp8 | fp8_block: the actor's weights and matmuls
+    c.rollout.n = 8  # samples per prompt (GRPO group size)
+    c.rollout.max_new_tokens = 1024
+    c.rollout.temperature = 1.0
+    c.rollout.top_k = 0  # 0 = off
+    c.rollout.top_p = 1.0
+    c.rollout.invariant_scaling = 1.0  # QuRL's s; 1.0 disables, 1.5 is the paper's value
+    c.rollout.invariant_scaling_targets = ("qkv",)  # 'qkv' and/or 'gate_up'
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.loss_mode = "acr"  # on_policy | naive | tis | mis | acr | sparse_rl
+    c.rl.eps_low = 0.2
+    c.rl.eps_high = 0.2  # DAPO clip-higher: 0.28
+    c.rl.cap = 2.0  # truncation C of the importance weight pi_prox / pi_behav
+    c.rl.agg = "seq_mean_token_mean"  # token_mean (DAPO) | seq_mean_token_mean | ..._sum_norm
+    c.rl.kl_coef = 0.0  # k3 KL to the initial policy; QuRL GRPO uses 1e-3
+    c.rl.kl_estimator = "k3"
+    c.rl.entropy_coef = 0.0
+    c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo
+    c.rl.dynamic_sampling = False  # DAPO: drop all-equal-reward groups and refill
+    c.rl.max_gen_batches = 3  # refill attempts per step with dynamic sampling
+    c.rl.overlong_buffer = 0  # DAPO overlong shaping buffer L_c in tokens; 0 disables
+    c.rl.overlong_factor = 1.0
+    c.rl.ppo_epochs = 1  # passes over the rollout batch
+    c.rl.num_minibatches = 1  # optimizer steps per pass
+    c.rl.num_micro_batches = 1  # gradient accumulation inside one optimizer step
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.learning_rate = 1e-6
+    c.optim.warmup_steps = 0
+    c.optim.decay_steps = 0  # cosine decay steps after warm-up; 0 = constant
+    c.optim.weight_decay = 0.01
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.grad_clip = 1.0
+
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.workers = 4  # verifier threads, overlapping the CPU-bound math check
+    c.reward.timeout_s = 5.0  # per-response verification timeout
+    c.reward.format_weight = 0.0  # weight of the format reward (one \boxed{} answer)
+
+    c.train = ml_collections.ConfigDict()
+    c.train.num_steps = 100
+    c.train.checkpoint_every = 10
+    c.train.keep_checkpoints = 3
+    c.train.eval_every = 0  # 0 = only before and after training
+    c.train.max_bad_steps = 3  # consecutive non-finite updates before the run stops
+    c.train.export_hf = ""  # directory to export the final model to (Hugging Face format)
+    c.train.progress = True
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.files = ()  # math evaluation sets; empty = none
+    c.eval.max_examples = 0  # per set; 0 = all
+    c.eval.k = 1  # samples per problem for Avg@k / Pass@k
+    c.eval.temperature = 0.6
+    c.eval.greedy = False
+    c.eval.max_new_tokens = 1024
+
+    c.sft = ml_collections.ConfigDict()  # supervised warm start (embedded default only)
+    c.sft.steps = 0
+    c.sft.learning_rate = 3e-3
+    c.sft.batch_size = 64
+    c.lock()
+    return c
+
+
+def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
+    if value not in choices:
+        raise ValueError(f"config.{field}={value!r} is not one of {choices}")
+
+
+def _positive(value: float, field: str, strict: bool = True) -> None:
+    if (value <= 0) if strict else (value < 0):
+        raise ValueError(f"config.{field}={value!r} must be {'> 0' if strict else '>= 0'}")
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks values; raises ValueError naming the first bad field. Returns `c`."""
+    _choice(c.model.source, MODEL_SOURCES, "model.source")
+    if c.model.source == "hf":
+        if not c.model.path:
+            raise ValueError("config.model.path is empty; set it to a local Hugging Face directory")
+        if not os.path.isfile(os.path.join(c.model.path, "config.json")):
+            raise ValueError(f"config.model.path={c.model.path!r} has no config.json")
+    else:
+        _choice(c.model.tiny.model_type, SUPPORTED_MODEL_TYPES, "model.tiny.model_type")
+    _choice(c.data.task, TASKS, "data.task")
+    if c.data.task == "math":
+        for f in c.data.train_files:
+            if not os.path.exists(f):
+                raise ValueError(f"config.data.train_files: {f!r} does not exist")
+    for f in c.eval.files:
+        if not os.path.exists(f):
+            raise ValueError(f"config.eval.files: {f!r} does not exist")
+    _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
+    _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
+    _choice(c.rl.agg, AGGREGATIONS, "rl.agg")
+    _choice(c.rl.advantage, ADVANTAGES, "rl.advantage")
+    _choice(c.rl.kl_estimator, ("k1", "k3"), "rl.kl_estimator")
+    for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
+                  "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",
+                  "rl.num_minibatches", "rl.num_micro_batches", "optim.learning_rate",
+                  "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
+                  "rollout.invariant_scaling", "eval.k", "reward.timeout_s",
+                  "mesh.data", "mesh.fsdp", "mesh.tensor"):
+        section, name = field.split(".")
+        _positive(c[section][name], field)
+    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.weight_decay",
+                  "optim.grad_clip", "optim.warmup_steps", "sft.steps", "train.eval_every"):
+        section, name = field.split(".")
+        _positive(c[section][name], field, strict=False)
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        raise ValueError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
+    for t in c.rollout.invariant_scaling_targets:
+        _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
+    batch = c.data.prompts_per_step * c.rollout.n
+    if batch % c.rl.num_minibatches:
+        raise ValueError(f"config.rl.num_minibatches={c.rl.num_minibatches} does not divide the "
+                         f"rollout batch data.prompts_per_step * rollout.n = {batch}")
+    if (batch // c.rl.num_minibatches) % c.rl.num_micro_batches:
+        raise ValueError(f"config.rl.num_micro_batches={c.rl.num_micro_batches} does not divide "
+                         f"the minibatch size {batch // c.rl.num_minibatches}")
+    return c

@@ -1,0 +1,212 @@
+"""The full-precision learner: log-prob recomputation and the policy update, jitted with shardings.
+
+Both functions are compiled once with explicit `NamedSharding`s over the `('data', 'fsdp', 'tensor')`
+mesh: parameters and optimizer state follow the logical-axis rules of `qurl_jax.sharding`, batch
+arrays are split over `data x fsdp` on their leading axis. Parameters and optimizer state are
+donated to the update, so the step runs in place.
+
+Sequences are laid out as `[prompt (left-padded to P) | response (G slots)]`; the log-prob of
+response token t comes from the logits at position P - 1 + t. The policy being optimised is the
+tempered one the sampler drew from (logits / temperature), so behaviour, proximal and current
+log-probs are all on the same distribution.
+
+The update accumulates gradients over `num_micro_batches` slices of the batch with `lax.scan`
+(the loss of each micro-batch is averaged), clips the global norm, and applies AdamW. A non-finite
+loss or gradient leaves parameters and optimizer state unchanged and is reported in the metrics
+(`update/skipped`), so the trainer can count bad steps without losing the last good state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from qurl_jax import sharding as shd
+from qurl_jax.models import ModelConfig, Transformer, param_logical_axes
+from qurl_jax.rl.objectives import ObjectiveConfig, policy_loss
+
+Batch = dict[str, jax.Array]
+
+# Keys of a learner batch; all have the global batch as leading axis.
+#   tokens i32[B, P+G], positions i32[B, P+G], attn_mask bool[B, P+G] (real tokens),
+#   resp_mask f32[B, G] (tokens in the loss), logp_behav / logp_prox / logp_ref f32[B, G],
+#   advantages f32[B].
+BATCH_KEYS = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
+              "logp_ref", "advantages")
+
+
+def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positions: jax.Array,
+                      attn_mask: jax.Array, response_len: int, temperature: float,
+                      with_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """f32[B, G] log-probs of the response tokens (and f32[B, G] entropies if asked)."""
+    logits, _ = model.apply({"params": params}, tokens, positions, attn_mask)
+    logits = logits[:, -response_len - 1:-1] / temperature
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    targets = tokens[:, -response_len:]
+    logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1) if with_entropy else None
+    return logp, entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping and a linear warm-up into a cosine or constant schedule."""
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    decay_steps: int = 0  # cosine decay length after warm-up; 0 = constant
+    end_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    if cfg.learning_rate <= 0:
+        raise ValueError(f"optim.learning_rate must be > 0, got {cfg.learning_rate}")
+    if cfg.decay_steps > 0:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0 if cfg.warmup_steps else cfg.learning_rate, cfg.learning_rate,
+            max(cfg.warmup_steps, 0), cfg.warmup_steps + cfg.decay_steps,
+            cfg.learning_rate * cfg.end_lr_ratio)
+    elif cfg.warmup_steps > 0:
+        schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+    else:
+        schedule = optax.constant_schedule(cfg.learning_rate)
+    chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    chain.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay))
+    return optax.chain(*chain)
+
+
+class Learner:
+    """Holds the jitted, sharded `logprobs` and `update` functions for one model and mesh."""
+
+    def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
+                 mesh: Mesh, *, temperature: float = 1.0, num_micro_batches: int = 1) -> None:
+        objective.validate()
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+        self.model_config = model_config
+        self.model = Transformer(model_config)
+        self.objective = objective
+        self.mesh = mesh
+        self.temperature = float(temperature)
+        self.num_micro_batches = num_micro_batches
+        self.tx = make_optimizer(optim)
+        self._logical = param_logical_axes(model_config)
+        self._update_fns: dict[Any, Callable] = {}
+        self._logprob_fns: dict[Any, Callable] = {}
+
+    # ----------------------------------------------------------------------------------- placement
+    def param_shardings(self, params: Any) -> Any:
+        return shd.logical_shardings(self._logical, params, self.mesh)
+
+    def shard_params(self, params: Any) -> Any:
+        return jax.device_put(params, self.param_shardings(params))
+
+    def init_opt_state(self, params: Any) -> Any:
+        """Optimizer state placed like the parameters (moments share their shardings)."""
+        shardings = self.param_shardings(params)
+        return jax.jit(self.tx.init, in_shardings=(shardings,))(params)
+
+    def shard_batch(self, batch: Batch) -> Batch:
+        return {k: jax.device_put(v, shd.batch_sharding(self.mesh, v.ndim))
+                for k, v in batch.items()}
+
+    def _batch_shardings(self, batch: Batch) -> dict[str, NamedSharding]:
+        return {k: shd.batch_sharding(self.mesh, v.ndim) for k, v in batch.items()}
+
+    # ---------------------------------------------------------------------------------- log-probs
+    def logprobs(self, params: Any, batch: Batch) -> jax.Array:
+        """f32[B, G] response log-probs under `params` (the proximal or reference policy)."""
+        response_len = batch["resp_mask"].shape[1]
+        key = (response_len, jax.tree.structure(batch))
+        if key not in self._logprob_fns:
+            fn = functools.partial(self._logprobs, response_len=response_len)
+            repl = NamedSharding(self.mesh, PartitionSpec())
+            self._logprob_fns[key] = jax.jit(
+                fn, in_shardings=(self.param_shardings(params), self._batch_shardings(batch)),
+                out_shardings=shd.batch_sharding(self.mesh, 2) if self.mesh.size > 1 else repl)
+        return self._logprob_fns[key](params, batch)
+
+    def _logprobs(self, params: Any, batch: Batch, response_len: int) -> jax.Array:
+        logp, _ = response_logprobs(self.model, params, batch["tokens"], batch["positions"],
+                                    batch["attn_mask"], response_len, self.temperature)
+        return logp
+
+    # ------------------------------------------------------------------------------------- update
+    def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The objective on one (micro-)batch; differentiable in `params`."""
+        response_len = batch["resp_mask"].shape[1]
+        need_entropy = self.objective.entropy_coef != 0.0
+        logp, entropy = response_logprobs(self.model, params, batch["tokens"],
+                                          batch["positions"], batch["attn_mask"], response_len,
+                                          self.temperature, with_entropy=need_entropy)
+        return policy_loss(
+            logp, batch["logp_prox"], batch["logp_behav"], batch["advantages"],
+            batch["resp_mask"], self.objective,
+            logp_ref=batch.get("logp_ref") if self.objective.kl_coef else None,
+            entropy=entropy,
+        )
+
+    def update(self, params: Any, opt_state: Any, batch: Batch
+               ) -> tuple[Any, Any, dict[str, jax.Array]]:
+        """One optimizer step on `batch` (gradients accumulated over micro-batches).
+
+        Donates `params` and `opt_state`; returns the new ones and scalar metrics.
+        """
+        key = (jax.tree.structure(batch), tuple((k, v.shape) for k, v in sorted(batch.items())))
+        if key not in self._update_fns:
+            p_sh = self.param_shardings(params)
+            o_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+            b_sh = self._batch_shardings(batch)
+            repl = NamedSharding(self.mesh, PartitionSpec())
+            self._update_fns[key] = jax.jit(
+                self._update, in_shardings=(p_sh, o_sh, b_sh),
+                out_shardings=(p_sh, o_sh, repl), donate_argnums=(0, 1))
+        return self._update_fns[key](params, opt_state, batch)
+
+    def _update(self, params: Any, opt_state: Any, batch: Batch):
+        n = self.num_micro_batches
+        b = batch["tokens"].shape[0]
+        if b % n:
+            raise ValueError(f"batch size {b} is not divisible by num_micro_batches={n}")
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        if n == 1:
+            (loss, metrics), grads = grad_fn(params, batch)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
+
+            def body(acc, mb):
+                (loss_i, metrics_i), g_i = grad_fn(params, mb)
+                acc = jax.tree.map(jnp.add, acc, (loss_i, metrics_i, g_i))
+                return acc, None
+
+            zero_metrics = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(
+                lambda x: x[0], micro))[0][1])
+            init = (jnp.zeros((), jnp.float32),
+                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics),
+                    jax.tree.map(jnp.zeros_like, params))
+            (loss, metrics, grads), _ = jax.lax.scan(body, init, micro)
+            loss, metrics, grads = jax.tree.map(lambda x: x / n, (loss, metrics, grads))
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        new_params = jax.tree.map(keep, new_params, params)
+        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        metrics = dict(metrics)
+        metrics.update({"update/loss": loss, "update/grad_norm": grad_norm,
+                        "update/skipped": 1.0 - ok.astype(jnp.float32)})
+        return new_params, new_opt_state, metrics

@@ -1,0 +1,40 @@
+"""Command-line entry point: `python -m qurl_jax.main --config=configs/arith_tiny.py --workdir=...`.
+
+Flags are parsed by absl with `ml_collections.config_flags`, so any field can be overridden
+(`--config.rl.loss_mode=tis --config.rollout.precision=fp8`). Unknown or ill-typed overrides are
+rejected while parsing, and `qurl_jax.config.validate` checks values, all before JAX compiles
+anything. A workdir that already holds a checkpoint resumes from it.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+_EXPORT_HF = flags.DEFINE_string(
+    "export_hf", None, "Export the final policy to this directory in Hugging Face format.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from qurl_jax.config import validate
+
+    config = validate(_CONFIG.value)
+    if _EXPORT_HF.value:
+        config.unlock()
+        config.train.export_hf = _EXPORT_HF.value
+        config.lock()
+    from qurl_jax.trainer import Trainer
+
+    trainer = Trainer(config, _WORKDIR.value)
+    summary = trainer.train()
+    logging.info("finished: %s", summary)
+
+
+if __name__ == "__main__":
+    app.run(main)

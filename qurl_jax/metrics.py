@@ -1,0 +1,87 @@
+"""Metric logging: one JSON line per step in `<workdir>/metrics.jsonl` plus TensorBoard event files.
+
+Values are converted to Python floats on the host once per step (one device-to-host transfer of the
+whole metrics dict), never inside jitted code. `PhaseTimer` measures the wall time of the RL step's
+phases (requantize, rollout, reward, logp recompute, update) with `block_until_ready` at the phase
+boundary, so asynchronous dispatch does not move time from one phase into the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Fetches a flat dict of scalars to the host as Python floats."""
+    host = jax.device_get(dict(metrics))
+    return {k: float(np.asarray(v)) for k, v in host.items()}
+
+
+class MetricWriter:
+    """Appends step metrics to metrics.jsonl and (optionally) TensorBoard."""
+
+    def __init__(self, workdir: str, *, tensorboard: bool = True) -> None:
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": step}
+        for k, v in metrics.items():
+            row[k] = v if math.isfinite(v) else str(v)
+        self._file.write(json.dumps(row, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """The rows of `<workdir>/metrics.jsonl` (for tests and summaries)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class PhaseTimer:
+    """Accumulates seconds per named phase: `with timer.phase('rollout'): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self, prefix: str = "time/") -> dict[str, float]:
+        total = sum(self.seconds.values())
+        out = {f"{prefix}{k}_s": v for k, v in self.seconds.items()}
+        out[f"{prefix}step_s"] = total
+        return out
