@@ -1,0 +1,122 @@
+"""Block-scaled quantized tensors and the AQT quantizers that produce them.
+
+A `QuantizedTensor` stores a 2-D kernel as low-precision codes (int8 or float8_e4m3fn) in the
+kernel's own layout plus one float32 scale per block, so that `kernel ~= codes * scale`. One layout
+covers every granularity the recipes use: per output channel is a block of (all input rows x 1
+column), DeepSeek-V3 / Jet-RL weight blocks are 128x128. The rounding itself is AQT's: an
+`AbsMaxCalibration` scale (max |x| of the block / largest code) and AQT's `IntSymmetric` (round to
+nearest even, clip to +-127) or `Fp8Numerics` (clip to +-448, round to nearest E4M3) numerics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from aqt.jax.v2 import aqt_quantizer, aqt_tensor
+
+from qurl_jax.quant._recipes import QuantFormat
+
+
+def aqt_quantizer_for(fmt: QuantFormat) -> aqt_quantizer.Quantizer:
+    """AQT quantizer for `fmt` with abs-max calibration.
+
+    int8 uses `preserve_max_val=True`, i.e. scale = max|x| / 127 and codes in [-127, 127] (AQT's
+    default maps max|x| to 127.5 and clips, which loses the largest value of every channel).
+    """
+    return aqt_quantizer.quantizer_make(fmt.value, preserve_max_val=True, scale_dtype=jnp.float32)
+
+
+def quantize_groups(x: jax.Array, fmt: QuantFormat,
+                    axes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """Quantizes x with one scale per slice over `axes`.
+
+    Returns (codes of x.shape in fmt.dtype, f32 scales of x.shape with `axes` reduced to 1).
+    """
+    qt, _ = aqt_quantizer_for(fmt).quant(x.astype(jnp.float32), calibration_axes=list(axes))
+    return qt.qvalue, qt.scale[0]
+
+
+@flax.struct.dataclass
+class QuantizedTensor:
+    """A frozen low-precision kernel for the rollout model.
+
+    qvalue: int8 | float8_e4m3fn[R, C]  codes in the float kernel's layout ([in, out] for linears).
+    scale: f32[ceil(R / block[0]), ceil(C / block[1])]  one per block; kernel ~= qvalue * scale.
+    block:  (rows, cols) of a scale block, already shrunk to the kernel's shape (static).
+    act_format: format the activations are quantized to before the product; None = weight-only
+      (static).
+    """
+
+    qvalue: jax.Array
+    scale: jax.Array
+    block: tuple[int, int] = flax.struct.field(pytree_node=False)
+    act_format: QuantFormat | None = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.qvalue.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.qvalue.ndim
+
+    @property
+    def format(self) -> QuantFormat:
+        return QuantFormat.INT8 if self.qvalue.dtype == jnp.int8 else QuantFormat.FP8_E4M3
+
+    @property
+    def nbytes(self) -> int:
+        return self.qvalue.size * self.qvalue.dtype.itemsize + self.scale.size * 4
+
+    def is_per_channel(self, contracting_axis: int) -> bool:
+        """True when one scale covers the whole contracting axis (one scale per output channel)."""
+        other = 1 - contracting_axis
+        full = self.block[contracting_axis] == self.shape[contracting_axis]
+        return full and self.block[other] == 1
+
+    def expanded_scale(self) -> jax.Array:
+        """f32[R, C]: every element's scale."""
+        s = jnp.repeat(jnp.repeat(self.scale, self.block[0], axis=0), self.block[1], axis=1)
+        return s[: self.shape[0], : self.shape[1]]
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        """[R, C] kernel reconstructed from the codes, in `dtype`."""
+        return (self.qvalue.astype(jnp.float32) * self.expanded_scale()).astype(dtype)
+
+    def to_aqt(self, contracting_axis: int = 0) -> aqt_tensor.QTensor:
+        """The same tensor as an AQT `QTensor` (per-channel only), for AQT's serving dot_general."""
+        if not self.is_per_channel(contracting_axis):
+            raise ValueError(
+                f"QuantizedTensor with block {self.block} and shape {self.shape} is not "
+                f"per-channel along contracting axis {contracting_axis}; AQT's QTensor needs one "
+                f"scale per channel"
+            )
+        return aqt_tensor.QTensor(
+            qvalue=self.qvalue, scale=[self.scale], scale_t=None, bias=[],
+            dequant_dtype=jnp.float32,
+        )
+
+
+def quantize_kernel(w: jax.Array, fmt: QuantFormat, block: tuple[int, int],
+                    act_format: QuantFormat | None) -> QuantizedTensor:
+    """Quantizes a 2-D kernel w[R, C] with one scale per (block[0] x block[1]) block.
+
+    Blocks larger than the kernel shrink to it; ragged edges are padded with zeros, which changes
+    neither a block's max |w| nor any product.
+    """
+    if w.ndim != 2:
+        raise ValueError(f"quantize_kernel: kernel must be 2-D, got shape {w.shape}")
+    r, c = w.shape
+    br, bc = min(block[0], r), min(block[1], c)
+    nr, nc = math.ceil(r / br), math.ceil(c / bc)
+    x = w.astype(jnp.float32)
+    if (nr * br, nc * bc) != (r, c):
+        x = jnp.pad(x, ((0, nr * br - r), (0, nc * bc - c)))
+    codes, scale = quantize_groups(x.reshape(nr, br, nc, bc), fmt, (1, 3))
+    codes = codes.reshape(nr * br, nc * bc)[:r, :c]
+    return QuantizedTensor(codes, scale.reshape(nr, nc), (br, bc), act_format)
