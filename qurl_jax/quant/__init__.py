@@ -7,26 +7,32 @@ into frozen low-precision rollout parameters, and the rollout model runs them th
 before training; `update_capture` and `quantization_error` are the per-step diagnostics.
 """
 
-# Recipes
-from qurl_jax.quant._dot_general import make_dot_general, rollout_dot_general
-
-# Quantized tensors and the rollout hook
+from qurl_jax.quant._diagnostics import quantization_error, quantization_step, update_capture
+from qurl_jax.quant._dot_general import aqt_serving_config, make_dot_general, rollout_dot_general
+from qurl_jax.quant._invariant_scaling import invariant_scaling
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel
 from qurl_jax.quant._recipes import LINEAR_LAYERS, RECIPES, QuantFormat, Recipe, get_recipe
-
-# Requantization
 from qurl_jax.quant._requantize import quantized_kernel_paths, requantize
 
 __all__ = [
+    # Recipes
     "LINEAR_LAYERS",
     "RECIPES",
     "QuantFormat",
-    "QuantizedTensor",
     "Recipe",
     "get_recipe",
+    # Quantized kernels and the rollout hook
+    "QuantizedTensor",
+    "aqt_serving_config",
     "make_dot_general",
     "quantize_kernel",
+    "rollout_dot_general",
+    # Per-step requantization and QuRL's invariant scaling
+    "invariant_scaling",
     "quantized_kernel_paths",
     "requantize",
-    "rollout_dot_general",
+    # Diagnostics
+    "quantization_error",
+    "quantization_step",
+    "update_capture",
 ]
