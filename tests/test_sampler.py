@@ -1,0 +1,385 @@
+"""Tests for qurl_jax.sampling: parity with transformers greedy decoding, exact log-probs, sampling
+statistics, truncation, early exit, reproducibility, sharding and input validation.
+
+Expected values come from independent computations: transformers' `generate`, a plain full-sequence
+forward pass of our model (the learner's view) and numpy softmax / sorting, never from the sampler.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import transformers
+
+from qurl_jax.models import ModelConfig, Transformer, init_params, param_logical_axes
+from qurl_jax.models.hf import params_to_hf_state_dict
+from qurl_jax.sampling import FinishReason, Sampler, SamplingMode, generate, sample_tokens
+from qurl_jax.sharding import make_mesh, shard_params
+
+STORIES = "/work/shared/models/stories260K/stories260K.bin"
+
+TINY = {
+    "qwen2": ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         attention_bias=True, tie_word_embeddings=True, rope_theta=1e6),
+    "llama": ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
+}
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [12], [200, 201, 202, 9]]
+
+
+def _peaked_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Random params with weights 5x the default init, so next-token distributions are peaked and
+    greedy arg-maxes have margins far above float32 noise (the default init is near-uniform)."""
+    params = init_params(config, jax.random.key(seed))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 5.0, params
+    )
+
+
+def _hf_model(config: ModelConfig, params: dict) -> transformers.PreTrainedModel:
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_position_embeddings,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    if config.model_type == "qwen2":
+        hf_cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        hf_cfg = transformers.LlamaConfig(**common, attention_bias=config.attention_bias)
+        cls = transformers.LlamaForCausalLM
+    hf_cfg._attn_implementation = "eager"
+    model = cls(hf_cfg).eval()
+    state = {k: torch.from_numpy(v) for k, v in params_to_hf_state_dict(config, params).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
+def _hf_greedy(model: transformers.PreTrainedModel, prompts: list[list[int]], max_new: int
+               ) -> np.ndarray:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+            min_new_tokens=max_new, pad_token_id=0, eos_token_id=None,
+        )
+    return out[:, width:].numpy()
+
+
+def _reference_logits(config: ModelConfig, params: dict, out) -> np.ndarray:
+    """Learner-side logits f32[N, G, V] for each response position: one plain forward (no cache)
+    over the left-padded prompt + response."""
+    tokens, mask, positions = out.sequences()
+    logits, _ = Transformer(config).apply({"params": params}, tokens, positions, mask)
+    p_len = out.prompt_tokens.shape[1]
+    return np.asarray(logits[:, p_len - 1: -1], np.float64)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def qwen() -> tuple[ModelConfig, dict, Sampler]:
+    cfg = TINY["qwen2"]
+    return cfg, _peaked_params(cfg), Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Parity with transformers.
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_greedy_matches_transformers(family: str) -> None:
+    cfg = TINY[family]
+    params = _peaked_params(cfg, seed=1)
+    expected = _hf_greedy(_hf_model(cfg, params), PROMPTS, 12)
+    sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
+    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=12, greedy=True)
+    np.testing.assert_array_equal(np.asarray(out.tokens), expected)
+    assert np.asarray(out.mask).all()
+    np.testing.assert_array_equal(np.asarray(out.lengths), [12, 12, 12])
+    assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
+
+
+@pytest.mark.skipif(not os.path.exists(STORIES), reason="stories260K checkpoint not available")
+def test_greedy_matches_transformers_stories260k() -> None:
+    from qurl_jax.models.llama2c import load_llama2c
+
+    cfg, params = load_llama2c(STORIES)
+    prompts = [[1, 403, 407, 261, 378], [1, 78], [1, 306, 263, 365, 309, 296, 290, 263, 325]]
+    expected = _hf_greedy(_hf_model(cfg, params), prompts, 24)
+    sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=32)
+    out = sampler.sample(params, prompts, key=jax.random.key(0), max_new_tokens=24, greedy=True)
+    np.testing.assert_array_equal(np.asarray(out.tokens), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-probabilities.
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 12, 0.9)])
+def test_logp_matches_learner_recomputation(qwen, temperature: float, top_k: int, top_p: float
+                                            ) -> None:
+    cfg, params, sampler = qwen
+    out = sampler.sample(params, PROMPTS, key=jax.random.key(3), n=2, max_new_tokens=10,
+                         temperature=temperature, top_k=top_k, top_p=top_p)
+    mask = np.asarray(out.mask)
+    assert mask.all()
+    tokens = np.asarray(out.tokens)
+    ref = _log_softmax(_reference_logits(cfg, params, out) / temperature)  # [N, G, V]
+    ref_tok = np.take_along_axis(ref, tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logp_untruncated), ref_tok, atol=1e-4)
+    logp = np.asarray(out.logp)
+    if top_k == 0 and top_p == 1.0:
+        np.testing.assert_array_equal(logp, np.asarray(out.logp_untruncated))
+        return
+    # Truncated: logp = log(p_tok / mass of the kept set), the kept set computed here in numpy
+    # (top-k first, then the nucleus of the renormalised top-k distribution).
+    probs = np.exp(ref)
+    order = np.argsort(-probs, axis=-1)
+    sorted_p = np.take_along_axis(probs, order, axis=-1)[..., :top_k]
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdims=True)
+    above = np.cumsum(sorted_p, axis=-1) - sorted_p
+    kept_sorted = above < top_p
+    kept = np.zeros(probs.shape, bool)
+    np.put_along_axis(kept, order[..., :top_k], kept_sorted, axis=-1)
+    assert np.take_along_axis(kept, tokens[..., None], axis=-1).all(), "token outside kept set"
+    kept_mass = np.where(kept, probs, 0).sum(-1)
+    np.testing.assert_allclose(logp, ref_tok - np.log(kept_mass), atol=1e-4)
+    assert (logp >= np.asarray(out.logp_untruncated) - 1e-6).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling statistics.
+
+
+def _first_token_probs(cfg: ModelConfig, params: dict, prompt: list[int]) -> np.ndarray:
+    tokens = jnp.asarray([prompt], jnp.int32)
+    positions = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+    logits, _ = Transformer(cfg).apply({"params": params}, tokens, positions)
+    return np.exp(_log_softmax(np.asarray(logits[0, -1], np.float64)))
+
+
+def _chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square p-value, pooling cells with expected count < 5 into one cell."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(scipy.stats.chi2.sf(stat, len(obs) - 1))
+
+
+def test_first_token_distribution_matches_softmax() -> None:
+    # Default (unpeaked) init: a broad distribution over all 256 tokens.
+    cfg = TINY["llama"]
+    params = init_params(cfg, jax.random.key(2))
+    prompt = [5, 17, 99]
+    probs = _first_token_probs(cfg, params, prompt)
+    sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
+    rows = 4000
+    out = sampler.sample(params, [prompt], key=jax.random.key(0), n=rows, max_new_tokens=1)
+    counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=cfg.vocab_size)
+    assert _chi_square_pvalue(counts, probs) > 1e-3
+    tv = 0.5 * np.abs(counts / rows - probs).sum()
+    # E[TV] for 4000 draws over ~256 near-uniform cells is about 0.1; a biased sampler is far off.
+    assert tv < 0.14, tv
+    # The check has power: the same counts are rejected against a sharper distribution.
+    wrong = np.exp(_log_softmax(np.log(probs) / 0.5))
+    assert _chi_square_pvalue(counts, wrong) < 1e-6
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.6)])
+def test_truncated_first_token_distribution(qwen, top_k: int, top_p: float) -> None:
+    cfg, params, sampler = qwen
+    prompt = [12]
+    probs = _first_token_probs(cfg, params, prompt)
+    order = np.argsort(-probs)
+    if top_k:
+        kept = order[:top_k]
+    else:
+        above = np.cumsum(probs[order]) - probs[order]
+        kept = order[above < top_p]
+    assert 1 < len(kept) < cfg.vocab_size
+    rows = 4000
+    out = sampler.sample(params, [prompt], key=jax.random.key(5), n=rows, max_new_tokens=1,
+                         top_k=top_k, top_p=top_p)
+    first = np.asarray(out.tokens[:, 0])
+    assert np.isin(first, kept).all()
+    renorm = np.zeros_like(probs)
+    renorm[kept] = probs[kept] / probs[kept].sum()
+    counts = np.bincount(first, minlength=cfg.vocab_size)
+    assert _chi_square_pvalue(counts[kept], renorm[kept]) > 1e-3
+    np.testing.assert_allclose(np.asarray(out.logp[:, 0]), np.log(renorm[first]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.logp_untruncated[:, 0]), np.log(probs[first]),
+                               atol=1e-4)
+
+
+def test_sample_tokens_never_leaves_kept_set() -> None:
+    # Pure step function on hand-made logits: kept sets are known by construction.
+    logits = jnp.asarray(np.tile(np.log([0.4, 0.3, 0.2, 0.05, 0.05]), (2000, 1)), jnp.float32)
+    key = jax.random.key(7)
+    tok, logp, logp_full = sample_tokens(logits, key, 1.0, 1.0, SamplingMode(top_k=2))
+    assert set(np.unique(np.asarray(tok))) == {0, 1}
+    np.testing.assert_allclose(np.asarray(logp), np.log(np.where(tok == 0, 4 / 7, 3 / 7)),
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(logp_full), np.log(np.where(tok == 0, 0.4, 0.3)),
+                               rtol=1e-5)
+    # Nucleus 0.75: 0.4 + 0.3 = 0.7 < 0.75, so token 2 is needed too; tokens 3 and 4 never appear.
+    tok, logp, _ = sample_tokens(logits, key, 1.0, 0.75, SamplingMode(top_p=True))
+    assert set(np.unique(np.asarray(tok))) == {0, 1, 2}
+    np.testing.assert_allclose(np.asarray(logp)[np.asarray(tok) == 2], np.log(0.2 / 0.9),
+                               rtol=1e-5)
+    tok, _, _ = sample_tokens(logits, key, 1.0, 1.0, SamplingMode(greedy=True))
+    assert (np.asarray(tok) == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Loop control, reproducibility, bucketing.
+
+
+def test_early_exit_and_eos_handling(qwen) -> None:
+    cfg, params, sampler = qwen
+    free = np.asarray(sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=16,
+                                     greedy=True).tokens)
+    # EOS ids chosen from tokens the rows produce early; the steps needed follow from `free`.
+    eos = {int(free[0, 2]), int(free[1, 4]), int(free[2, 3])}
+    is_eos = np.isin(free, list(eos))
+    first = np.where(is_eos.any(1), is_eos.argmax(1) + 1, 16)
+    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=16, greedy=True,
+                         eos_ids=tuple(eos))
+    assert int(out.num_steps) == first.max() < 16
+    np.testing.assert_array_equal(np.asarray(out.lengths), first)
+    cols = np.arange(16)[None, :]
+    np.testing.assert_array_equal(np.asarray(out.mask), cols < first[:, None])
+    np.testing.assert_array_equal(np.asarray(out.tokens),
+                                  np.where(cols < first[:, None], free, sampler.pad_id))
+    assert (np.asarray(out.finish_reason) == FinishReason.EOS).all()
+    assert (np.asarray(out.logp)[~np.asarray(out.mask)] == 0).all()
+    # Without EOS every row runs to the limit.
+    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=5, greedy=True)
+    assert int(out.num_steps) == 5
+    assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
+
+
+def test_reproducible_and_key_dependent(qwen) -> None:
+    cfg, params, sampler = qwen
+    kw = dict(n=3, max_new_tokens=8, temperature=1.0)
+    a = sampler.sample(params, PROMPTS, key=jax.random.key(11), **kw)
+    b = sampler.sample(params, PROMPTS, key=jax.random.key(11), **kw)
+    c = sampler.sample(params, PROMPTS, key=jax.random.key(12), **kw)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.logp), np.asarray(b.logp))
+    assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
+    # n samples per prompt: prompt-major rows, each carrying its own prompt.
+    pm = np.asarray(a.prompt_mask)
+    np.testing.assert_array_equal(pm.sum(1), np.repeat([len(p) for p in PROMPTS], 3))
+    np.testing.assert_array_equal(np.asarray(a.prompt_tokens)[5, pm[5]], PROMPTS[1])
+
+
+def test_buckets_limit_compilations() -> None:
+    cfg = TINY["llama"]
+    params = init_params(cfg, jax.random.key(0))
+    sampler = Sampler(cfg, prompt_buckets=(8, 32), gen_buckets=(4, 8))
+    kw = dict(key=jax.random.key(0), greedy=True)
+    sampler.sample(params, [[1, 2, 3]], max_new_tokens=3, **kw)
+    sampler.sample(params, [[1, 2, 3, 4, 5, 6, 7, 8]], max_new_tokens=4, **kw)
+    assert sampler.num_programs == 1
+    out = sampler.sample(params, [[1] * 9], max_new_tokens=4, **kw)
+    assert sampler.num_programs == 2
+    assert out.prompt_tokens.shape == (1, 32) and out.tokens.shape == (1, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharding, text interface, bad input.
+
+
+def test_sharded_greedy_matches_single_device(qwen) -> None:
+    cfg, params, sampler = qwen
+    expected = sampler.sample(params, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=10,
+                              greedy=True)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = shard_params(params, param_logical_axes(cfg), mesh)
+    sharded_sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh)
+    out = sharded_sampler.sample(sharded, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=10,
+                                 greedy=True)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
+    np.testing.assert_allclose(np.asarray(out.logp), np.asarray(expected.logp), atol=1e-5)
+    assert out.tokens.shape == (6, 10)
+
+
+def _word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<eos>", "<user>", "<assistant>"] + [f"w{i}" for i in range(252)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                              eos_token="<eos>")
+    hf.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    return hf
+
+
+def test_generate_text_roundtrip(qwen) -> None:
+    cfg, params, sampler = qwen
+    tokenizer = _word_tokenizer()
+    texts = ["w5 w17 w99", "w12"]
+    got = generate(sampler, params, texts, tokenizer, key=jax.random.key(0), max_new_tokens=6,
+                   greedy=True, eos_ids=())
+    out = sampler.sample(params, [[9, 21, 103], [16]], key=jax.random.key(0), max_new_tokens=6,
+                         greedy=True)
+    expected = [" ".join(f"w{t - 4}" if t >= 4 else "<pad>" for t in row)
+                for row in np.asarray(out.tokens)]
+    assert [g.replace("<pad>", "").split() for g in got] == [
+        e.replace("<pad>", "").split() for e in expected]
+    chat = generate(sampler, params, ["w5"], tokenizer, key=jax.random.key(0), max_new_tokens=4,
+                    greedy=True, chat_template=True)
+    out = sampler.sample(params, [[2, 9, 3]], key=jax.random.key(0), max_new_tokens=4,
+                         greedy=True, eos_ids=(1,))
+    assert chat == [tokenizer.decode(np.asarray(out.tokens[0, : int(out.lengths[0])]).tolist(),
+                                     skip_special_tokens=True)]
+
+
+@pytest.mark.parametrize(
+    "prompts,kwargs,match",
+    [
+        ([[1, 2], []], {}, r"prompts\[1\] is empty"),
+        ([[1] * 17], {}, r"prompts\[0\] has 17 tokens"),
+        ([[1, 2]], {"n": 0}, r"n=0"),
+        ([], {}, "prompts is empty"),
+        ([[1, 2]], {"max_new_tokens": 17}, "max_new_tokens=17"),
+        ([[1, 300]], {}, r"prompts\[0\] has token ids outside"),
+        ([[1, 2]], {"temperature": 0.0}, "temperature=0.0"),
+        ([[1, 2]], {"top_p": 0.0}, "top_p=0.0"),
+    ],
+)
+def test_bad_input_raises(qwen, prompts, kwargs, match) -> None:
+    cfg, params, sampler = qwen
+    kw = {"key": jax.random.key(0), "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        sampler.sample(params, prompts, **kw)
