@@ -13,13 +13,16 @@ raises a ValueError naming the tensor (and its file); nothing is silently initia
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 
-from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 
 Params = dict[str, Any]
 
@@ -160,3 +163,265 @@ def params_to_hf_state_dict(config: ModelConfig, params: Params, dtype: Any = No
             )
         out[en.hf_name] = np.ascontiguousarray(array if dtype is None else array.astype(dtype))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+# ----------------------------------------------------------------------------------------------
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# transformers' defaults for fields a config.json may omit (the values its config classes use).
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5.x `rope_parameters` or older `rope_theta` +
+    `rope_scaling` (whose type key may be the legacy `type`)."""
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = dict(params) if params else dict(hf.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    kwargs = {k: scaling[k] for k in _ROPE_FIELDS if k in scaling}
+    if rope_type == "llama3":
+        missing = [k for k in _ROPE_FIELDS if k not in scaling]
+        if missing:
+            raise ValueError(f"config.json: llama3 rope scaling lacks field(s) {missing}")
+    elif rope_type == "linear" and "factor" not in scaling:
+        raise ValueError("config.json: linear rope scaling lacks field 'factor'")
+    return float(theta), RopeScaling(rope_type=rope_type, **kwargs)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """Hugging Face `config.json` dict -> validated ModelConfig.
+
+    Raises:
+      ValueError naming an unsupported `model_type` (with the supported list), a missing required
+      field, or a feature this model does not implement (o_proj/MLP biases, sliding-window attention
+      in Qwen, non-SiLU activations, RoPE types other than default/linear/llama3).
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"config.json: model_type={model_type!r} is not supported; supported: "
+            f"{list(SUPPORTED_MODEL_TYPES)}"
+        )
+    for field in _REQUIRED_FIELDS:
+        if hf.get(field) is None:
+            raise ValueError(f"config.json ({model_type}): missing required field {field!r}")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json: mlp_bias=true is not supported")
+    if model_type == "qwen2":
+        # Qwen2 always has q/k/v biases (its config has no switch) and never an o_proj bias.
+        attention_bias = True
+    elif hf.get("attention_bias"):
+        raise ValueError(
+            f"config.json: attention_bias=true for {model_type} also puts a bias on o_proj, which "
+            "is not supported (only Qwen2-style q/k/v biases are)"
+        )
+    else:
+        attention_bias = False
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=true is not supported")
+    heads = int(hf["num_attention_heads"])
+    default_head_dim = 128 if model_type == "qwen3" else int(hf["hidden_size"]) // heads
+    theta, scaling = _rope_from_hf(hf)
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or default_head_dim),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(hf.get("max_position_embeddings")
+                                    or _DEFAULT_MAX_POSITIONS[model_type]),
+    ).validate()
+
+
+def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """ModelConfig -> `config.json` dict that transformers 5.x (`rope_parameters`) and 4.x
+    (`rope_theta` + `rope_scaling`) both read.
+
+    Raises:
+      ValueError when the combination has no Hugging Face equivalent (Qwen2 without q/k/v biases,
+      biases or q/k norm outside Qwen2/Qwen3).
+    """
+    config.validate()
+    mt = config.model_type
+    if config.attention_bias != (mt == "qwen2"):
+        raise ValueError(
+            f"attention_bias={config.attention_bias} has no Hugging Face {mt} equivalent "
+            "(q/k/v biases exist exactly in qwen2)")
+    if config.qk_norm != (mt == "qwen3"):
+        raise ValueError(
+            f"qk_norm={config.qk_norm} has no Hugging Face {mt} equivalent (q/k norm exists "
+            "exactly in qwen3)")
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if config.rope_scaling is not None and config.rope_scaling.rope_type != "default":
+        rs = config.rope_scaling
+        rope = {"rope_type": rs.rope_type, "factor": rs.factor}
+        if rs.rope_type == "llama3":
+            rope.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                        original_max_position_embeddings=rs.original_max_position_embeddings)
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[mt]],
+        "model_type": mt,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else dict(rope),
+        "rope_parameters": {**rope, "rope_theta": config.rope_theta},
+        "dtype": torch_dtype,
+        "torch_dtype": torch_dtype,
+        "use_cache": True,
+    }
+    if mt in ("llama", "mistral", "qwen3"):
+        hf.update(attention_bias=False)
+    if mt == "llama":
+        hf.update(mlp_bias=False)
+    if mt == "mistral":
+        hf.update(sliding_window=None)
+    if mt in ("qwen2", "qwen3"):
+        hf.update(use_sliding_window=False, sliding_window=None)
+    return hf
+
+
+# ----------------------------------------------------------------------------------------------
+# Directories: config.json + *.safetensors
+# ----------------------------------------------------------------------------------------------
+
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError as err:
+        raise ValueError(f"{path} does not exist") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+
+
+def _safetensors_files(path: str) -> list[str]:
+    """Weight files of a checkpoint directory: the index's shards if present, else *.safetensors."""
+    index_path = os.path.join(path, _INDEX_FILE)
+    if os.path.exists(index_path):
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.exists(os.path.join(path, name)):
+                raise ValueError(f"{index_path} lists shard {name!r}, which is not in {path}")
+        return files
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files (only safetensors checkpoints are read)")
+    return files
+
+
+def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of a checkpoint directory as numpy (bf16 as ml_dtypes.bfloat16), without torch.
+
+    Returns:
+      (name -> array, name -> file name). Raises ValueError naming a tensor stored in two files.
+    """
+    path = os.fspath(path)
+    tensors: dict[str, np.ndarray] = {}
+    sources: dict[str, str] = {}
+    for name in _safetensors_files(path):
+        for key, array in safetensors.numpy.load_file(os.path.join(path, name)).items():
+            if key in tensors:
+                raise ValueError(f"tensor {key!r} is stored twice: in {sources[key]} and {name}")
+            tensors[key] = array
+            sources[key] = name
+    return tensors, sources
+
+
+def load_hf(path: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[ModelConfig, Params]:
+    """Reads a Hugging Face checkpoint directory -> (ModelConfig, params in `dtype`).
+
+    Reads `config.json` and the safetensors weights (a single file or shards listed in
+    `model.safetensors.index.json`), stored in bfloat16, float16 or float32. Never imports torch.
+    The returned config has `param_dtype` = `dtype`; its compute dtype stays float32 (set
+    `config.replace(dtype='bfloat16')` for accelerators).
+
+    Raises:
+      ValueError naming the missing/unexpected/mis-shaped tensor and its file, the unsupported
+      model_type, or the missing config field.
+    """
+    path = os.fspath(path)
+    config = config_from_hf(_read_json(os.path.join(path, "config.json")))
+    config = config.replace(param_dtype=jnp.dtype(dtype).name)
+    tensors, sources = read_safetensors_dir(path)
+    try:
+        params = params_from_hf_state_dict(config, tensors, dtype, sources=sources)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+    return config, params
+
+
+def save_hf(path: str | os.PathLike, config: ModelConfig, params: Params, tokenizer: Any = None,
+            dtype: Any = None) -> None:
+    """Writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    Files: `config.json`, `generation_config.json`, `model.safetensors` (one file, tensors in
+    `dtype`, default float32) and, when a tokenizer is given, its files (`save_pretrained`).
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    np_dtype = np.dtype(jnp.dtype(jnp.float32 if dtype is None else dtype))
+    tensors = params_to_hf_state_dict(config, params, np_dtype)
+    hf = config_to_hf(config, torch_dtype=np_dtype.name)
+    generation: dict[str, Any] = {}
+    if tokenizer is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(tokenizer, key, None)
+            if value is not None:
+                hf[key] = generation[key] = value
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2, sort_keys=True)
+    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"),
+                                metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """`transformers.AutoTokenizer` from a local directory (never the network), chat template
+    included when the directory has one."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
