@@ -2,7 +2,8 @@
 
 DAPO: clip-higher (0.2 / 0.28), token-mean loss, dynamic sampling of all-equal groups, overlong
 reward shaping (L_max = max_new_tokens, buffer 4096), no KL; C = 5 as in FlashRL's 7B recipe.
-Point `model.path` at the local model and `data.train_files` at DAPO-Math-17k (parquet, verl layout);
+Point `model.path` at the local model and `data.train_files` at DAPO-Math-17k (parquet, verl
+layout);
 the MATH train split is the default so the config validates from a fresh checkout.
 Evaluation: AIME 2024 Avg@32.
 """

@@ -1,5 +1,5 @@
-"""qurl_jax: reinforcement learning with verifiable rewards for LLMs in JAX, with quantized (INT8/FP8)
-or KV-compressed rollouts corrected by decoupled PPO and QuRL's Adaptive Clipping Range.
+"""qurl_jax: reinforcement learning with verifiable rewards for LLMs in JAX, with quantized
+(INT8/FP8) or KV-compressed rollouts corrected by decoupled PPO and QuRL's Adaptive Clipping Range.
 
 Sub-packages, one per concern: `models` (Flax decoders and checkpoint formats), `quant` (AQT
 recipes, requantization, invariant scaling), `sampling` (jitted prefill/decode), `rl` (functional

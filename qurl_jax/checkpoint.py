@@ -20,7 +20,7 @@ from absl import logging
 
 
 class Checkpointer:
-    """Saves/restores `(state_pytree, meta_json)` every `interval` steps, keeping the last `keep`."""
+    """Saves/restores `(state pytree, meta json)` every `interval` steps; keeps the last `keep`."""
 
     def __init__(self, directory: str, *, interval: int = 1, keep: int = 3,
                  async_save: bool = False) -> None:

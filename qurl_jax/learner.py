@@ -1,9 +1,9 @@
-"""The full-precision learner: log-prob recomputation and the policy update, jitted with shardings.
+"""The full-precision learner: log-prob recomputation and the policy update, jitted and sharded.
 
-Both functions are compiled once with explicit `NamedSharding`s over the `('data', 'fsdp', 'tensor')`
-mesh: parameters and optimizer state follow the logical-axis rules of `qurl_jax.sharding`, batch
-arrays are split over `data x fsdp` on their leading axis. Parameters and optimizer state are
-donated to the update, so the step runs in place.
+Both functions are compiled once with explicit `NamedSharding`s over the mesh
+`(data, fsdp, tensor)`: parameters and optimizer state follow the logical-axis rules of
+`qurl_jax.sharding`, batch arrays are split over `data x fsdp` on their leading axis.
+Parameters and optimizer state are donated to the update, so the step runs in place.
 
 Sequences are laid out as `[prompt (left-padded to P) | response (G slots)]`; the log-prob of
 response token t comes from the logits at position P - 1 + t. The policy being optimised is the
@@ -117,7 +117,13 @@ class Learner:
     def init_opt_state(self, params: Any) -> Any:
         """Optimizer state placed like the parameters (moments share their shardings)."""
         shardings = self.param_shardings(params)
-        return jax.jit(self.tx.init, in_shardings=(shardings,))(params)
+        state = jax.jit(self.tx.init, in_shardings=(shardings,))(params)
+        # Scalars (step counts) come out without a mesh sharding; the update returns them replicated
+        # on the mesh, so place them that way now or the second update would recompile.
+        repl = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, repl),
+            state)
 
     def shard_batch(self, batch: Batch) -> Batch:
         return {k: jax.device_put(v, shd.batch_sharding(self.mesh, v.ndim))

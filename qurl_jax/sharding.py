@@ -90,7 +90,7 @@ def logical_to_mesh_spec(logical: PartitionSpec, shape: Sequence[int] | None, me
 
 def logical_shardings(logical_specs: Any, shapes: Any, mesh: Mesh,
                       rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES) -> Any:
-    """NamedShardings for a pytree of logical PartitionSpecs and a matching pytree of arrays/shapes."""
+    """NamedShardings for a pytree of logical PartitionSpecs and a matching pytree of arrays."""
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     return jax.tree.map(
         lambda spec, x: NamedSharding(mesh, logical_to_mesh_spec(spec, np.shape(x), mesh, rules)),

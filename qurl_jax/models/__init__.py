@@ -5,8 +5,8 @@ checkpoint readers/writers in `qurl_jax.models.hf` and `qurl_jax.models.llama2c`
 """
 
 from qurl_jax.models.config import ModelConfig, RopeScaling
-from qurl_jax.models.transformer import KVCache, Transformer
 from qurl_jax.models.params import init_params, param_logical_axes, token_logprobs
+from qurl_jax.models.transformer import KVCache, Transformer
 
 __all__ = [
     "KVCache",

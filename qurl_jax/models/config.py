@@ -1,10 +1,10 @@
 """Model configuration: one frozen dataclass drives every supported decoder family.
 
-Llama 1/2/3 (with llama3 RoPE scaling), Mistral-style grouped-query attention, Qwen2/Qwen2.5 (bias on
-the q/k/v projections) and Qwen3 (per-head RMSNorm on q and k) differ only in a handful of switches,
-so they share one implementation in `transformer.py`. `ModelConfig.validate` checks the fields before
-anything is built, so a bad checkpoint config fails with the name of the field, not with a shape error
-deep inside a jitted function.
+Llama 1/2/3 (with llama3 RoPE scaling), Mistral-style grouped-query attention, Qwen2/Qwen2.5
+(bias on the q/k/v projections) and Qwen3 (per-head RMSNorm on q and k) differ only in a handful of
+switches, so they share one implementation in `transformer.py`. `ModelConfig.validate` checks the
+fields before anything is built, so a bad checkpoint config fails with the name of the field, not
+with a shape error deep inside a jitted function.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `rope_type` 'llama3' uses the four llama3 fields; 'linear' uses factor."""
+    """RoPE frequency scaling: 'llama3' uses the four llama3 fields, 'linear' only `factor`."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -85,16 +85,18 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
-        if self.rope_scaling is not None and self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"ModelConfig.rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
+                f"ModelConfig.rope_scaling.rope_type={rs.rope_type!r} is not "
                 f"supported; expected one of {SUPPORTED_ROPE_TYPES}"
             )
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))
             except TypeError as e:
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not a dtype") from e
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r} is not a dtype") from e
         return self
 
     @property

@@ -7,8 +7,8 @@ kernel stored as [in_features, out_features]. Each parameter is declared with lo
 
 Every matrix product (q/k/v/o, gate/up/down and the LM head) goes through one injectable
 `dot_general(lhs, rhs, dimension_numbers)` hook with the signature of `jax.lax.dot_general`. The
-learner passes nothing (plain float matmuls); the rollout passes `qurl_jax.quant`'s hook together with
-parameters whose kernels have been replaced by quantized tensors. The model code never changes.
+learner passes nothing (plain float matmuls); the rollout passes `qurl_jax.quant`'s hook together
+with parameters whose kernels have been replaced by quantized tensors. The model code never changes.
 
 Attention takes explicit per-token positions and a validity mask, so prompts can be left-padded, and
 an optional `KVCache` for prefill/decode: new keys and values are written at slot `cache_index`
@@ -61,7 +61,7 @@ class KVCache:
 
 
 def _cast_float(x: Any, dtype: Any) -> Any:
-    """Casts float arrays to the compute dtype; quantized tensors (pytrees) pass through untouched."""
+    """Casts float arrays to the compute dtype; quantized tensors (pytrees) pass through."""
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
         return x.astype(dtype)
     return x
@@ -161,7 +161,7 @@ class Attention(nn.Module):
         cache_index: jax.Array | None,
         layer: int = 0,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """`cache` holds all layers' (k, v) f[L, B, S, Hkv, D]; this layer writes row `layer` in place."""
+        """`cache` holds all layers' (k, v) f[L, B, S, Hkv, D]; this layer writes row `layer`."""
         cfg = self.config
         b, t, _ = x.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -169,9 +169,10 @@ class Attention(nn.Module):
         lin = lambda n, f, axes, bias: Linear(  # noqa: E731
             f, axes, self.dot_general, dt, pdt, use_bias=bias, name=n
         )
-        q = lin("q_proj", h * d, ("embed", "heads"), cfg.attention_bias)(x).reshape(b, t, h, d)
-        k = lin("k_proj", hkv * d, ("embed", "kv_heads"), cfg.attention_bias)(x).reshape(b, t, hkv, d)
-        v = lin("v_proj", hkv * d, ("embed", "kv_heads"), cfg.attention_bias)(x).reshape(b, t, hkv, d)
+        bias = cfg.attention_bias
+        q = lin("q_proj", h * d, ("embed", "heads"), bias)(x).reshape(b, t, h, d)
+        k = lin("k_proj", hkv * d, ("embed", "kv_heads"), bias)(x).reshape(b, t, hkv, d)
+        v = lin("v_proj", hkv * d, ("embed", "kv_heads"), bias)(x).reshape(b, t, hkv, d)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(k)
