@@ -102,7 +102,7 @@ def _requantize(params: Params, recipe: Recipe, compute_dtype: Any,
     if compute_dtype is not None:
         flat = {p: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
                 for p, x in flat.items()}
-    targets = dict(shardings or ())
+    targets = {path: (codes, scale) for path, codes, scale in shardings or ()}
     for path, q in quantize_params(params, recipe):
         if path in targets:
             codes_sharding, scale_sharding = targets[path]
