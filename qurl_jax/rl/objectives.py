@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -107,6 +108,11 @@ class SparseBase(enum.StrEnum):
     ACR = "acr"
 
 
+def _real(x: object) -> bool:
+    """A real number (Python or numpy scalar), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 _ENUM_FIELDS = {
     "mode": Mode,
     "agg": Aggregation,
@@ -180,10 +186,10 @@ class ObjectiveConfig:
                 ) from None
         if self.sparse_mask_band is not None:
             band = self.sparse_mask_band
-            if not isinstance(band, tuple | list) or len(band) != 2:
+            if not isinstance(band, tuple | list) or len(band) != 2 or not all(map(_real, band)):
                 raise ValueError(
-                    "ObjectiveConfig.sparse_mask_band: expected None or a (lo, hi) pair, "
-                    f"got {band!r}"
+                    "ObjectiveConfig.sparse_mask_band: expected None or a (lo, hi) pair of "
+                    f"numbers, got {band!r}"
                 )
             object.__setattr__(self, "sparse_mask_band", (float(band[0]), float(band[1])))
         self.validate()
@@ -195,7 +201,7 @@ class ObjectiveConfig:
             raise ValueError(f"ObjectiveConfig.{field}: {message}, got {getattr(self, field)!r}")
 
         def finite(x: object) -> bool:
-            return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            return _real(x) and math.isfinite(x)
 
         for name, kind in _ENUM_FIELDS.items():
             if not isinstance(getattr(self, name), kind):
@@ -204,7 +210,7 @@ class ObjectiveConfig:
             fail("eps_low", "must be in [0, 1)")
         if not finite(self.eps_high) or self.eps_high < 0.0:
             fail("eps_high", "must be a finite number >= 0")
-        if not isinstance(self.cap, int | float) or math.isnan(self.cap) or self.cap <= 0.0:
+        if not _real(self.cap) or math.isnan(self.cap) or self.cap <= 0.0:
             fail("cap", "the truncation C must be > 0 (math.inf disables truncation)")
         norm_len = self.agg_norm_len
         if norm_len is not None and (not finite(norm_len) or norm_len <= 0):
@@ -219,15 +225,13 @@ class ObjectiveConfig:
             fail("logratio_clamp", "must be a finite number > 0")
         if not finite(self.mis_lo) or self.mis_lo < 0.0:
             fail("mis_lo", "must be a finite number >= 0")
-        if not isinstance(self.mis_hi, int | float) or math.isnan(self.mis_hi):
+        if not _real(self.mis_hi) or math.isnan(self.mis_hi):
             fail("mis_hi", "must be a number (math.inf allowed)")
         if self.mis_hi <= self.mis_lo:
             fail("mis_hi", f"must be > mis_lo = {self.mis_lo}")
         if self.veto_tau is not None and (not finite(self.veto_tau) or self.veto_tau < 0.0):
             fail("veto_tau", "must be None or a finite number >= 0")
-        if not isinstance(self.sparse_cap, int | float) or math.isnan(self.sparse_cap):
-            fail("sparse_cap", "must be a number > 0")
-        if self.sparse_cap <= 0.0:
+        if not _real(self.sparse_cap) or math.isnan(self.sparse_cap) or self.sparse_cap <= 0.0:
             fail("sparse_cap", "must be > 0 (math.inf disables truncation)")
         if self.sparse_mask_band is not None:
             lo, hi = self.sparse_mask_band
