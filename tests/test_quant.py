@@ -1,0 +1,534 @@
+"""qurl_jax.quant: recipes, requantization, the rollout hook, invariant scaling, diagnostics.
+
+Expected values come from independent NumPy emulations (int8: round half to even and clip with
+scale max|x|/127; FP8: ml_dtypes' own float8_e4m3fn conversion with scale max|x|/448) or from the
+issue's reference figures, never from the functions under test.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+from qurl_jax.bench import quant as bench
+from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.llama2c import load_llama2c
+from qurl_jax.models.params import init_params, param_logical_axes, token_logprobs
+from qurl_jax.models.transformer import KVCache, Transformer
+from qurl_jax.quant import (
+    QuantFormat,
+    QuantizedTensor,
+    get_recipe,
+    invariant_scaling,
+    quantization_error,
+    quantize_kernel,
+    requantize,
+    rollout_dot_general,
+    update_capture,
+)
+from qurl_jax.sharding import make_mesh, shard_params
+
+STORIES = pathlib.Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
+QUANT_RECIPES = ("int8", "int8_weight_only", "fp8", "fp8_block")
+LINEAR_DN = (((2,), (0,)), ((), ()))
+TIED_HEAD_DN = (((2,), (1,)), ((), ()))
+
+# The issue's bounds: 1.25x an independent NumPy emulation on stories260K (int8 W8A8 0.081 nats,
+# FP8 E4M3 W8A8 0.49, weight-only int8 0.034). fp8_block has no reference figure; on this model
+# (dim 64) its 128x128 weight blocks shrink to 64x128, i.e. one scale per 128 output channels,
+# coarser than per-channel fp8, so it gets a looser bound (still far from a broken model: ~4 nats).
+KL_BOUNDS = {"int8": 0.10, "int8_weight_only": 0.034 * 1.25, "fp8": 0.61, "fp8_block": 0.75}
+
+
+# ----------------------------------------------------------------------------- NumPy emulation
+
+
+def np_quantize(x: np.ndarray, fmt: QuantFormat, axes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """(codes as float64, scales) with one abs-max scale per slice over `axes`."""
+    x = x.astype(np.float64)
+    amax = np.abs(x).max(axis=axes, keepdims=True)
+    amax = np.where(amax == 0, 1.0, amax)
+    if fmt is QuantFormat.INT8:
+        scale = amax / 127.0
+        codes = np.clip(np.round(x / scale), -127, 127)
+    else:
+        scale = amax / 448.0
+        codes = (x / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return codes, scale
+
+
+def np_block_codes(w: np.ndarray, fmt: QuantFormat, br: int, bc: int) -> tuple[np.ndarray, ...]:
+    """Block quantization by explicit loops over blocks: (codes [R, C], scales [nR, nC])."""
+    r, c = w.shape
+    codes = np.zeros((r, c))
+    scales = np.zeros((math.ceil(r / br), math.ceil(c / bc)))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            q, s = np_quantize(blk, fmt, (0, 1))
+            codes[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = q
+            scales[i, j] = s.item()
+    return codes, scales
+
+
+def np_w8a8(x: np.ndarray, w: np.ndarray, fmt: QuantFormat, block: tuple[int, int] | None,
+            weight_only: bool = False) -> np.ndarray:
+    """x[..., K] @ w[K, N] with quantized weights (per channel or blocks) and activations."""
+    k, n = w.shape
+    if block is None:
+        wq, ws = np_quantize(w, fmt, (0,))
+        w_deq = wq * ws
+        if weight_only:
+            return x.astype(np.float64) @ w_deq
+        xq, xs = np_quantize(x, fmt, (x.ndim - 1,))
+        return (xq @ wq) * xs * ws
+    br, bc = min(block[0], k), min(block[1], n)
+    wq, ws = np_block_codes(w, fmt, br, bc)
+    out = np.zeros(x.shape[:-1] + (n,))
+    for g in range(math.ceil(k / br)):
+        xg = x[..., g * br:(g + 1) * br]
+        xq, xs = np_quantize(xg, fmt, (x.ndim - 1,))
+        part = xq @ wq[g * br:(g + 1) * br]
+        out += part * xs * np.repeat(ws[g], bc)[:n]
+    return out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _tiny_config(**kw) -> ModelConfig:
+    base = dict(model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=160,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _positions(tokens: jax.Array) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _logits(config: ModelConfig, params, tokens: jax.Array, dot_general=jax.lax.dot_general):
+    model = Transformer(config, dot_general=dot_general)
+    return model.apply({"params": params}, tokens, _positions(tokens))[0]
+
+
+def _self_sampled(config: ModelConfig, params, n_seq: int, n_new: int, seed: int) -> jax.Array:
+    """i32[n_seq, 1 + n_new]: token 1 then n_new tokens sampled (T=1) by the fp model itself."""
+    model = Transformer(config)
+    length = 1 + n_new
+
+    @jax.jit
+    def step(tokens, i, key):
+        logits = model.apply({"params": params}, tokens, _positions(tokens))[0]
+        nxt = jax.random.categorical(key, jax.lax.dynamic_index_in_dim(logits, i - 1, 1, False))
+        return tokens.at[:, i].set(nxt)
+
+    tokens = jnp.zeros((n_seq, length), jnp.int32).at[:, 0].set(1)
+    key = jax.random.key(seed)
+    for i in range(1, length):
+        key, sub = jax.random.split(key)
+        tokens = step(tokens, i, sub)
+    return tokens
+
+
+def _mean_kl(config: ModelConfig, params, rollout, tokens: jax.Array) -> float:
+    """Mean over predicted positions of KL(fp || quantized) of the next-token distribution."""
+    lp = jax.nn.log_softmax(_logits(config, params, tokens)[:, :-1])
+    lq = jax.nn.log_softmax(_logits(config, rollout, tokens, rollout_dot_general)[:, :-1])
+    return float(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)))
+
+
+@pytest.fixture(scope="module")
+def stories():
+    config, params = load_llama2c(STORIES)
+    return config, jax.tree.map(jnp.asarray, params)
+
+
+@pytest.fixture(scope="module")
+def stories_tokens(stories):
+    config, params = stories
+    # 4 sequences of 120 self-sampled tokens: one sequence's KL varies ~2x with the seed.
+    return _self_sampled(config, params, n_seq=4, n_new=120, seed=0)
+
+
+# ----------------------------------------------------------------------------- recipes, errors
+
+
+def test_unknown_recipe_names_it_and_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"'int4'.*fp8_block"):
+        get_recipe("int4")
+    with pytest.raises(ValueError, match="int4"):
+        requantize({"mlp": {"up_proj": {"kernel": jnp.ones((4, 4))}}}, "int4")
+
+
+def test_recipe_with_unknown_layer_names_it() -> None:
+    with pytest.raises(ValueError, match="qkv_proj"):
+        get_recipe("int8", layers=("q_proj", "qkv_proj"))
+
+
+def test_quantized_lm_head_on_tied_model_names_lm_head() -> None:
+    params = {"embed_tokens": {"embedding": jnp.ones((8, 4))},
+              "mlp": {"up_proj": {"kernel": jnp.ones((4, 4))}}}
+    with pytest.raises(ValueError, match="lm_head"):
+        requantize(params, get_recipe("int8", layers=("up_proj",), quantize_lm_head=True))
+
+
+def test_default_recipes_and_granularity() -> None:
+    assert get_recipe("fp").weight_format is None
+    for name in ("int8", "fp8"):
+        r = get_recipe(name)
+        assert r.weight_block is None and r.act_group is None  # per channel / per token
+        assert r.layers == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj")
+        assert not r.quantize_lm_head
+    assert get_recipe("fp8_block").weight_block == (128, 128)
+    assert get_recipe("fp8_block").act_group == 128
+
+
+# ----------------------------------------------------------------------------- quantizers
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.INT8, QuantFormat.FP8_E4M3])
+@pytest.mark.parametrize("block", [(200, 1), (128, 128), (64, 32)])
+def test_quantize_kernel_matches_numpy(fmt: QuantFormat, block: tuple[int, int]) -> None:
+    w = np.random.default_rng(1).standard_t(4, size=(200, 300)).astype(np.float32) * 0.05
+    q = quantize_kernel(jnp.asarray(w), fmt, block, fmt)
+    codes, scales = np_block_codes(w, fmt, *block)
+    assert q.qvalue.dtype == fmt.dtype
+    assert q.scale.shape == scales.shape
+    np.testing.assert_allclose(np.asarray(q.scale), scales, rtol=1e-6)
+    got = np.asarray(q.qvalue).astype(np.float64)
+    # AQT multiplies by 1/scale instead of dividing: a value a hair from a rounding boundary may
+    # land on the neighbouring code, never further.
+    mismatch = got != codes
+    assert mismatch.mean() < 1e-3
+    if fmt is QuantFormat.INT8:
+        assert np.all(np.abs(got - codes) <= 1)
+        assert np.abs(got).max() == 127
+    expanded = np.repeat(np.repeat(scales, block[0], 0), block[1], 1)[:200, :300]
+    np.testing.assert_allclose(np.asarray(q.dequantize()), got * expanded, rtol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", QUANT_RECIPES)
+@pytest.mark.parametrize("k", [64, 200])
+def test_rollout_dot_general_matches_numpy(recipe: str, k: int) -> None:
+    r = get_recipe(recipe)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(3, 5, k)).astype(np.float32)
+    w = (rng.normal(size=(k, 150)) * 0.05).astype(np.float32)
+    q = requantize({"mlp": {"up_proj": {"kernel": jnp.asarray(w)}}},
+                   r.replace(layers=("up_proj",)))["mlp"]["up_proj"]["kernel"]
+    got = np.asarray(rollout_dot_general(jnp.asarray(x), q, LINEAR_DN))
+    want = np_w8a8(x, w, r.weight_format, r.weight_block, weight_only=r.act_format is None)
+    assert got.shape == (3, 5, 150) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.INT8, QuantFormat.FP8_E4M3])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_rollout_dot_general_tied_head_pattern(fmt: QuantFormat, per_channel: bool) -> None:
+    """The tied LM head contracts axis 1 of an embedding [V, E] quantized per vocabulary row."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 4, 64)).astype(np.float32)
+    emb = (rng.normal(size=(96, 64)) * 0.05).astype(np.float32)
+    block = (1, 64) if per_channel else (32, 64)
+    q = quantize_kernel(jnp.asarray(emb), fmt, block, fmt)
+    got = np.asarray(rollout_dot_general(jnp.asarray(x), q, TIED_HEAD_DN))
+    want = np_w8a8(x, emb.T, fmt, None if per_channel else block[::-1])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_rollout_dot_general_float_rhs_is_plain_dot() -> None:
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 5))
+    np.testing.assert_array_equal(rollout_dot_general(x, w, LINEAR_DN),
+                                  jax.lax.dot_general(x, w, LINEAR_DN))
+
+
+def test_rollout_dot_general_rejects_other_dimension_numbers() -> None:
+    q = quantize_kernel(jnp.ones((8, 4)), QuantFormat.INT8, (8, 1), QuantFormat.INT8)
+    with pytest.raises(ValueError, match="dimension_numbers"):
+        rollout_dot_general(jnp.ones((8, 3)), q, (((0,), (0,)), ((), ())))
+
+
+# ----------------------------------------------------------------------------- requantize
+
+
+@pytest.mark.parametrize("recipe", QUANT_RECIPES)
+def test_requantize_dtypes_and_no_float_kernels(recipe: str) -> None:
+    params = init_params(_tiny_config(), jax.random.key(0))
+    r = get_recipe(recipe)
+    rollout = requantize(params, recipe)
+    flat_in = traverse_util.flatten_dict(params)
+    flat_out = traverse_util.flatten_dict(rollout, is_leaf=lambda _, x: isinstance(
+        x, QuantizedTensor))
+    n_quantized = 0
+    for path, leaf in flat_out.items():
+        if path[-1] == "kernel" and path[-2] in r.layers:
+            assert isinstance(leaf, QuantizedTensor), path
+            n_quantized += 1
+            assert leaf.qvalue.dtype == r.weight_format.dtype, path
+            assert leaf.scale.dtype == jnp.float32
+            assert leaf.qvalue.shape == flat_in[path].shape
+            # the leaf holds codes and small f32 scales, no float kernel
+            assert len(jax.tree.leaves(leaf)) == 2
+            assert leaf.scale.size * 32 <= leaf.qvalue.size, path
+        else:
+            np.testing.assert_array_equal(leaf, flat_in[path])
+    assert n_quantized == 2 * 7
+
+
+def test_requantize_fp_is_identity_and_compute_dtype_cast() -> None:
+    params = init_params(_tiny_config(), jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, requantize(params, "fp"), params)
+    cast = requantize(params, "int8", compute_dtype=jnp.bfloat16)
+    assert cast["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+    assert cast["layers_0"]["self_attn"]["q_proj"]["bias"].dtype == jnp.bfloat16
+    assert cast["layers_0"]["self_attn"]["q_proj"]["kernel"].qvalue.dtype == jnp.int8
+
+
+@pytest.mark.parametrize("recipe", ["int8", "fp8", "fp8_block"])
+def test_rollout_memory_at_most_0p3_of_fp32(recipe: str) -> None:
+    params = init_params(_tiny_config(hidden_size=128, intermediate_size=384, head_dim=32),
+                         jax.random.key(0))
+    rollout = requantize(params, recipe)
+    flat_in = traverse_util.flatten_dict(params)
+    fp32_bytes = q_bytes = 0
+    for path, leaf in traverse_util.flatten_dict(
+            rollout, is_leaf=lambda _, x: isinstance(x, QuantizedTensor)).items():
+        if isinstance(leaf, QuantizedTensor):
+            fp32_bytes += flat_in[path].size * 4
+            q_bytes += sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(leaf))
+    ratio = q_bytes / fp32_bytes
+    print(f"{recipe}: quantized linear rollout bytes / fp32 bytes = {ratio:.4f}")
+    # codes are 1 byte; f32 scales add 4 bytes per column (per channel, K=128: 1/32 per element)
+    assert ratio <= 0.3
+
+
+@pytest.mark.parametrize("recipe", ["int8", "fp8_block"])
+def test_requantize_sharded_keeps_each_leaf_sharding(recipe: str) -> None:
+    assert jax.device_count() == 8
+    config = _tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=4,
+                          head_dim=32, vocab_size=128)
+    params = init_params(config, jax.random.key(0))
+    mesh = make_mesh(data=1, fsdp=2, tensor=4)
+    sharded = shard_params(params, param_logical_axes(config), mesh)
+    rollout = requantize(sharded, recipe)
+    flat_in = traverse_util.flatten_dict(sharded)
+    flat_out = traverse_util.flatten_dict(rollout, is_leaf=lambda _, x: isinstance(
+        x, QuantizedTensor))
+    for path, leaf in flat_out.items():
+        want = flat_in[path].sharding
+        got = leaf.qvalue.sharding if isinstance(leaf, QuantizedTensor) else leaf.sharding
+        assert got.is_equivalent_to(want, 2), (path, got, want)
+        if isinstance(leaf, QuantizedTensor):
+            assert len(leaf.qvalue.sharding.device_set) == 8
+    # q_proj [128, 128] is split over fsdp x tensor; its codes stay split (1/8 per device)
+    q = rollout["layers_0"]["self_attn"]["q_proj"]["kernel"].qvalue
+    assert {s.data.shape for s in q.addressable_shards} == {(64, 32)}
+    # same values as the unsharded computation
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(rollout),
+                 jax.device_get(requantize(params, recipe)))
+
+
+# ----------------------------------------------------------------------------- KL fp || quantized
+
+
+@pytest.mark.parametrize("recipe", QUANT_RECIPES)
+def test_kl_tiny_random_model(recipe: str) -> None:
+    config = _tiny_config()
+    # std 0.2 instead of 0.02: peaked, non-uniform next-token distributions.
+    params = jax.tree.map(lambda x: x * 10 if x.ndim == 2 else x,
+                          init_params(config, jax.random.key(0)))
+    tokens = _self_sampled(config, params, n_seq=2, n_new=40, seed=0)
+    kl = _mean_kl(config, params, requantize(params, recipe), tokens)
+    print(f"tiny random model, {recipe}: mean per-token KL(fp||quant) = {kl:.5f} nats")
+    assert 0 < kl < KL_BOUNDS[recipe]
+
+
+@pytest.mark.parametrize("recipe", QUANT_RECIPES)
+def test_kl_stories260k(stories, stories_tokens, recipe: str) -> None:
+    config, params = stories
+    kl = _mean_kl(config, params, requantize(params, recipe), stories_tokens)
+    print(f"stories260K, {recipe}: mean per-token KL(fp||quant) = {kl:.4f} nats "
+          f"(bound {KL_BOUNDS[recipe]})")
+    assert 0 < kl < KL_BOUNDS[recipe]
+
+
+def test_quantized_decode_with_cache_matches_full_forward() -> None:
+    """Per-token activation scales: a token's logits do not depend on how it is batched in time."""
+    config = _tiny_config()
+    rollout = requantize(init_params(config, jax.random.key(0)), "int8")
+    model = Transformer(config, dot_general=rollout_dot_general)
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, config.vocab_size)
+    full = _logits(config, rollout, tokens, rollout_dot_general)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def run(tokens, positions, cache, index):
+        return model.apply({"params": rollout}, tokens, positions, cache=cache, cache_index=index)
+
+    _, cache = run(tokens[:, :5], _positions(tokens)[:, :5], KVCache.zeros(config, 2, 8), 0)
+    step, _ = run(tokens[:, 5:], _positions(tokens)[:, 5:], cache, 5)
+    np.testing.assert_allclose(step[:, 0], full[:, 5], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- invariant scaling
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_invariant_scaling_keeps_fp32_logits(family: str) -> None:
+    config = _tiny_config(model_type=family, attention_bias=family == "qwen2",
+                          qk_norm=family == "qwen3", tie_word_embeddings=family == "qwen3")
+    params = init_params(config, jax.random.key(0))
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, config.vocab_size)
+    scaled = invariant_scaling(params, 1.5, ("qkv", "gate_up"))
+    np.testing.assert_allclose(_logits(config, scaled, tokens), _logits(config, params, tokens),
+                               rtol=0, atol=1e-5)
+    l0, s0 = params["layers_0"], scaled["layers_0"]
+    np.testing.assert_allclose(s0["input_layernorm"]["scale"], 1.5 * l0["input_layernorm"]["scale"])
+    np.testing.assert_allclose(s0["post_attention_layernorm"]["scale"],
+                               1.5 * l0["post_attention_layernorm"]["scale"])
+    for parent, name in [("self_attn", "q_proj"), ("self_attn", "v_proj"), ("mlp", "up_proj")]:
+        np.testing.assert_allclose(s0[parent][name]["kernel"], l0[parent][name]["kernel"] / 1.5,
+                                   rtol=1e-7)
+    for parent, name in [("self_attn", "o_proj"), ("mlp", "down_proj")]:
+        np.testing.assert_array_equal(s0[parent][name]["kernel"], l0[parent][name]["kernel"])
+    if family == "qwen2":
+        np.testing.assert_array_equal(s0["self_attn"]["q_proj"]["bias"],
+                                      l0["self_attn"]["q_proj"]["bias"])
+    np.testing.assert_array_equal(scaled["norm"]["scale"], params["norm"]["scale"])
+
+
+def test_invariant_scaling_default_only_qkv_and_input_untouched() -> None:
+    params = init_params(_tiny_config(), jax.random.key(0))
+    before = jax.tree.map(np.asarray, params)
+    scaled = invariant_scaling(params)
+    jax.tree.map(np.testing.assert_array_equal, params, before)
+    np.testing.assert_array_equal(scaled["layers_1"]["post_attention_layernorm"]["scale"],
+                                  before["layers_1"]["post_attention_layernorm"]["scale"])
+    np.testing.assert_allclose(scaled["layers_1"]["input_layernorm"]["scale"], 1.5)
+
+
+@pytest.mark.parametrize("target, match", [
+    ("o", "'o'.*not a norm output"), ("down_proj", "'down_proj'.*not a norm output"),
+    ("q", "'q'.*'qkv'"), ("attn", "unknown target 'attn'"),
+])
+def test_invariant_scaling_refuses_bad_targets(target: str, match: str) -> None:
+    params = init_params(_tiny_config(), jax.random.key(0))
+    with pytest.raises(ValueError, match=match):
+        invariant_scaling(params, 1.5, ("qkv", target))
+
+
+def test_invariant_scaling_missing_norm_and_bad_s() -> None:
+    with pytest.raises(ValueError, match="input_layernorm"):
+        invariant_scaling({"norm": {"scale": jnp.ones(4)}}, 1.5, ("qkv",))
+    with pytest.raises(ValueError, match="s="):
+        invariant_scaling(init_params(_tiny_config(), jax.random.key(0)), 0.0)
+
+
+def test_invariant_scaling_raises_update_capture_stories260k(stories, stories_tokens) -> None:
+    """QuRL's claim: with s = 1.5 more int8 codes move after one small (lr 1e-6) AdamW step."""
+    config, params = stories
+    model = Transformer(config)
+    tokens = stories_tokens[:2]
+    opt = optax.adamw(1e-6)
+
+    @jax.jit
+    def adamw_step(p):
+        def loss(p):
+            logits = model.apply({"params": p}, tokens[:, :-1], _positions(tokens[:, :-1]))[0]
+            return -jnp.mean(token_logprobs(logits, tokens[:, 1:]))
+
+        updates, _ = opt.update(jax.grad(loss)(p), opt.init(p), p)
+        return optax.apply_updates(p, updates)
+
+    fractions = {}
+    for s in (1.0, 1.5):
+        p0 = invariant_scaling(params, s, ("qkv",))
+        p1 = adamw_step(p0)
+        capture = update_capture(p0, p1, "int8")
+        fractions[s] = float(capture["code_change_fraction"])
+        print(f"s={s}: code change fraction {fractions[s]:.5f}, update/step "
+              f"{float(capture['update_to_step_ratio']):.5f}")
+    assert fractions[1.5] > fractions[1.0]
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+def test_update_capture_matches_numpy(fmt_name: str) -> None:
+    rng = np.random.default_rng(4)
+    old = {f"l{i}": {"up_proj": {"kernel": (rng.normal(size=(48, 40)) * 0.05).astype(np.float32)}}
+           for i in range(2)}
+    new = jax.tree.map(lambda w: w + rng.normal(size=w.shape).astype(np.float32) * 2e-4, old)
+    recipe = get_recipe(fmt_name, layers=("up_proj",))
+    got = update_capture(old, new, recipe)
+    changed = total = abs_update = step_sum = 0.0
+    for i in range(2):
+        w0, w1 = old[f"l{i}"]["up_proj"]["kernel"], new[f"l{i}"]["up_proj"]["kernel"]
+        c0, s0 = np_quantize(w0, recipe.weight_format, (0,))
+        c1, _ = np_quantize(w1, recipe.weight_format, (0,))
+        changed += np.sum(c0 != c1)
+        total += c0.size
+        abs_update += np.abs(w1.astype(np.float64) - w0).sum()
+        if fmt_name == "int8":
+            step = np.broadcast_to(s0, c0.shape)
+        else:  # E4M3 spacing at |c|: 2^(floor(log2|c|) - 3), at least 2^-9 (subnormals)
+            e = np.floor(np.log2(np.maximum(np.abs(c0), 2.0 ** -6)))
+            step = s0 * 2.0 ** (e - 3)
+        step_sum += step.sum()
+    np.testing.assert_allclose(got["code_change_fraction"], changed / total, atol=2 / total)
+    np.testing.assert_allclose(got["mean_abs_update"], abs_update / total, rtol=1e-4)
+    np.testing.assert_allclose(got["mean_quant_step"], step_sum / total, rtol=1e-5)
+    np.testing.assert_allclose(got["update_to_step_ratio"], abs_update / step_sum, rtol=1e-4)
+    assert float(update_capture(old, old, recipe)["code_change_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("recipe", ["int8", "fp8", "fp8_block"])
+def test_quantization_error_matches_numpy(recipe: str) -> None:
+    params = init_params(_tiny_config(), jax.random.key(0))
+    r = get_recipe(recipe)
+    errors = quantization_error(params, recipe)
+    assert len(errors) == 2 * 7
+    w = np.asarray(params["layers_1"]["mlp"]["down_proj"]["kernel"], np.float64)
+    if r.weight_block is None:
+        codes, scale = np_quantize(w, r.weight_format, (0,))
+        deq = codes * scale
+    else:
+        br, bc = min(128, w.shape[0]), min(128, w.shape[1])
+        codes, scales = np_block_codes(w, r.weight_format, br, bc)
+        deq = codes * np.repeat(np.repeat(scales, br, 0), bc, 1)[: w.shape[0], : w.shape[1]]
+    want = np.linalg.norm(deq - w) / np.linalg.norm(w)
+    np.testing.assert_allclose(errors["layers_1/mlp/down_proj"], want, rtol=2e-3)
+
+
+def test_update_capture_rejects_fp_recipe() -> None:
+    params = {"mlp": {"up_proj": {"kernel": jnp.ones((4, 4))}}}
+    with pytest.raises(ValueError, match="'fp'"):
+        update_capture(params, params, "fp")
+
+
+# ----------------------------------------------------------------------------- benchmark smoke
+
+
+def test_bench_functions_run_on_tiny_config() -> None:
+    config = _tiny_config()
+    decode = bench.time_decode(config, ["fp", "int8"], batch=2, context=8, rounds=1,
+                               steps_per_round=1)
+    assert set(decode) == {"fp", "int8"}
+    assert all(0 < t["best"] <= t["median"] for t in decode.values())
+    assert "int8" in bench.format_table(decode)
+    t = bench.time_requantize_vs_learner_step(config, "int8", batch=2, seq_len=8, repeats=1)
+    assert t["requantize_s"] > 0 and t["learner_step_s"] > 0
