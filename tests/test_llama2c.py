@@ -21,9 +21,9 @@ import transformers
 from qurl_jax.models import ModelConfig, Transformer
 from qurl_jax.models.llama2c import load_llama2c
 
-# The shared read-only checkpoint beside the repository (README: ../shared/models/stories260K).
+# The shared read-only checkpoint beside the repository (realpath: also right from Bazel runfiles).
 CHECKPOINT = os.environ.get("QURL_STORIES260K", os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "models", "stories260K",
+    os.path.dirname(os.path.realpath(__file__)), "..", "..", "shared", "models", "stories260K",
     "stories260K.bin"))
 pytestmark = pytest.mark.skipif(not os.path.exists(CHECKPOINT), reason="stories260K.bin absent")
 
