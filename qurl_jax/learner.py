@@ -112,7 +112,12 @@ class Learner:
         return shd.logical_shardings(self._logical, params, self.mesh)
 
     def shard_params(self, params: Any) -> Any:
-        return jax.device_put(params, self.param_shardings(params))
+        """A copy of `params` on the mesh; never aliases the input, since `update` donates it.
+
+        (`device_put(..., may_alias=False)` is not enough: a replicated placement can still reuse
+        the source buffer as one of its shards, so the copy is made explicitly first.)
+        """
+        return jax.device_put(jax.tree.map(jnp.copy, params), self.param_shardings(params))
 
     def init_opt_state(self, params: Any) -> Any:
         """Optimizer state placed like the parameters (moments share their shardings)."""
@@ -205,7 +210,7 @@ class Learner:
                     jax.tree.map(jnp.zeros_like, params))
             (loss, metrics, grads), _ = jax.lax.scan(body, init, micro)
             loss, metrics, grads = jax.tree.map(lambda x: x / n, (loss, metrics, grads))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
