@@ -137,8 +137,9 @@ def params_from_hf_state_dict(
     return params
 
 
-def params_to_hf_state_dict(config: ModelConfig, params: Params, dtype: Any = None) -> dict[
-        str, np.ndarray]:
+def params_to_hf_state_dict(
+    config: ModelConfig, params: Params, dtype: Any = None
+) -> dict[str, np.ndarray]:
     """Our params pytree -> Hugging Face state dict of contiguous numpy arrays ([out, in] weights).
 
     `dtype` (e.g. `ml_dtypes.bfloat16`) converts every tensor; default keeps each leaf's dtype.
