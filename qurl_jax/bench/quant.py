@@ -24,7 +24,7 @@ import optax
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.params import init_params, token_logprobs
 from qurl_jax.models.transformer import KVCache, Transformer
-from qurl_jax.quant import requantize, rollout_dot_general
+from qurl_jax.quant import QuantizedTensor, requantize, rollout_dot_general
 
 # ~98M parameters: 73M in the 12 decoder layers (quantized), 2 x 12.6M in the 16k x 768 embedding
 # and the untied LM head (kept in float32). Untied because XLA:CPU runs the tied head (contracting
@@ -131,6 +131,14 @@ def time_requantize_vs_learner_step(config: ModelConfig, recipe: str = "int8", b
     }
 
 
+def quantized_bytes_ratio(params: Any, recipe: str) -> float:
+    """Bytes of the quantized kernels (codes + scales) over the bytes of their float32 originals."""
+    rollout = requantize(params, recipe)
+    is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
+    q_leaves = [x for x in jax.tree.leaves(rollout, is_leaf=is_q) if is_q(x)]
+    return sum(q.nbytes for q in q_leaves) / sum(q.qvalue.size * 4 for q in q_leaves)
+
+
 def format_table(decode: dict[str, dict[str, float]], baseline: str = "fp") -> str:
     """Median and best decode-step times per recipe with their speedups over `baseline`."""
     lines = [f"{'recipe':<12}{'median ms':>11}{'speedup':>9}{'best ms':>11}{'speedup':>9}"]
@@ -159,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("decode step: batch 8, 1 new token, 512-token KV cache")
     decode = time_decode(cfg, recipes, rounds=args.rounds, steps_per_round=args.steps_per_round)
     print(format_table(decode, recipes[0]))
+    params = init_params(cfg, jax.random.key(0))
+    print(f"rollout bytes of the quantized linear layers / float32 bytes (int8): "
+          f"{quantized_bytes_ratio(params, 'int8'):.4f}")
     t = time_requantize_vs_learner_step(cfg, "int8", args.learner_batch, args.learner_seq_len)
     ratio = t["requantize_s"] / t["learner_step_s"]
     print(f"requantize(int8): {t['requantize_s'] * 1e3:.1f} ms; learner step (batch "

@@ -29,6 +29,7 @@ embedding [V, E]. Both are handled; anything else raises.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -60,8 +61,12 @@ def _per_channel_product(lhs: jax.Array, rhs: QuantizedTensor,
     # AQT still wants an rhs array of the right shape; its own calibration of it is discarded
     # when a complete rhs QTensor is given (and removed by XLA as dead code).
     placeholder = jnp.zeros(rhs.shape, jnp.float32)
-    out, _ = cfg(lhs.astype(jnp.float32), placeholder, None, rhs.to_aqt(rhs_axis),
-                 dimension_numbers)
+    with warnings.catch_warnings():
+        # aqtp 0.9.0 calls jnp.promote_types(lhs, rhs) on arrays, which jax deprecates (trace time).
+        warnings.filterwarnings("ignore", "Implicit conversion of an array to a dtype",
+                                DeprecationWarning)
+        out, _ = cfg(lhs.astype(jnp.float32), placeholder, None, rhs.to_aqt(rhs_axis),
+                     dimension_numbers)
     return out
 
 

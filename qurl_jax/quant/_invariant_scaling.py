@@ -74,7 +74,11 @@ def invariant_scaling(params: Params, s: float = 1.5,
     """
     if isinstance(targets, str):
         targets = (targets,)
-    if not (isinstance(s, int | float) and math.isfinite(s) and s > 0):
+    try:
+        s = float(s)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invariant_scaling: s={s!r} is not a number") from e
+    if not (math.isfinite(s) and s > 0):
         raise ValueError(f"invariant_scaling: s={s!r} must be a positive finite number")
     for target in targets:
         _check_target(target)
