@@ -548,10 +548,10 @@ def test_update_capture_rejects_fp_recipe() -> None:
 
 def test_bench_functions_run_on_tiny_config() -> None:
     config = _tiny_config()
-    decode = bench.time_decode(config, ["fp", "int8"], batch=2, context=8, rounds=1,
+    decode = bench.time_decode(config, ["fp", "int8+lm_head"], batch=2, context=8, rounds=1,
                                steps_per_round=1)
-    assert set(decode) == {"fp", "int8"}
+    assert set(decode) == {"fp", "int8+lm_head"}
     assert all(0 < t["best"] <= t["median"] for t in decode.values())
-    assert "int8" in bench.format_table(decode)
+    assert "int8+lm_head" in bench.format_table(decode)
     t = bench.time_requantize_vs_learner_step(config, "int8", batch=2, seq_len=8, repeats=1)
     assert t["requantize_s"] > 0 and t["learner_step_s"] > 0

@@ -24,7 +24,7 @@ import optax
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.params import init_params, token_logprobs
 from qurl_jax.models.transformer import KVCache, Transformer
-from qurl_jax.quant import QuantizedTensor, requantize, rollout_dot_general
+from qurl_jax.quant import QuantizedTensor, Recipe, get_recipe, requantize, rollout_dot_general
 
 # ~98M parameters: 73M in the 12 decoder layers (quantized), 2 x 12.6M in the 16k x 768 embedding
 # and the untied LM head (kept in float32). Untied because XLA:CPU runs the tied head (contracting
@@ -63,6 +63,15 @@ def filled_cache(config: ModelConfig, batch: int, context: int, rng: jax.Array) 
     )
 
 
+def parse_recipe(spec: str) -> Recipe:
+    """A recipe name, optionally with '+lm_head' to also quantize the (untied) LM head."""
+    base, plus, extra = spec.partition("+")
+    if plus and extra != "lm_head":
+        raise ValueError(f"recipe spec {spec!r}: the only suffix is '+lm_head'")
+    recipe = get_recipe(base)
+    return recipe.replace(name=spec, quantize_lm_head=True) if plus else recipe
+
+
 def time_decode(config: ModelConfig, recipes: Sequence[str], batch: int = 8, context: int = 512,
                 rounds: int = 5, steps_per_round: int = 10,
                 seed: int = 0) -> dict[str, dict[str, float]]:
@@ -77,7 +86,7 @@ def time_decode(config: ModelConfig, recipes: Sequence[str], batch: int = 8, con
     positions = jnp.full((batch, 1), context, jnp.int32)
     state = {}
     for name in recipes:
-        rollout = _block(requantize(params, name))
+        rollout = _block(requantize(params, parse_recipe(name)))
         cache = filled_cache(config, batch, context, rng)
         _, cache = _block(step(rollout, cache, tokens, positions, context))  # compile + warm up
         state[name] = [rollout, cache]
@@ -153,7 +162,9 @@ def format_table(decode: dict[str, dict[str, float]], baseline: str = "fp") -> s
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", default="fp,int8,fp8", help="comma-separated, fp first")
+    parser.add_argument("--recipes", default="fp,int8,int8+lm_head,fp8",
+                        help="comma-separated recipe names (baseline first); a '+lm_head' suffix "
+                             "also quantizes the LM head")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps-per-round", type=int, default=10)
     parser.add_argument("--learner-batch", type=int, default=8)
