@@ -84,11 +84,24 @@ def _hf_greedy(model: transformers.PreTrainedModel, prompts: list[list[int]], ma
     return out[:, width:].numpy()
 
 
-def _reference_logits(config: ModelConfig, params: dict, out) -> np.ndarray:
-    """Learner-side logits f32[N, G, V] for each response position: one plain forward (no cache)
-    over the left-padded prompt + response."""
+def _forward(config: ModelConfig, params: dict, tokens, positions, mask=None,
+             dot_general=jax.lax.dot_general) -> jax.Array:
+    """Plain (cache-free) forward of our model, jitted: the learner's view. f32[B, T, V]."""
+
+    @jax.jit
+    def run(params, tokens, positions, mask):
+        return Transformer(config, dot_general).apply({"params": params}, tokens, positions,
+                                                      mask)[0]
+
+    return run(params, tokens, positions, mask)
+
+
+def _reference_logits(config: ModelConfig, params: dict, out, dot_general=jax.lax.dot_general
+                      ) -> np.ndarray:
+    """Learner-side logits f64[N, G, V] for each response position: one plain forward over the
+    left-padded prompt + response."""
     tokens, mask, positions = out.sequences()
-    logits, _ = Transformer(config).apply({"params": params}, tokens, positions, mask)
+    logits = _forward(config, params, tokens, positions, mask, dot_general)
     p_len = out.prompt_tokens.shape[1]
     return np.asarray(logits[:, p_len - 1: -1], np.float64)
 
@@ -108,17 +121,25 @@ def qwen() -> tuple[ModelConfig, dict, Sampler]:
 # Parity with transformers.
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_greedy_matches_transformers(family: str) -> None:
-    cfg = TINY[family]
+def test_greedy_matches_transformers_qwen2(qwen) -> None:
+    cfg, params, sampler = qwen
+    expected = _hf_greedy(_hf_model(cfg, params), PROMPTS, 12)
+    # n = 2 (the program the other greedy tests reuse): both copies of a prompt decode alike.
+    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=12,
+                         greedy=True)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.repeat(expected, 2, axis=0))
+    assert np.asarray(out.mask).all()
+    np.testing.assert_array_equal(np.asarray(out.lengths), [12] * 6)
+    assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
+
+
+def test_greedy_matches_transformers_llama() -> None:
+    cfg = TINY["llama"]
     params = _peaked_params(cfg, seed=1)
     expected = _hf_greedy(_hf_model(cfg, params), PROMPTS, 12)
     sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
     out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=12, greedy=True)
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
-    assert np.asarray(out.mask).all()
-    np.testing.assert_array_equal(np.asarray(out.lengths), [12, 12, 12])
-    assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
 
 
 @pytest.mark.skipif(not os.path.exists(STORIES), reason="stories260K checkpoint not available")
@@ -176,7 +197,7 @@ def test_logp_matches_learner_recomputation(qwen, temperature: float, top_k: int
 def _first_token_probs(cfg: ModelConfig, params: dict, prompt: list[int]) -> np.ndarray:
     tokens = jnp.asarray([prompt], jnp.int32)
     positions = jnp.arange(len(prompt), dtype=jnp.int32)[None]
-    logits, _ = Transformer(cfg).apply({"params": params}, tokens, positions)
+    logits = _forward(cfg, params, tokens, positions)
     return np.exp(_log_softmax(np.asarray(logits[0, -1], np.float64)))
 
 
@@ -192,13 +213,12 @@ def _chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(scipy.stats.chi2.sf(stat, len(obs) - 1))
 
 
-def test_first_token_distribution_matches_softmax() -> None:
+def test_first_token_distribution_matches_softmax(qwen) -> None:
+    cfg, _, sampler = qwen
     # Default (unpeaked) init: a broad distribution over all 256 tokens.
-    cfg = TINY["llama"]
     params = init_params(cfg, jax.random.key(2))
     prompt = [5, 17, 99]
     probs = _first_token_probs(cfg, params, prompt)
-    sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
     rows = 4000
     out = sampler.sample(params, [prompt], key=jax.random.key(0), n=rows, max_new_tokens=1)
     counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=cfg.vocab_size)
@@ -211,18 +231,19 @@ def test_first_token_distribution_matches_softmax() -> None:
     assert _chi_square_pvalue(counts, wrong) < 1e-6
 
 
-@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.6)])
-def test_truncated_first_token_distribution(qwen, top_k: int, top_p: float) -> None:
+@pytest.mark.parametrize("top_p", [0.999, 0.5])
+def test_truncated_first_token_distribution(qwen, top_p: float) -> None:
+    # top_k = 5 for both: at top_p = 0.999 the top-k cut binds, at 0.5 the nucleus does (the
+    # nucleus is taken within the renormalised top-k distribution, as in transformers).
     cfg, params, sampler = qwen
-    prompt = [12]
+    top_k, prompt = 5, [12]
     probs = _first_token_probs(cfg, params, prompt)
-    order = np.argsort(-probs)
-    if top_k:
-        kept = order[:top_k]
-    else:
-        above = np.cumsum(probs[order]) - probs[order]
-        kept = order[above < top_p]
-    assert 1 < len(kept) < cfg.vocab_size
+    order = np.argsort(-probs)[:top_k]
+    renorm_k = probs[order] / probs[order].sum()
+    kept = order[np.cumsum(renorm_k) - renorm_k < top_p]
+    assert 1 < len(kept) <= top_k
+    if top_p < 0.9:
+        assert len(kept) < top_k
     rows = 4000
     out = sampler.sample(params, [prompt], key=jax.random.key(5), n=rows, max_new_tokens=1,
                          top_k=top_k, top_p=top_p)
@@ -241,19 +262,48 @@ def test_sample_tokens_never_leaves_kept_set() -> None:
     # Pure step function on hand-made logits: kept sets are known by construction.
     logits = jnp.asarray(np.tile(np.log([0.4, 0.3, 0.2, 0.05, 0.05]), (2000, 1)), jnp.float32)
     key = jax.random.key(7)
-    tok, logp, logp_full = sample_tokens(logits, key, 1.0, 1.0, SamplingMode(top_k=2))
+    sample = jax.jit(sample_tokens, static_argnums=4)
+    tok, logp, logp_full = sample(logits, key, 1.0, 1.0, SamplingMode(top_k=2))
     assert set(np.unique(np.asarray(tok))) == {0, 1}
     np.testing.assert_allclose(np.asarray(logp), np.log(np.where(tok == 0, 4 / 7, 3 / 7)),
                                rtol=1e-5)
     np.testing.assert_allclose(np.asarray(logp_full), np.log(np.where(tok == 0, 0.4, 0.3)),
                                rtol=1e-5)
     # Nucleus 0.75: 0.4 + 0.3 = 0.7 < 0.75, so token 2 is needed too; tokens 3 and 4 never appear.
-    tok, logp, _ = sample_tokens(logits, key, 1.0, 0.75, SamplingMode(top_p=True))
+    tok, logp, _ = sample(logits, key, 1.0, 0.75, SamplingMode(top_p=True))
     assert set(np.unique(np.asarray(tok))) == {0, 1, 2}
     np.testing.assert_allclose(np.asarray(logp)[np.asarray(tok) == 2], np.log(0.2 / 0.9),
                                rtol=1e-5)
-    tok, _, _ = sample_tokens(logits, key, 1.0, 1.0, SamplingMode(greedy=True))
+    tok, _, _ = sample(logits, key, 1.0, 1.0, SamplingMode(greedy=True))
     assert (np.asarray(tok) == 0).all()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sample_tokens_large_vocab_distribution(top_p: float) -> None:
+    # V = 1000 spans four blocks of the two-level inverse CDF (the last one padded); a tenth of the
+    # vocabulary is masked with -inf and must never be drawn. The nucleus for top_p < 1 is derived
+    # here by sorting, the sampler finds it by bisection.
+    rng = np.random.default_rng(0)
+    v, rows = 1000, 20000
+    logits = rng.normal(0.0, 2.0, v)
+    logits[rng.choice(v, 100, replace=False)] = -np.inf
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    above = np.cumsum(probs[order]) - probs[order]
+    kept = order[above < top_p]
+    target = np.zeros(v)
+    target[kept] = probs[kept] / probs[kept].sum()
+    mode = SamplingMode(top_p=top_p < 1.0)
+    sample = jax.jit(sample_tokens, static_argnums=4)
+    tok, logp, logp_full = sample(jnp.asarray(np.tile(logits, (rows, 1)), jnp.float32),
+                                  jax.random.key(1), 1.0, top_p, mode)
+    tok = np.asarray(tok)
+    assert np.isin(tok, kept).all()
+    counts = np.bincount(tok, minlength=v)
+    assert _chi_square_pvalue(counts[kept], target[kept]) > 1e-3
+    np.testing.assert_allclose(np.asarray(logp), np.log(target[tok]), rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(logp_full), np.log(probs[tok]), rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,14 +312,13 @@ def test_sample_tokens_never_leaves_kept_set() -> None:
 
 def test_early_exit_and_eos_handling(qwen) -> None:
     cfg, params, sampler = qwen
-    free = np.asarray(sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=16,
-                                     greedy=True).tokens)
+    kw = dict(key=jax.random.key(0), n=2, greedy=True)
+    free = np.asarray(sampler.sample(params, PROMPTS, max_new_tokens=16, **kw).tokens)
     # EOS ids chosen from tokens the rows produce early; the steps needed follow from `free`.
-    eos = {int(free[0, 2]), int(free[1, 4]), int(free[2, 3])}
+    eos = {int(free[0, 2]), int(free[2, 4]), int(free[4, 3])}
     is_eos = np.isin(free, list(eos))
     first = np.where(is_eos.any(1), is_eos.argmax(1) + 1, 16)
-    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=16, greedy=True,
-                         eos_ids=tuple(eos))
+    out = sampler.sample(params, PROMPTS, max_new_tokens=16, eos_ids=tuple(eos), **kw)
     assert int(out.num_steps) == first.max() < 16
     np.testing.assert_array_equal(np.asarray(out.lengths), first)
     cols = np.arange(16)[None, :]
@@ -279,14 +328,14 @@ def test_early_exit_and_eos_handling(qwen) -> None:
     assert (np.asarray(out.finish_reason) == FinishReason.EOS).all()
     assert (np.asarray(out.logp)[~np.asarray(out.mask)] == 0).all()
     # Without EOS every row runs to the limit.
-    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=5, greedy=True)
+    out = sampler.sample(params, PROMPTS, max_new_tokens=5, **kw)
     assert int(out.num_steps) == 5
     assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
 
 
 def test_reproducible_and_key_dependent(qwen) -> None:
     cfg, params, sampler = qwen
-    kw = dict(n=3, max_new_tokens=8, temperature=1.0)
+    kw = dict(n=2, max_new_tokens=8, temperature=1.0)
     a = sampler.sample(params, PROMPTS, key=jax.random.key(11), **kw)
     b = sampler.sample(params, PROMPTS, key=jax.random.key(11), **kw)
     c = sampler.sample(params, PROMPTS, key=jax.random.key(12), **kw)
@@ -295,8 +344,8 @@ def test_reproducible_and_key_dependent(qwen) -> None:
     assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
     # n samples per prompt: prompt-major rows, each carrying its own prompt.
     pm = np.asarray(a.prompt_mask)
-    np.testing.assert_array_equal(pm.sum(1), np.repeat([len(p) for p in PROMPTS], 3))
-    np.testing.assert_array_equal(np.asarray(a.prompt_tokens)[5, pm[5]], PROMPTS[1])
+    np.testing.assert_array_equal(pm.sum(1), np.repeat([len(p) for p in PROMPTS], 2))
+    np.testing.assert_array_equal(np.asarray(a.prompt_tokens)[3, pm[3]], PROMPTS[1])
 
 
 def test_buckets_limit_compilations() -> None:
@@ -348,21 +397,20 @@ def _word_tokenizer() -> transformers.PreTrainedTokenizerFast:
 def test_generate_text_roundtrip(qwen) -> None:
     cfg, params, sampler = qwen
     tokenizer = _word_tokenizer()
-    texts = ["w5 w17 w99", "w12"]
-    got = generate(sampler, params, texts, tokenizer, key=jax.random.key(0), max_new_tokens=6,
-                   greedy=True, eos_ids=())
-    out = sampler.sample(params, [[9, 21, 103], [16]], key=jax.random.key(0), max_new_tokens=6,
-                         greedy=True)
-    expected = [" ".join(f"w{t - 4}" if t >= 4 else "<pad>" for t in row)
-                for row in np.asarray(out.tokens)]
-    assert [g.replace("<pad>", "").split() for g in got] == [
-        e.replace("<pad>", "").split() for e in expected]
-    chat = generate(sampler, params, ["w5"], tokenizer, key=jax.random.key(0), max_new_tokens=4,
-                    greedy=True, chat_template=True)
-    out = sampler.sample(params, [[2, 9, 3]], key=jax.random.key(0), max_new_tokens=4,
-                         greedy=True, eos_ids=(1,))
-    assert chat == [tokenizer.decode(np.asarray(out.tokens[0, : int(out.lengths[0])]).tolist(),
-                                     skip_special_tokens=True)]
+    kw = dict(key=jax.random.key(0), n=2, greedy=True)
+    got = generate(sampler, params, ["w5 w17 w99", "w12", "w200 w1"], tokenizer,
+                   max_new_tokens=6, eos_ids=(), **kw)
+    # Word w<i> is token i + 4; token ids below 4 are special and dropped from the text.
+    out = sampler.sample(params, [[9, 21, 103], [16], [204, 5]], max_new_tokens=6, **kw)
+    expected = [" ".join(f"w{t - 4}" for t in row if t >= 4) for row in np.asarray(out.tokens)]
+    assert got == expected
+    chat = generate(sampler, params, ["w5", "w6", "w7"], tokenizer, max_new_tokens=6,
+                    chat_template=True, **kw)
+    out = sampler.sample(params, [[2, 9, 3], [2, 10, 3], [2, 11, 3]], max_new_tokens=6,
+                         eos_ids=(1,), **kw)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    assert chat == [" ".join(f"w{t - 4}" for t in row[:n] if t >= 4)
+                    for row, n in zip(tokens, lengths, strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -383,3 +431,20 @@ def test_bad_input_raises(qwen, prompts, kwargs, match) -> None:
     kw = {"key": jax.random.key(0), "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         sampler.sample(params, prompts, **kw)
+
+
+def test_int8_rollout_params_same_code_path(qwen) -> None:
+    from qurl_jax.quant import make_dot_general, requantize
+
+    cfg, params, _ = qwen
+    qparams = requantize(params, "int8")
+    hook = make_dot_general("int8")
+    sampler = Sampler(cfg, hook, max_prompt_len=16, max_new_tokens=16)
+    out = sampler.sample(qparams, PROMPTS, key=jax.random.key(4), n=2, max_new_tokens=10,
+                         temperature=0.7)
+    # Expected: the quantized model's plain forward over prompt + response (the same hook and
+    # params without a cache), i.e. the cached decode changes nothing but the cost.
+    ref = _log_softmax(_reference_logits(cfg, qparams, out, hook) / 0.7)
+    tokens = np.asarray(out.tokens)
+    ref_tok = np.take_along_axis(ref, tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logp), ref_tok, atol=1e-4)

@@ -263,13 +263,17 @@ class Sampler:
             top_k=0 if greedy or top_k >= cfg.vocab_size else int(top_k),
             top_p=not greedy and top_p < 1.0,
         )
-        prefill, decode = self._programs_for(b_pad, int(n), p_len, g_len, mode, eos)
+        # EOS ids are a traced input padded with -1 (matches no token) to a multiple of 8, so a new
+        # EOS set does not compile a new program.
+        eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
+        eos_arr[: len(eos)] = eos
+        prefill, decode = self._programs_for(b_pad, int(n), p_len, g_len, mode, eos_arr.size)
         tokens_d, mask_d = self._put_batch(tokens), self._put_batch(mask)
         logits, cache = prefill(params, tokens_d, mask_d)
         out, _ = decode(
             params, cache, logits, self._put_batch(np.repeat(mask.sum(1), n).astype(np.int32)),
             key, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
-            jnp.int32(max_new_tokens),
+            jnp.int32(max_new_tokens), jnp.asarray(eos_arr),
         )
         rows = b * n
         return SampleOutput(
@@ -314,12 +318,12 @@ class Sampler:
     # The two programs.
 
     def _programs_for(self, b: int, n: int, p_len: int, g_len: int, mode: SamplingMode,
-                      eos: tuple[int, ...]) -> tuple[Any, Any]:
-        key = (b, n, p_len, g_len, mode, eos)
+                      num_eos: int) -> tuple[Any, Any]:
+        key = (b, n, p_len, g_len, mode, num_eos)
         if key not in self._programs:
             prefill = jax.jit(functools.partial(self._prefill, n=n, cache_len=p_len + g_len))
             decode = jax.jit(
-                functools.partial(self._decode, mode=mode, eos=eos, p_len=p_len, g_len=g_len),
+                functools.partial(self._decode, mode=mode, p_len=p_len, g_len=g_len),
                 donate_argnums=(1,),
             )
             self._programs[key] = (prefill, decode)
@@ -345,6 +349,26 @@ class Sampler:
         )
         return jnp.repeat(logits[:, 0], n, axis=0), self._constrain_cache(full)
 
+    def _decode_model(self, params: Params) -> tuple[Transformer, Params]:
+        """The decode loop's model and parameters, with loop-invariant work done once.
+
+        Float parameters are cast to the compute dtype here rather than by the model every step.
+        A tied LM head multiplies by the embedding transposed ([V, E] contracted on E); XLA's CPU
+        matmuls read such a transposed operand far slower than a [E, V] kernel (the LM head is the
+        largest matrix of a small model), so the loop runs the same model untied, with the head
+        kernel materialised once as embedding.T. The optimization barrier keeps XLA from folding
+        the transpose back into the product.
+        """
+        cfg = self.config
+        params = _cast_float_leaves(params, cfg.compute_dtype)
+        embedding = params["embed_tokens"]["embedding"]
+        if not (cfg.tie_word_embeddings and isinstance(embedding, jax.Array)):
+            return self.model, params
+        head = jax.lax.optimization_barrier(jnp.transpose(embedding))
+        head = self._constrain(head, ("embed", "vocab"))
+        untied = Transformer(cfg.replace(tie_word_embeddings=False), self.model.dot_general)
+        return untied, {**params, "lm_head": {"kernel": head}}
+
     def _decode(
         self,
         params: Params,
@@ -355,24 +379,21 @@ class Sampler:
         temperature: jax.Array,
         top_p: jax.Array,
         max_new_tokens: jax.Array,
+        eos_ids: jax.Array,
         *,
         mode: SamplingMode,
-        eos: tuple[int, ...],
         p_len: int,
         g_len: int,
     ) -> tuple[SampleOutput, KVCache]:
         """Samples up to `max_new_tokens` (<= g_len) tokens per row with an early-exit while loop.
 
         logits: f32[N, V] next-token logits after the prompt; prompt_lengths: i32[N] real prompt
-        tokens per row (0 marks a batch-padding row, which counts as finished from the start).
+        tokens per row (0 marks a batch-padding row, which counts as finished from the start);
+        eos_ids: i32[E] EOS ids, -1 padded.
         Returns the outputs (full g_len width, prompt fields left empty) and the updated cache.
         """
-        cfg = self.config
         num_rows = logits.shape[0]
-        # Loop invariants, computed once: parameters cast to the compute dtype (the cast the model
-        # would otherwise repeat every step) and the EOS id set.
-        params = _cast_float_leaves(params, cfg.compute_dtype)
-        eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+        model, params = self._decode_model(params)
 
         def pick(step: jax.Array, step_logits: jax.Array, done: jax.Array, buffers: tuple
                  ) -> tuple[jax.Array, jax.Array, tuple]:
@@ -390,7 +411,7 @@ class Sampler:
                 jax.lax.dynamic_update_slice(lps_full, jnp.where(live, lp_full, 0.0)[:, None], col),
                 jax.lax.dynamic_update_slice(masks, live[:, None], col),
             )
-            done = done | jnp.any(tok[:, None] == eos_arr[None, :], axis=-1)
+            done = done | jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
             return tok, done, buffers
 
         buffers = (
@@ -411,7 +432,7 @@ class Sampler:
         def body(state: tuple) -> tuple:
             step, tok, done, buffers, cache = state
             positions = (prompt_lengths + step - 1)[:, None]
-            step_logits, cache = self.model.apply(
+            step_logits, cache = model.apply(
                 {"params": params}, tok[:, None], positions, None, cache=cache,
                 cache_index=p_len + step - 1,
             )
@@ -424,7 +445,7 @@ class Sampler:
         toks, lps, lps_full, masks = buffers
         lengths = jnp.sum(masks, axis=1, dtype=jnp.int32)
         last = jnp.take_along_axis(toks, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-        ended_on_eos = (lengths > 0) & jnp.any(last[:, None] == eos_arr[None, :], axis=-1)
+        ended_on_eos = (lengths > 0) & jnp.any(last[:, None] == eos_ids[None, :], axis=-1)
         finish = jnp.where(ended_on_eos, FinishReason.EOS, FinishReason.LENGTH).astype(jnp.int32)
         out = SampleOutput(
             tokens=toks, logp=lps, logp_untruncated=lps_full, mask=masks, lengths=lengths,
