@@ -243,6 +243,18 @@ def test_rollout_dot_general_matches_numpy(recipe: str, k: int) -> None:
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+def test_rollout_dot_general_single_row() -> None:
+    """One token (batch-1 decode) takes the padded path; the result is that row's product."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(1, 1, 64)).astype(np.float32)
+    w = (rng.normal(size=(64, 48)) * 0.05).astype(np.float32)
+    q = quantize_kernel(jnp.asarray(w), QuantFormat.INT8, (64, 1), QuantFormat.INT8)
+    got = np.asarray(rollout_dot_general(jnp.asarray(x), q, LINEAR_DN))
+    want = np_w8a8(x, w, QuantFormat.INT8, None)
+    assert got.shape == (1, 1, 48)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("fmt", [QuantFormat.INT8, QuantFormat.FP8_E4M3])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_rollout_dot_general_tied_head_pattern(fmt: QuantFormat, per_channel: bool) -> None:
