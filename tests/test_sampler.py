@@ -7,7 +7,9 @@ forward pass of our model (the learner's view) and numpy softmax / sorting, neve
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +36,20 @@ TINY = {
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [12], [200, 201, 202, 9]]
 
 
-def _peaked_params(config: ModelConfig, seed: int = 0) -> dict:
-    """Random params with weights 5x the default init, so next-token distributions are peaked and
-    greedy arg-maxes have margins far above float32 noise (the default init is near-uniform)."""
-    params = init_params(config, jax.random.key(seed))
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 5.0, params
-    )
+def _random_params(config: ModelConfig, seed: int = 0, std: float = 0.1) -> dict:
+    """Random params drawn with numpy into the model's tree (no compilation): N(0, std) for
+    kernels, embeddings and biases, 1 for norm gains. std 0.1 (5x the default init) makes
+    next-token distributions peaked, so greedy arg-maxes have margins far above float32 noise;
+    std 0.02 gives broad, near-uniform ones."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+
+    def draw(path, leaf):
+        if "scale" in jax.tree_util.keystr(path):
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return jnp.asarray(rng.normal(0.0, std, leaf.shape), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def _hf_model(config: ModelConfig, params: dict) -> transformers.PreTrainedModel:
@@ -84,16 +93,16 @@ def _hf_greedy(model: transformers.PreTrainedModel, prompts: list[list[int]], ma
     return out[:, width:].numpy()
 
 
+@functools.cache
+def _jitted_forward(config: ModelConfig, dot_general) -> Callable[..., jax.Array]:
+    model = Transformer(config, dot_general)
+    return jax.jit(lambda p, t, pos, m: model.apply({"params": p}, t, pos, m)[0])
+
+
 def _forward(config: ModelConfig, params: dict, tokens, positions, mask=None,
              dot_general=jax.lax.dot_general) -> jax.Array:
-    """Plain (cache-free) forward of our model, jitted: the learner's view. f32[B, T, V]."""
-
-    @jax.jit
-    def run(params, tokens, positions, mask):
-        return Transformer(config, dot_general).apply({"params": params}, tokens, positions,
-                                                      mask)[0]
-
-    return run(params, tokens, positions, mask)
+    """Plain (cache-free) forward of our model: the learner's view. f32[B, T, V]."""
+    return _jitted_forward(config, dot_general)(params, tokens, positions, mask)
 
 
 def _reference_logits(config: ModelConfig, params: dict, out, dot_general=jax.lax.dot_general
@@ -114,7 +123,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def qwen() -> tuple[ModelConfig, dict, Sampler]:
     cfg = TINY["qwen2"]
-    return cfg, _peaked_params(cfg), Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
+    return cfg, _random_params(cfg), Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[ModelConfig, dict, Sampler]:
+    cfg = TINY["llama"]
+    sampler = Sampler(cfg, prompt_buckets=(8, 16), gen_buckets=(4, 16))
+    return cfg, _random_params(cfg, seed=1), sampler
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,11 +149,9 @@ def test_greedy_matches_transformers_qwen2(qwen) -> None:
     assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
 
 
-def test_greedy_matches_transformers_llama() -> None:
-    cfg = TINY["llama"]
-    params = _peaked_params(cfg, seed=1)
+def test_greedy_matches_transformers_llama(llama) -> None:
+    cfg, params, sampler = llama
     expected = _hf_greedy(_hf_model(cfg, params), PROMPTS, 12)
-    sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
     out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=12, greedy=True)
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
 
@@ -216,7 +230,7 @@ def _chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_first_token_distribution_matches_softmax(qwen) -> None:
     cfg, _, sampler = qwen
     # Default (unpeaked) init: a broad distribution over all 256 tokens.
-    params = init_params(cfg, jax.random.key(2))
+    params = _random_params(cfg, seed=2, std=0.02)
     prompt = [5, 17, 99]
     probs = _first_token_probs(cfg, params, prompt)
     rows = 4000
@@ -348,17 +362,22 @@ def test_reproducible_and_key_dependent(qwen) -> None:
     np.testing.assert_array_equal(np.asarray(a.prompt_tokens)[3, pm[3]], PROMPTS[1])
 
 
-def test_buckets_limit_compilations() -> None:
-    cfg = TINY["llama"]
-    params = init_params(cfg, jax.random.key(0))
-    sampler = Sampler(cfg, prompt_buckets=(8, 32), gen_buckets=(4, 8))
+def test_buckets_limit_compilations(llama) -> None:
+    cfg, params, sampler = llama  # prompt buckets (8, 16), generation buckets (4, 16)
     kw = dict(key=jax.random.key(0), greedy=True)
-    sampler.sample(params, [[1, 2, 3]], max_new_tokens=3, **kw)
-    sampler.sample(params, [[1, 2, 3, 4, 5, 6, 7, 8]], max_new_tokens=4, **kw)
-    assert sampler.num_programs == 1
-    out = sampler.sample(params, [[1] * 9], max_new_tokens=4, **kw)
-    assert sampler.num_programs == 2
-    assert out.prompt_tokens.shape == (1, 32) and out.tokens.shape == (1, 4)
+    sampler.sample(params, [[1, 2, 3], [4], [5, 6]], max_new_tokens=12, **kw)
+    before = sampler.num_programs
+    # Same batch size, prompts up to 8 tokens, 5..16 new tokens: the same (8, 16) programs.
+    sampler.sample(params, [[1] * 8, [2] * 5, [3]], max_new_tokens=16, **kw)
+    out = sampler.sample(params, [[7, 8], [9], [10]], max_new_tokens=5, **kw)
+    assert sampler.num_programs == before
+    assert out.prompt_tokens.shape == (3, 8) and out.tokens.shape == (3, 5)
+    # A 9-token prompt moves to the 16 bucket: one more program, no more.
+    out = sampler.sample(params, [[1] * 9, [2], [3]], max_new_tokens=12, **kw)
+    assert sampler.num_programs == before + 1
+    assert out.prompt_tokens.shape == (3, 16) and out.tokens.shape == (3, 12)
+    with pytest.raises(ValueError, match=r"prompts\[0\] has 17 tokens"):
+        sampler.sample(params, [[1] * 17], max_new_tokens=4, **kw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,11 +398,13 @@ def test_sharded_greedy_matches_single_device(qwen) -> None:
     assert out.tokens.shape == (6, 10)
 
 
+_WORDS = ["<pad>", "<eos>", "<user>", "<assistant>"] + [f"w{i}" for i in range(252)]
+
+
 def _word_tokenizer() -> transformers.PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ["<pad>", "<eos>", "<user>", "<assistant>"] + [f"w{i}" for i in range(252)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
                                               eos_token="<eos>")
@@ -400,16 +421,16 @@ def test_generate_text_roundtrip(qwen) -> None:
     kw = dict(key=jax.random.key(0), n=2, greedy=True)
     got = generate(sampler, params, ["w5 w17 w99", "w12", "w200 w1"], tokenizer,
                    max_new_tokens=6, eos_ids=(), **kw)
-    # Word w<i> is token i + 4; token ids below 4 are special and dropped from the text.
+    # Word w<i> is token i + 4; <pad> (0) and <eos> (1) are special and dropped from the text.
     out = sampler.sample(params, [[9, 21, 103], [16], [204, 5]], max_new_tokens=6, **kw)
-    expected = [" ".join(f"w{t - 4}" for t in row if t >= 4) for row in np.asarray(out.tokens)]
+    expected = [" ".join(_WORDS[t] for t in row if t >= 2) for row in np.asarray(out.tokens)]
     assert got == expected
     chat = generate(sampler, params, ["w5", "w6", "w7"], tokenizer, max_new_tokens=6,
                     chat_template=True, **kw)
     out = sampler.sample(params, [[2, 9, 3], [2, 10, 3], [2, 11, 3]], max_new_tokens=6,
                          eos_ids=(1,), **kw)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    assert chat == [" ".join(f"w{t - 4}" for t in row[:n] if t >= 4)
+    assert chat == [" ".join(_WORDS[t] for t in row[:n] if t >= 2)
                     for row, n in zip(tokens, lengths, strict=True)]
 
 
