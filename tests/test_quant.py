@@ -48,7 +48,7 @@ TIED_HEAD_DN = (((2,), (1,)), ((), ()))
 # The bounds: 1.25x an independent NumPy emulation on stories260K (int8 W8A8 0.081 nats,
 # FP8 E4M3 W8A8 0.49, weight-only int8 0.034). fp8_block has no reference figure; on this model
 # (dim 64) its 128x128 weight blocks shrink to 64x128, i.e. one scale per 128 output channels,
-# coarser than per-channel fp8, so it gets a looser bound (still far from a broken model: ~4 nats).
+# coarser than per-channel fp8, so it gets a looser bound.
 KL_BOUNDS = {"int8": 0.10, "int8_weight_only": 0.034 * 1.25, "fp8": 0.61, "fp8_block": 0.75}
 
 
@@ -159,6 +159,8 @@ def _mean_kl(config: ModelConfig, params, rollout, tokens: jax.Array) -> float:
 
 @pytest.fixture(scope="module")
 def stories():
+    if not STORIES.exists():
+        pytest.skip(f"{STORIES} absent")
     config, params = load_llama2c(STORIES)
     return config, jax.tree.map(jnp.asarray, params)
 
