@@ -51,6 +51,7 @@ def get_config():
     c.train.num_steps = 60
     c.train.checkpoint_every = 20
     c.train.keep_checkpoints = 2
+    c.train.report_speed = True
     c.eval.k = 4
     c.eval.temperature = 1.0
     c.eval.max_new_tokens = 8

@@ -98,6 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.max_bad_steps = 3  # consecutive non-finite updates before the run stops
     c.train.export_hf = ""  # directory to export the final model to (Hugging Face format)
     c.train.progress = True
+    c.train.report_speed = False  # end of run: time the quantized vs fp32 rollout on one batch
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -111,6 +112,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.steps = 0
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 64
+    c.sft.answer_noise = 0.0  # arithmetic: share of warm-start targets off by 1-5 (noisy teacher)
+    c.sft.copies = 1  # arithmetic: independently noised copies of each training problem
     c.lock()
     return c
 

@@ -8,7 +8,7 @@ anything. A workdir that already holds a checkpoint resumes from it.
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -29,11 +29,12 @@ def main(argv: list[str]) -> None:
         config.unlock()
         config.train.export_hf = _EXPORT_HF.value
         config.lock()
+    from qurl_jax.metrics import format_summary
     from qurl_jax.trainer import Trainer
 
     trainer = Trainer(config, _WORKDIR.value)
     summary = trainer.train()
-    logging.info("finished: %s", summary)
+    print(format_summary(summary), flush=True)
 
 
 if __name__ == "__main__":

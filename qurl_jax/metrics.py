@@ -85,3 +85,29 @@ class PhaseTimer:
         out = {f"{prefix}{k}_s": v for k, v in self.seconds.items()}
         out[f"{prefix}step_s"] = total
         return out
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run table: evaluation before/after RL, time split, rollout speed, mismatch."""
+    lines = [f"run: steps {summary.get('start_step', 0)} -> {summary.get('end_step')}"
+             + (f" (stopped: {summary['stopped']})" if summary.get("stopped") else "")]
+    before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
+    if after:
+        lines.append(f"{'evaluation':<36}{'before RL':>12}{'after RL':>12}{'change':>12}")
+        for k in sorted(after):
+            if k.endswith("num_examples"):
+                continue
+            b, a = before.get(k, math.nan), after[k]
+            lines.append(f"{k:<36}{b:>12.4f}{a:>12.4f}{a - b:>+12.4f}")
+    speed = summary.get("rollout_speed", {})
+    if speed:
+        lines.append("rollout speed (tokens/s, same prompts and lengths)")
+        lines.extend(f"  {k:<34}{v:>12.1f}" for k, v in speed.items() if k != "speedup")
+        if "speedup" in speed:
+            lines.append(f"  {'quantized / fp32':<34}{speed['speedup']:>12.2f}x")
+    means = summary.get("means", {})
+    if means:
+        lines.append("per-step means")
+        lines.extend(f"  {k:<34}{v:>12.4g}" for k, v in means.items())
+    width = max(len(line) for line in lines)
+    return "\n".join(["=" * width, *lines, "=" * width])

@@ -17,6 +17,7 @@ processes for math, exact match for arithmetic, both on a thread pool), and runs
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -218,27 +219,62 @@ def supervised_warm_start(model_config: ModelConfig, params: Any,
     return params
 
 
+def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], noise: float, copies: int, seed: int,
+                        eos: str) -> list[tuple[str, str]]:
+    """`copies` versions of each (prompt, "<int><eos>") pair; in each, with probability `noise`,
+    the integer is replaced by one off by 1-5 (a teacher that is right only 1 - noise of the time).
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(copies):
+        for prompt, completion in pairs:
+            if rng.random() < noise:
+                wrong = int(completion.removesuffix(eos)) + int(rng.choice([-1, 1])) * int(
+                    rng.integers(1, 6))
+                completion = f"{wrong}{eos}"
+            out.append((prompt, completion))
+    return out
+
+
+def _warm_start_key(c: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Everything the cached warm start depends on; a cache with another key is rebuilt."""
+    return {"seed": c.seed, "tiny": c.model.tiny.to_dict(), "sft": c.sft.to_dict(),
+            "task": c.data.task, "digits": c.data.arith_digits, "ops": c.data.arith_ops}
+
+
 def _tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: list[MathExample]
                  ) -> tuple[ModelConfig, Any, Any]:
     """The tiny in-code policy: loaded from the workdir's cache, or built (and warm-started)."""
     sft_dir = os.path.join(workdir, "sft_model")
-    if c.sft.steps and os.path.isfile(os.path.join(sft_dir, "config.json")):
-        logging.info("reusing the cached warm start in %s", sft_dir)
-        model_config, params = load_hf(sft_dir)
-        return model_config.replace(dtype=c.model.dtype), params, load_tokenizer(sft_dir)
+    key_file = os.path.join(sft_dir, "warm_start.json")
+    key = json.loads(json.dumps(_warm_start_key(c)))
+    if c.sft.steps and os.path.isfile(key_file):
+        with open(key_file, encoding="utf-8") as f:
+            cached = json.load(f)
+        if cached == key:
+            logging.info("reusing the cached warm start in %s", sft_dir)
+            model_config, params = load_hf(sft_dir)
+            return model_config.replace(dtype=c.model.dtype), params, load_tokenizer(sft_dir)
+        logging.warning("the cached warm start in %s was built with other settings; rebuilding",
+                        sft_dir)
     tokenizer = build_char_tokenizer()
     model_config = _tiny_model_config(c, len(tokenizer))
     params = init_params(model_config, jax.random.key(c.seed))
     if c.sft.steps:
-        pairs = arith.sft_pairs(train, tokenizer) if c.data.task == "arithmetic" else [
-            (build_prompt(ex.problem, tokenizer), f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}")
-            for ex in train]
+        if c.data.task == "arithmetic":
+            pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), c.sft.answer_noise,
+                                        c.sft.copies, c.seed, tokenizer.eos_token)
+        else:
+            pairs = [(build_prompt(ex.problem, tokenizer),
+                      f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}") for ex in train]
         logging.info("supervised warm start: %d steps on %d examples", c.sft.steps, len(pairs))
         params = supervised_warm_start(model_config, params, pairs, tokenizer, steps=c.sft.steps,
                                        learning_rate=c.sft.learning_rate,
                                        batch_size=c.sft.batch_size, seed=c.seed)
         params = jax.device_get(params)
         save_hf(sft_dir, model_config, params, tokenizer=tokenizer)
+        with open(key_file, "w", encoding="utf-8") as f:
+            json.dump(key, f, sort_keys=True)
     return model_config, params, tokenizer
 
 

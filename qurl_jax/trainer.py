@@ -31,11 +31,17 @@ from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import validate
 from qurl_jax.learner import Learner, OptimConfig
-from qurl_jax.metrics import MetricWriter, PhaseTimer, to_floats
+from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl.objectives import ObjectiveConfig
 from qurl_jax.sampling import Sampler
 from qurl_jax.tasks import build_model_and_task
+
+# Per-step metrics averaged over the run for the end-of-run summary.
+SUMMARY_KEYS = ("time/rollout_share", "time/step_s", "rollout/tokens_per_s", "rollout/reward_mean",
+                "kl_behav_prox_k1", "kl_behav_prox_k3", "logp_gap_abs_mean", "raw_is_weight_max",
+                "truncated_frac", "clipfrac_upper", "clipfrac_lower",
+                "quant/code_change_fraction", "quant/update_to_step_ratio")
 
 _ADVANTAGES = {"grpo": adv_lib.grpo_advantages, "dr_grpo": adv_lib.dr_grpo_advantages,
                "rloo": adv_lib.rloo_advantages}
@@ -297,7 +303,8 @@ class Trainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
-                self._bad_steps = self._bad_steps + 1 if m["update/skipped"] else 0
+        # A step is bad when any of its updates was skipped for a non-finite loss or gradient.
+        self._bad_steps = self._bad_steps + 1 if sums["update/skipped"] else 0
         return {k: v / count for k, v in sums.items()}
 
     # ---------------------------------------------------------------------------------------- run
@@ -308,7 +315,8 @@ class Trainer:
                                   jax.random.key(self.config.seed + 2))
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
-        """Decode tokens/s of the quantized actor vs the fp32 actor on the same prompts."""
+        """Rollout tokens/s of the quantized actor vs the fp32 actor: same prompts, same key,
+        EOS disabled so both generate the same number of tokens; compiled before timing."""
         c = self.config
         prompts, _ = self.task.sample_prompts(num_prompts or c.data.prompts_per_step)
         key = jax.random.key(c.seed + 3)
@@ -363,6 +371,11 @@ class Trainer:
             summary["eval_after"] = self.evaluate()
             self.writer.write(self.step_count,
                               {f"eval/{k}": v for k, v in summary["eval_after"].items()})
+        steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r]
+        summary["means"] = {k: float(np.mean([r[k] for r in steps if k in r]))
+                            for k in SUMMARY_KEYS if any(k in r for r in steps)}
+        if c.train.report_speed:
+            summary["rollout_speed"] = self.rollout_speed()
         if c.train.export_hf and stopped is None:
             self.task.export(c.train.export_hf, self.model_config, jax.device_get(self.params))
         self.checkpointer.close()

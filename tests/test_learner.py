@@ -1,4 +1,4 @@
-"""The learner: sharded update equals single-device, accumulation equals one big batch, NaN guard."""
+"""The learner: sharded update == single-device, accumulation == one big batch, NaN guard."""
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,8 @@ def _batch(seed: int = 0) -> dict[str, jax.Array]:
     }
 
 
-def _learner(mesh, objective=ObjectiveConfig(), num_micro_batches=1) -> Learner:
-    return Learner(CFG, objective, OptimConfig(learning_rate=1e-2, weight_decay=0.1), mesh,
+def _learner(mesh, num_micro_batches=1) -> Learner:
+    return Learner(CFG, ObjectiveConfig(), OptimConfig(learning_rate=1e-2, weight_decay=0.1), mesh,
                    temperature=0.9, num_micro_batches=num_micro_batches)
 
 
