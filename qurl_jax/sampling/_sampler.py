@@ -107,6 +107,18 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int:
     raise AssertionError("value was checked against the largest bucket")
 
 
+def _left_pad(prompts: Sequence[Sequence[int]], width: int, rows: int, pad_id: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens i32[rows, width], mask bool[rows, width]): prompts right-aligned; rows past
+    len(prompts) (batch padding for the mesh) are all padding, which marks them finished."""
+    tokens = np.full((rows, width), pad_id, np.int32)
+    mask = np.zeros((rows, width), np.bool_)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p):] = p
+        mask[i, width - len(p):] = True
+    return tokens, mask
+
+
 def _cast_float_leaves(params: Params, dtype: Any) -> Params:
     """Casts the plain float arrays of a param dict to the compute dtype, leaving quantized tensors
     (any non-dict pytree node) untouched: the same cast the model applies per call, done once."""
@@ -206,17 +218,68 @@ class Sampler:
           key: PRNG key; the same key and inputs give the same tokens.
           n: samples per prompt (rows b*n .. b*n+n-1 belong to prompt b).
           max_new_tokens: response length limit.
-          temperature: softmax temperature (> 0); logits are divided by it in float32.
+          temperature: softmax temperature (> 0); logits are divided by it in float32. With
+            greedy decoding it only sets the temperature of the reported log-probs (1 if <= 0).
           top_k: keep the k most likely tokens (0 = off).
           top_p: nucleus threshold in (0, 1] (1 = off).
           greedy: arg-max decoding (ignores key, top_k and top_p).
           eos_ids: token ids that end a response (the EOS token is part of the response).
         """
-        cfg = self.config
-        b = len(prompts)
-        if b == 0:
+        eos = self._check_inputs(prompts, n, max_new_tokens, temperature, top_k, top_p, greedy,
+                                 eos_ids)
+        b, v = len(prompts), self.config.vocab_size
+        p_len = _bucket(max(len(p) for p in prompts), self.prompt_buckets)
+        g_len = _bucket(max_new_tokens, self.gen_buckets)
+        shards = self._batch_shards()
+        tokens, mask = _left_pad(prompts, p_len, -(-b // shards) * shards, self.pad_id)
+        mode = SamplingMode(
+            greedy=bool(greedy),
+            top_k=0 if greedy or top_k >= v else int(top_k),
+            top_p=not greedy and top_p < 1.0,
+        )
+        # EOS ids are a traced input padded with -1 (matches no token) to a multiple of 8, so a new
+        # EOS set does not compile a new program.
+        eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
+        eos_arr[: len(eos)] = eos
+        # Greedy decoding reports log-probs at the given temperature, or at 1 if it is not > 0.
+        temp = temperature if temperature > 0 else 1.0
+        prefill, decode = self._programs_for(tokens.shape[0], int(n), p_len, g_len, mode,
+                                             eos_arr.size)
+        tokens_d, mask_d = self._put_batch(tokens), self._put_batch(mask)
+        logits, cache = prefill(params, tokens_d, mask_d)
+        resp, _ = decode(
+            params, cache, logits, self._put_batch(np.repeat(mask.sum(1), n).astype(np.int32)),
+            key, jnp.float32(temp), jnp.float32(top_p), jnp.int32(max_new_tokens),
+            jnp.asarray(eos_arr),
+        )
+        rows = b * n
+
+        def crop(x: jax.Array, columns: int | None = None) -> jax.Array:
+            """Drops batch-padding rows (and generation-bucket columns past `columns`); a no-op
+            when there are none, which keeps the outputs' batch sharding."""
+            if x.shape[0] != rows:
+                x = x[:rows]
+            if columns is not None and x.shape[1] != columns:
+                x = x[:, :columns]
+            return x
+
+        if n > 1:
+            tokens_d, mask_d = jnp.repeat(tokens_d, n, axis=0), jnp.repeat(mask_d, n, axis=0)
+        per_token = ("tokens", "logp", "logp_untruncated", "mask")
+        return SampleOutput(
+            **{name: crop(resp[name], max_new_tokens) for name in per_token},
+            lengths=crop(resp["lengths"]), finish_reason=crop(resp["finish_reason"]),
+            prompt_tokens=crop(tokens_d), prompt_mask=crop(mask_d), num_steps=resp["num_steps"],
+        )
+
+    def _check_inputs(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int,
+                      temperature: float, top_k: int, top_p: float, greedy: bool,
+                      eos_ids: Sequence[int]) -> tuple[int, ...]:
+        """Raises ValueError naming the bad argument; returns the sorted distinct EOS ids."""
+        v = self.config.vocab_size
+        if len(prompts) == 0:
             raise ValueError("prompts is empty: nothing to sample")
-        if not isinstance(n, int | np.integer) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
             raise ValueError(f"n={n!r}: the number of samples per prompt must be an int >= 1")
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, "
@@ -228,12 +291,8 @@ class Sampler:
         if top_k < 0:
             raise ValueError(f"top_k={top_k} must be >= 0 (0 disables top-k)")
         eos = tuple(sorted({int(e) for e in eos_ids}))
-        for e in eos:
-            if not 0 <= e < cfg.vocab_size:
-                raise ValueError(
-                    f"eos_ids contains {e}, outside the vocabulary [0, {cfg.vocab_size})"
-                )
-        lengths = []
+        if any(not 0 <= e < v for e in eos):
+            raise ValueError(f"eos_ids={eos} has ids outside the vocabulary [0, {v})")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
@@ -242,51 +301,9 @@ class Sampler:
                     f"prompts[{i}] has {len(p)} tokens, more than the KV cache's prompt capacity "
                     f"{self.max_prompt_len} (Sampler max_prompt_len / prompt_buckets)"
                 )
-            lengths.append(len(p))
-
-        p_len = _bucket(max(lengths), self.prompt_buckets)
-        g_len = _bucket(max_new_tokens, self.gen_buckets)
-        shards = self._batch_shards()
-        b_pad = -(-b // shards) * shards
-        tokens = np.full((b_pad, p_len), self.pad_id, np.int32)
-        mask = np.zeros((b_pad, p_len), np.bool_)
-        for i, p in enumerate(prompts):
-            row = np.asarray(p, np.int64)
-            if row.min() < 0 or row.max() >= cfg.vocab_size:
-                raise ValueError(f"prompts[{i}] has token ids outside the vocabulary "
-                                 f"[0, {cfg.vocab_size})")
-            tokens[i, p_len - len(p):] = row
-            mask[i, p_len - len(p):] = True
-
-        mode = SamplingMode(
-            greedy=bool(greedy),
-            top_k=0 if greedy or top_k >= cfg.vocab_size else int(top_k),
-            top_p=not greedy and top_p < 1.0,
-        )
-        # EOS ids are a traced input padded with -1 (matches no token) to a multiple of 8, so a new
-        # EOS set does not compile a new program.
-        eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
-        eos_arr[: len(eos)] = eos
-        prefill, decode = self._programs_for(b_pad, int(n), p_len, g_len, mode, eos_arr.size)
-        tokens_d, mask_d = self._put_batch(tokens), self._put_batch(mask)
-        logits, cache = prefill(params, tokens_d, mask_d)
-        out, _ = decode(
-            params, cache, logits, self._put_batch(np.repeat(mask.sum(1), n).astype(np.int32)),
-            key, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
-            jnp.int32(max_new_tokens), jnp.asarray(eos_arr),
-        )
-        rows = b * n
-        return SampleOutput(
-            tokens=out.tokens[:rows, :max_new_tokens],
-            logp=out.logp[:rows, :max_new_tokens],
-            logp_untruncated=out.logp_untruncated[:rows, :max_new_tokens],
-            mask=out.mask[:rows, :max_new_tokens],
-            lengths=out.lengths[:rows],
-            finish_reason=out.finish_reason[:rows],
-            prompt_tokens=jnp.repeat(tokens_d, n, axis=0)[:rows],
-            prompt_mask=jnp.repeat(mask_d, n, axis=0)[:rows],
-            num_steps=out.num_steps,
-        )
+            if min(p) < 0 or max(p) >= v:
+                raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {v})")
+        return eos
 
     # ----------------------------------------------------------------------------------------------
     # Sharding helpers.
@@ -384,13 +401,13 @@ class Sampler:
         mode: SamplingMode,
         p_len: int,
         g_len: int,
-    ) -> tuple[SampleOutput, KVCache]:
+    ) -> tuple[dict[str, jax.Array], KVCache]:
         """Samples up to `max_new_tokens` (<= g_len) tokens per row with an early-exit while loop.
 
         logits: f32[N, V] next-token logits after the prompt; prompt_lengths: i32[N] real prompt
         tokens per row (0 marks a batch-padding row, which counts as finished from the start);
         eos_ids: i32[E] EOS ids, -1 padded.
-        Returns the outputs (full g_len width, prompt fields left empty) and the updated cache.
+        Returns the response fields of `SampleOutput` (g_len columns) and the updated cache.
         """
         num_rows = logits.shape[0]
         model, params = self._decode_model(params)
@@ -447,9 +464,6 @@ class Sampler:
         last = jnp.take_along_axis(toks, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
         ended_on_eos = (lengths > 0) & jnp.any(last[:, None] == eos_ids[None, :], axis=-1)
         finish = jnp.where(ended_on_eos, FinishReason.EOS, FinishReason.LENGTH).astype(jnp.int32)
-        out = SampleOutput(
-            tokens=toks, logp=lps, logp_untruncated=lps_full, mask=masks, lengths=lengths,
-            finish_reason=finish, prompt_tokens=jnp.zeros((num_rows, 0), jnp.int32),
-            prompt_mask=jnp.zeros((num_rows, 0), jnp.bool_), num_steps=step,
-        )
-        return out, cache
+        response = dict(tokens=toks, logp=lps, logp_untruncated=lps_full, mask=masks,
+                        lengths=lengths, finish_reason=finish, num_steps=step)
+        return response, cache
