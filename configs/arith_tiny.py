@@ -2,10 +2,12 @@
 
 Nothing is downloaded. A character-level tokenizer and a tiny Qwen2 model are built in code and
 saved in Hugging Face format under the workdir; a short supervised warm start on "a+b=" / "a-b="
-problems (cached in `<workdir>/sft_model`) gives a policy that is sometimes right; then GRPO with an
-INT8 rollout actor and the ACR objective raises its accuracy. Ends with a summary table: eval
-accuracy before and after RL, rollout share of step time, INT8 vs FP32 rollout speed and the
-behaviour/proximal mismatch metrics.
+problems (cached in `<workdir>/sft_model`) imitates a sloppy teacher that appends a stray character
+to half of its (correct) answers ("19." instead of "19"), which the exact-match verifier scores as
+wrong; then GRPO with an INT8 rollout actor and the ACR objective has to discover, from verifier
+rewards alone, that the clean answer is the rewarded one, and raises the sampled accuracy (Avg@4
+at temperature 1). Ends with a summary table: eval accuracy before and after RL, rollout share of
+step time, INT8 vs FP32 rollout speed and the behaviour/proximal mismatch metrics.
 """
 
 from qurl_jax.config import base_config
@@ -41,15 +43,16 @@ def get_config():
     c.rl.agg = "seq_mean_token_mean"
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 2
-    c.optim.learning_rate = 2e-4
+    c.optim.learning_rate = 1e-4
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
-    c.sft.steps = 300
+    c.sft.steps = 2000
+    c.sft.format_noise = 0.5
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 64
-    c.train.num_steps = 60
-    c.train.checkpoint_every = 20
+    c.train.num_steps = 150
+    c.train.checkpoint_every = 50
     c.train.keep_checkpoints = 2
     c.train.report_speed = True
     c.eval.k = 4

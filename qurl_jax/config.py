@@ -112,8 +112,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.steps = 0
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 64
-    c.sft.answer_noise = 0.0  # arithmetic: share of warm-start targets off by 1-5 (noisy teacher)
-    c.sft.copies = 1  # arithmetic: independently noised copies of each training problem
+    c.sft.format_noise = 0.0  # arithmetic: share of warm-start answers with a stray end character
     c.lock()
     return c
 

@@ -8,7 +8,9 @@ anything. A workdir that already holds a checkpoint resumes from it.
 
 from __future__ import annotations
 
-from absl import app, flags
+import logging as std_logging
+
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -19,9 +21,19 @@ _EXPORT_HF = flags.DEFINE_string(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+class _QuietLibraries(std_logging.Filter):
+    """Drops INFO chatter from orbax/JAX internals (one line per array on every save); warnings and
+    errors still pass, and qurl_jax's own INFO lines are kept."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        noisy = any(part in record.pathname for part in ("orbax", "jax/_src", "tensorboardX"))
+        return record.levelno >= std_logging.WARNING or not noisy
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.get_absl_handler().addFilter(_QuietLibraries())
     from qurl_jax.config import validate
 
     config = validate(_CONFIG.value)

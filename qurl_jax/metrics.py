@@ -47,8 +47,8 @@ class MetricWriter:
         self._file.flush()
         if self._tb is not None:
             for k, v in metrics.items():
-                if math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+                if math.isfinite(v):  # TensorBoard names allow no '@'
+                    self._tb.add_scalar(k.replace("@", "_at_"), v, step)
             self._tb.flush()
 
     def close(self) -> None:

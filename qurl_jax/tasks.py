@@ -219,20 +219,22 @@ def supervised_warm_start(model_config: ModelConfig, params: Any,
     return params
 
 
-def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], noise: float, copies: int, seed: int,
+FORMAT_JUNK = ".?!"
+
+
+def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], format_noise: float, seed: int,
                         eos: str) -> list[tuple[str, str]]:
-    """`copies` versions of each (prompt, "<int><eos>") pair; in each, with probability `noise`,
-    the integer is replaced by one off by 1-5 (a teacher that is right only 1 - noise of the time).
+    """The (prompt, "<answer><eos>") pairs of a sloppy teacher: with probability `format_noise` a
+    completion gets a stray character before EOS ("19." instead of "19"), which an exact-match
+    verifier scores as wrong. The answers themselves stay correct.
     """
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(copies):
-        for prompt, completion in pairs:
-            if rng.random() < noise:
-                wrong = int(completion.removesuffix(eos)) + int(rng.choice([-1, 1])) * int(
-                    rng.integers(1, 6))
-                completion = f"{wrong}{eos}"
-            out.append((prompt, completion))
+    for prompt, completion in pairs:
+        if rng.random() < format_noise:
+            junk = FORMAT_JUNK[int(rng.integers(len(FORMAT_JUNK)))]
+            completion = completion.removesuffix(eos) + junk + eos
+        out.append((prompt, completion))
     return out
 
 
@@ -262,8 +264,8 @@ def _tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: list[MathExa
     params = init_params(model_config, jax.random.key(c.seed))
     if c.sft.steps:
         if c.data.task == "arithmetic":
-            pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), c.sft.answer_noise,
-                                        c.sft.copies, c.seed, tokenizer.eos_token)
+            pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), c.sft.format_noise,
+                                        c.seed, tokenizer.eos_token)
         else:
             pairs = [(build_prompt(ex.problem, tokenizer),
                       f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}") for ex in train]
