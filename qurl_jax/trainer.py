@@ -176,10 +176,12 @@ class Trainer:
         attn = np.concatenate([out.prompt_mask, resp_mask > 0], axis=1)
         # With top-k/top-p truncation the learner's policy is the untruncated tempered softmax, so
         # importance ratios use the behaviour log-prob under that same distribution.
+        # Owned, writable copies: device_get returns read-only views, and dynamic sampling
+        # overwrites the rows of dropped groups in place.
         return Rollout(tokens=tokens, attn_mask=attn, resp_mask=resp_mask,
-                       logp_behav=np.asarray(out.logp_untruncated, np.float32),
-                       rewards=np.asarray(rewards, np.float32),
-                       lengths=np.asarray(out.lengths, np.int32), texts=texts)
+                       logp_behav=np.array(out.logp_untruncated, np.float32),
+                       rewards=np.array(rewards, np.float32),
+                       lengths=np.array(out.lengths, np.int32), texts=texts)
 
     def _shape_rewards(self, r: Rollout) -> np.ndarray:
         c = self.config
@@ -195,7 +197,7 @@ class Trainer:
 
     def _groups_to_keep(self, shaped: np.ndarray) -> np.ndarray:
         n = self.config.rollout.n
-        return np.asarray(adv_lib.groups_to_keep(jnp.asarray(shaped), group_size=n))[::n]
+        return np.array(adv_lib.groups_to_keep(jnp.asarray(shaped), group_size=n))[::n]  # writable
 
     def collect(self, rollout_params: Any, key: jax.Array, timer: PhaseTimer
                 ) -> tuple[Rollout, np.ndarray, dict[str, float]]:

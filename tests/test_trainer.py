@@ -224,3 +224,36 @@ def test_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
     rows = [r for r in read_metrics(str(tmp_path)) if "update/skipped" in r]
     assert [r["update/skipped"] for r in rows[-2:]] == [1.0, 1.0]
     json.dumps(summary["last"])
+
+
+def test_dynamic_sampling_refills_all_equal_groups(tmp_path):
+    from qurl_jax import quant
+    from qurl_jax.metrics import PhaseTimer
+
+    c = tiny_config(**{"rl.dynamic_sampling": True, "rl.max_gen_batches": 3})
+    t = Trainer(c, str(tmp_path))
+    n = c.rollout.n
+    # Call 1: group 0 mixed, group 1 all zero. Call 2: group 0 all zero, group 1 mixed.
+    scripted = iter([[1, 0, 0, 0] + [0] * n, [0] * n + [0, 1, 1, 0]])
+    t.task.rewards = lambda texts, answers: np.asarray(next(scripted), np.float32)
+    params = quant.requantize(t.params, t.recipe)
+    r, shaped, stats = t.collect(params, jax.random.key(0), PhaseTimer())
+    assert stats["rollout/gen_batches"] == 2 and stats["rollout/kept_group_frac"] == 1.0
+    np.testing.assert_array_equal(r.rewards, [1, 0, 0, 0, 0, 1, 1, 0])
+    np.testing.assert_array_equal(shaped, r.rewards)
+    assert r.resp_mask.sum() > 0
+
+
+def test_dynamic_sampling_masks_groups_it_cannot_refill(tmp_path):
+    from qurl_jax import quant
+    from qurl_jax.metrics import PhaseTimer
+
+    c = tiny_config(**{"rl.dynamic_sampling": True, "rl.max_gen_batches": 2})
+    t = Trainer(c, str(tmp_path))
+    n = c.rollout.n
+    scripted = iter([[1, 0, 1, 0] + [0] * n, [0] * 2 * n])  # the refill round finds nothing
+    t.task.rewards = lambda texts, answers: np.asarray(next(scripted), np.float32)
+    params = quant.requantize(t.params, t.recipe)
+    r, _, stats = t.collect(params, jax.random.key(0), PhaseTimer())
+    assert stats["rollout/kept_group_frac"] == 0.5
+    assert r.resp_mask[n:].sum() == 0 and r.resp_mask[:n].sum() > 0
