@@ -14,6 +14,7 @@ import os
 import ml_collections
 
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES
+from qurl_jax.rl.objectives import ObjectiveConfig
 
 PRECISIONS = ("fp", "int8", "fp8", "fp8_block")
 LOSS_MODES = ("on_policy", "naive", "tis", "mis", "acr", "sparse_rl")
@@ -65,6 +66,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.kl_coef = 0.0  # k3 KL to the initial policy; QuRL GRPO uses 1e-3
     c.rl.kl_estimator = "k3"
     c.rl.entropy_coef = 0.0
+    c.rl.dual_clip = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
+    c.rl.logratio_clamp = 20.0  # safety clamp on |log w| and |log R|
+    c.rl.mis_lo = 0.5  # mis: a token (or sequence) with weight outside [mis_lo, mis_hi] is rejected
+    c.rl.mis_hi = 2.0
+    c.rl.mis_level = "token"  # token | sequence | geometric
+    c.rl.veto_tau = 1e-4  # sparse_rl: reject a sequence if any pi_prox / pi_behav < tau; 0 = off
+    c.rl.sparse_cap = 1.5  # sparse_rl: truncation of the reweighting
+    c.rl.sparse_mask_band = ()  # sparse_rl: e.g. (0.5, 1.5) rejects tokens outside the band
+    c.rl.sparse_base = "tis"  # sparse_rl: 'acr' combines the corrections with ACR's clip bound
+    c.rl.batch_normalize = False  # renormalise importance weights to batch mean 1
     c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo
     c.rl.dynamic_sampling = False  # DAPO: drop all-equal-reward groups and refill
     c.rl.max_gen_batches = 3  # refill attempts per step with dynamic sampling
@@ -117,6 +128,18 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def objective_from_config(rl: ml_collections.ConfigDict) -> ObjectiveConfig:
+    """The `ObjectiveConfig` of the `rl` config section."""
+    return ObjectiveConfig(
+        mode=rl.loss_mode, eps_low=rl.eps_low, eps_high=rl.eps_high, cap=rl.cap, agg=rl.agg,
+        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
+        dual_clip=rl.dual_clip or None, logratio_clamp=rl.logratio_clamp, mis_lo=rl.mis_lo,
+        mis_hi=rl.mis_hi, mis_level=rl.mis_level, veto_tau=rl.veto_tau or None,
+        sparse_cap=rl.sparse_cap, sparse_mask_band=tuple(rl.sparse_mask_band) or None,
+        sparse_base=rl.sparse_base, batch_normalize=rl.batch_normalize,
+    ).validate()
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
         raise ValueError(f"config.{field}={value!r} is not one of {choices}")
@@ -166,6 +189,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ValueError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
+    try:
+        objective_from_config(c.rl)
+    except ValueError as e:
+        raise ValueError(f"config.rl: {e}") from e
     batch = c.data.prompts_per_step * c.rollout.n
     if batch % c.rl.num_minibatches:
         raise ValueError(f"config.rl.num_minibatches={c.rl.num_minibatches} does not divide the "

@@ -29,11 +29,10 @@ from absl import logging
 from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.config import validate
+from qurl_jax.config import objective_from_config, validate
 from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
 from qurl_jax.rl import advantages as adv_lib
-from qurl_jax.rl.objectives import ObjectiveConfig
 from qurl_jax.sampling import Sampler
 from qurl_jax.tasks import build_model_and_task
 
@@ -45,14 +44,6 @@ SUMMARY_KEYS = ("time/rollout_share", "time/step_s", "rollout/tokens_per_s", "ro
 
 _ADVANTAGES = {"grpo": adv_lib.grpo_advantages, "dr_grpo": adv_lib.dr_grpo_advantages,
                "rloo": adv_lib.rloo_advantages}
-
-
-def objective_from_config(rl: ml_collections.ConfigDict) -> ObjectiveConfig:
-    """The `ObjectiveConfig` of the `rl` config section."""
-    return ObjectiveConfig(
-        mode=rl.loss_mode, eps_low=rl.eps_low, eps_high=rl.eps_high, cap=rl.cap, agg=rl.agg,
-        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
-    ).validate()
 
 
 def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:

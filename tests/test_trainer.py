@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from qurl_jax.config import LOSS_MODES, PRECISIONS, base_config, validate
+from qurl_jax.config import LOSS_MODES, PRECISIONS, base_config, objective_from_config, validate
 from qurl_jax.learner import Learner
 from qurl_jax.metrics import read_metrics
-from qurl_jax.trainer import Trainer, objective_from_config, optim_from_config
+from qurl_jax.trainer import Trainer, optim_from_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
