@@ -14,6 +14,7 @@ with orbax every `train.checkpoint_every` steps and a workdir with a checkpoint 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -57,20 +58,28 @@ class Rollout:
     """One step's experience, host-side numpy, rows grouped by prompt (n consecutive rows each).
 
     tokens i32[N, P+G] prompt (left-padded) + response; attn_mask bool[N, P+G];
-    resp_mask f32[N, G]; logp_behav f32[N, G]; rewards f32[N]; lengths i32[N].
+    resp_mask f32[N, G]; logp_behav f32[N, G]; lengths i32[N]; rewards f32[N], None while the
+    verifier still runs in the background (`pending`); `resolve()` waits for it.
     """
 
     tokens: np.ndarray
     attn_mask: np.ndarray
     resp_mask: np.ndarray
     logp_behav: np.ndarray
-    rewards: np.ndarray
+    rewards: np.ndarray | None
     lengths: np.ndarray
     texts: list[str]
+    pending: concurrent.futures.Future | None = None
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
+
+    def resolve(self) -> Rollout:
+        if self.pending is not None:
+            self.rewards = np.array(self.pending.result(), np.float32)
+            self.pending = None
+        return self
 
 
 def _left_pad_to_same_width(a: Rollout, b: Rollout) -> tuple[Rollout, Rollout]:
@@ -120,6 +129,7 @@ class Trainer:
                                          keep=c.train.keep_checkpoints)
         self._restore()
         self.writer = MetricWriter(self.workdir)
+        self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
 
@@ -159,9 +169,10 @@ class Trainer:
                 max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
                 top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids)
             out = jax.device_get(out)
-        with timer.phase("reward"):
-            texts = self.task.decode(out.tokens, out.mask)
-            rewards = self.task.rewards(texts, [a for a in answers for _ in range(c.rollout.n)])
+        texts = self.task.decode(out.tokens, out.mask)
+        # Verification runs on the reward thread while the learner recomputes log-probs.
+        pending = self._reward_thread.submit(
+            self.task.rewards, texts, [a for a in answers for _ in range(c.rollout.n)])
         resp_mask = np.asarray(out.mask, np.float32)
         tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
         attn = np.concatenate([out.prompt_mask, resp_mask > 0], axis=1)
@@ -171,8 +182,8 @@ class Trainer:
         # overwrites the rows of dropped groups in place.
         return Rollout(tokens=tokens, attn_mask=attn, resp_mask=resp_mask,
                        logp_behav=np.array(out.logp_untruncated, np.float32),
-                       rewards=np.array(rewards, np.float32),
-                       lengths=np.array(out.lengths, np.int32), texts=texts)
+                       rewards=None, lengths=np.array(out.lengths, np.int32), texts=texts,
+                       pending=pending)
 
     def _shape_rewards(self, r: Rollout) -> np.ndarray:
         c = self.config
@@ -191,29 +202,32 @@ class Trainer:
         return np.array(adv_lib.groups_to_keep(jnp.asarray(shaped), group_size=n))[::n]  # writable
 
     def collect(self, rollout_params: Any, key: jax.Array, timer: PhaseTimer
-                ) -> tuple[Rollout, np.ndarray, dict[str, float]]:
+                ) -> tuple[Rollout, dict[str, float]]:
         """Samples one batch; with DAPO dynamic sampling, replaces all-equal groups by new ones.
 
-        Groups still all-equal after `max_gen_batches` generation rounds stay in the batch with
-        zero advantage and a zero loss mask, so shapes stay static and they add nothing.
+        Without dynamic sampling the rewards are still being verified when this returns
+        (`Rollout.pending`). Groups still all-equal after `max_gen_batches` generation rounds stay
+        in the batch with a zero loss mask, so shapes stay static and they add nothing.
         """
         c = self.config
         n, want = c.rollout.n, c.data.prompts_per_step
         prompts, answers = self.task.next_prompts(want)
         r = self._rollout(rollout_params, prompts, answers, key, timer)
-        shaped = self._shape_rewards(r)
-        stats = {"rollout/reward_mean": float(r.rewards.mean()),
-                 "rollout/accuracy": float((r.rewards > 0.5).mean()),
-                 "rollout/response_len": float(r.lengths.mean()),
+        stats = {"rollout/response_len": float(r.lengths.mean()),
                  "rollout/tokens": float(r.lengths.sum())}
         if not c.rl.dynamic_sampling:
-            return r, shaped, stats
+            return r, stats
+        with timer.phase("reward"):
+            r.resolve()
+        shaped = self._shape_rewards(r)
         keep = self._groups_to_keep(shaped)
         rounds = 1
         while not keep.all() and rounds < c.rl.max_gen_batches:
             prompts, answers = self.task.next_prompts(want)
             extra = self._rollout(rollout_params, prompts, answers,
                                   jax.random.fold_in(key, rounds), timer)
+            with timer.phase("reward"):
+                extra.resolve()
             extra_shaped = self._shape_rewards(extra)
             r, extra = _left_pad_to_same_width(r, extra)
             extra_keep = self._groups_to_keep(extra_shaped)
@@ -230,7 +244,7 @@ class Trainer:
         r.resp_mask *= np.repeat(keep, n)[:, None].astype(np.float32)
         stats.update({"rollout/gen_batches": float(rounds),
                       "rollout/kept_group_frac": float(keep.mean())})
-        return r, shaped, stats
+        return r, stats
 
     @staticmethod
     def _copy_rows(dst: Rollout, src: Rollout, field: str, rows_d: slice, rows_s: slice) -> None:
@@ -244,14 +258,19 @@ class Trainer:
         key = jax.random.fold_in(jax.random.key(c.seed), self.step_count)
         with timer.phase("requantize"):
             rollout_params = jax.block_until_ready(quant.requantize(self.params, self.recipe))
-        r, shaped, metrics = self.collect(rollout_params, key, timer)
-        advantages = self._advantages(shaped)
-        batch = self._learner_batch(r, advantages)
+        r, metrics = self.collect(rollout_params, key, timer)
+        batch = self._learner_batch(r)
         with timer.phase("logp_recompute"):
             batch["logp_prox"] = self.learner.logprobs(self.params, batch)
             if self.ref_params is not None:
                 batch["logp_ref"] = self.learner.logprobs(self.ref_params, batch)
             jax.block_until_ready(batch["logp_prox"])
+        with timer.phase("reward"):  # only the part the recomputation did not hide
+            r.resolve()
+        metrics.update({"rollout/reward_mean": float(r.rewards.mean()),
+                        "rollout/accuracy": float((r.rewards > 0.5).mean())})
+        advantages = self._advantages(self._shape_rewards(r))
+        batch.update(self.learner.shard_batch({"advantages": jnp.asarray(advantages)}))
         # The update donates the parameter buffers, so the diagnostic keeps its own copy.
         old_params = jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes else None
         with timer.phase("update"):
@@ -270,11 +289,11 @@ class Trainer:
         self.last_metrics = metrics
         return metrics
 
-    def _learner_batch(self, r: Rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
+    def _learner_batch(self, r: Rollout) -> dict[str, jax.Array]:
+        """The learner's inputs except the advantages (those wait for the verifier)."""
         positions = np.maximum(np.cumsum(r.attn_mask, axis=1) - 1, 0).astype(np.int32)
         batch = {"tokens": r.tokens, "positions": positions, "attn_mask": r.attn_mask,
-                 "resp_mask": r.resp_mask, "logp_behav": r.logp_behav,
-                 "advantages": advantages.astype(np.float32)}
+                 "resp_mask": r.resp_mask, "logp_behav": r.logp_behav}
         return self.learner.shard_batch({k: jnp.asarray(v) for k, v in batch.items()})
 
     def _update(self, batch: dict[str, jax.Array]) -> dict[str, float]:
@@ -373,6 +392,7 @@ class Trainer:
             self.task.export(c.train.export_hf, self.model_config, jax.device_get(self.params))
         self.checkpointer.close()
         self.writer.close()
+        self._reward_thread.shutdown()
         return summary
 
 
