@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from qurl_jax.models import ModelConfig, Transformer, init_params, param_logical_axes
-from qurl_jax.models.hf import params_to_hf_state_dict
+from qurl_jax.models.hf import to_transformers
 from qurl_jax.sampling import FinishReason, Sampler, SamplingMode, generate, sample_tokens
 from qurl_jax.sharding import make_mesh, shard_params
 
@@ -53,28 +53,7 @@ def _random_params(config: ModelConfig, seed: int = 0, std: float = 0.1) -> dict
 
 
 def _hf_model(config: ModelConfig, params: dict) -> transformers.PreTrainedModel:
-    common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings,
-        max_position_embeddings=config.max_position_embeddings,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    if config.model_type == "qwen2":
-        hf_cfg = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        hf_cfg = transformers.LlamaConfig(**common, attention_bias=config.attention_bias)
-        cls = transformers.LlamaForCausalLM
-    hf_cfg._attn_implementation = "eager"
-    model = cls(hf_cfg).eval()
-    state = {k: torch.from_numpy(v) for k, v in params_to_hf_state_dict(config, params).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model
+    return to_transformers(config, params, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
 def _hf_greedy(model: transformers.PreTrainedModel, prompts: list[list[int]], max_new: int

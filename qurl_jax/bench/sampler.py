@@ -80,24 +80,11 @@ def _ours(config: ModelConfig, params: Any, dot_general: Any, prompts: list[list
 def _transformers(config: ModelConfig, params: Any, prompts: list[list[int]], threads: int
                   ) -> Callable[[int], float]:
     import torch
-    import transformers
 
-    from qurl_jax.models.hf import params_to_hf_state_dict
+    from qurl_jax.models.hf import to_transformers
 
-    hf_cfg = transformers.Qwen2Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings,
-        max_position_embeddings=config.max_position_embeddings,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
-    state = {k: torch.from_numpy(np.array(v))
-             for k, v in params_to_hf_state_dict(config, params).items()}
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
+    model = to_transformers(config, params, attn_implementation="sdpa", bos_token_id=None,
+                            eos_token_id=None, pad_token_id=0)
     ids = torch.tensor(prompts, dtype=torch.long)
     mask = torch.ones_like(ids)
 

@@ -426,3 +426,23 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+
+
+def to_transformers(config: ModelConfig, params: Params, *, attn_implementation: str = "eager",
+                    **config_overrides: Any) -> Any:
+    """A float32 `transformers` *ForCausalLM (torch) holding `params`, for parity tests and
+    benchmarks; `config_overrides` replace config.json fields (e.g. eos_token_id=None)."""
+    import torch
+    import transformers
+
+    hf = {**config_to_hf(config), **config_overrides}
+    hf_config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config, attn_implementation=attn_implementation).float().eval()
+    state = {k: torch.from_numpy(np.array(v, np.float32))
+             for k, v in params_to_hf_state_dict(config, params).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"to_transformers: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
