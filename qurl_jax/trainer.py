@@ -68,7 +68,6 @@ class Rollout:
     logp_behav: np.ndarray
     rewards: np.ndarray | None
     lengths: np.ndarray
-    texts: list[str]
     pending: concurrent.futures.Future | None = None
 
     @property
@@ -182,8 +181,7 @@ class Trainer:
         # overwrites the rows of dropped groups in place.
         return Rollout(tokens=tokens, attn_mask=attn, resp_mask=resp_mask,
                        logp_behav=np.array(out.logp_untruncated, np.float32),
-                       rewards=None, lengths=np.array(out.lengths, np.int32), texts=texts,
-                       pending=pending)
+                       rewards=None, lengths=np.array(out.lengths, np.int32), pending=pending)
 
     def _shape_rewards(self, r: Rollout) -> np.ndarray:
         c = self.config
@@ -353,7 +351,7 @@ class Trainer:
         c = self.config
         total = c.train.num_steps if num_steps is None else num_steps
         summary: dict[str, Any] = {"start_step": self.step_count}
-        if self.step_count == 0 and (c.eval.files or self.task.has_eval):
+        if self.step_count == 0 and self.task.has_eval:
             summary["eval_before"] = self.evaluate()
             self.writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items()})
         progress = _Progress(total, self.step_count, enabled=c.train.progress)
@@ -379,7 +377,7 @@ class Trainer:
         if stopped is None and self.step_count not in self.checkpointer.steps():
             self._save(force=True)
         summary.update(end_step=self.step_count, stopped=stopped, last=self.last_metrics)
-        if c.eval.files or self.task.has_eval:
+        if self.task.has_eval:
             summary["eval_after"] = self.evaluate()
             self.writer.write(self.step_count,
                               {f"eval/{k}": v for k, v in summary["eval_after"].items()})
@@ -393,6 +391,7 @@ class Trainer:
         self.checkpointer.close()
         self.writer.close()
         self._reward_thread.shutdown()
+        self.task.close()  # verifier worker processes
         return summary
 
 
