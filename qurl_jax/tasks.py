@@ -39,7 +39,7 @@ from qurl_jax.data.rewards import (
     math_reward,
 )
 from qurl_jax.data.tokenizer import build_char_tokenizer
-from qurl_jax.models import ModelConfig, Transformer, init_params
+from qurl_jax.models import ModelConfig, Transformer, init_params, token_logprobs
 from qurl_jax.models.hf import load_hf, load_tokenizer, save_hf
 from qurl_jax.sampling import Sampler
 
@@ -197,8 +197,7 @@ def supervised_warm_start(model_config: ModelConfig, params: Any,
 
     def loss_fn(p, tok, pos, val, lm):
         logits, _ = model.apply({"params": p}, tok, pos, val)
-        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        nll = -jnp.take_along_axis(logp, tok[:, 1:, None], axis=-1)[..., 0]
+        nll = -token_logprobs(logits[:, :-1], tok[:, 1:])
         return jnp.sum(nll * lm[:, 1:]) / jnp.maximum(jnp.sum(lm[:, 1:]), 1.0)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))

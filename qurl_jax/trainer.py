@@ -235,7 +235,7 @@ class Trainer:
                 rows_d, rows_s = slice(dst * n, dst * n + n), slice(src * n, src * n + n)
                 for field in ("tokens", "attn_mask", "resp_mask", "logp_behav", "rewards",
                               "lengths"):
-                    self._copy_rows(r, extra, field, rows_d, rows_s)
+                    getattr(r, field)[rows_d] = getattr(extra, field)[rows_s]
                 shaped[rows_d] = extra_shaped[rows_s]
                 keep[dst] = True
             rounds += 1
@@ -243,10 +243,6 @@ class Trainer:
         stats.update({"rollout/gen_batches": float(rounds),
                       "rollout/kept_group_frac": float(keep.mean())})
         return r, stats
-
-    @staticmethod
-    def _copy_rows(dst: Rollout, src: Rollout, field: str, rows_d: slice, rows_s: slice) -> None:
-        getattr(dst, field)[rows_d] = getattr(src, field)[rows_s]
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> dict[str, float]:
