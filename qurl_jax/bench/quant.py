@@ -24,7 +24,14 @@ import optax
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.params import init_params, token_logprobs
 from qurl_jax.models.transformer import KVCache, Transformer
-from qurl_jax.quant import QuantizedTensor, Recipe, get_recipe, requantize, rollout_dot_general
+from qurl_jax.quant import (
+    QuantizedTensor,
+    Recipe,
+    get_recipe,
+    pack_for_decode,
+    requantize,
+    rollout_dot_general,
+)
 
 # ~98M parameters: 73M in the 12 decoder layers (quantized), 2 x 12.6M in the 16k x 768 embedding
 # and the untied LM head (kept in float32). Untied because XLA:CPU runs the tied head (contracting
@@ -55,10 +62,11 @@ def make_decode_step(config: ModelConfig) -> Callable[..., tuple[jax.Array, KVCa
 def filled_cache(config: ModelConfig, batch: int, context: int, rng: jax.Array) -> KVCache:
     """A cache of `context` valid random slots plus room for one more token."""
     cache = KVCache.zeros(config, batch, context + 1)
-    kk, kv = jax.random.split(rng)
+    keys = jax.random.split(rng, 2 * config.num_layers)
+    random_like = lambda key, x: jax.random.normal(key, x.shape, x.dtype)  # noqa: E731
     return KVCache(
-        k=jax.random.normal(kk, cache.k.shape, cache.k.dtype),
-        v=jax.random.normal(kv, cache.v.shape, cache.v.dtype),
+        k=tuple(map(random_like, keys[0::2], cache.k)),
+        v=tuple(map(random_like, keys[1::2], cache.v)),
         mask=cache.mask.at[:, :context].set(True),
     )
 
@@ -86,7 +94,9 @@ def time_decode(config: ModelConfig, recipes: Sequence[str], batch: int = 8, con
     positions = jnp.full((batch, 1), context, jnp.int32)
     state = {}
     for name in recipes:
-        rollout = _block(requantize(params, parse_recipe(name)))
+        # As the sampler's decode loop does once per rollout: int8 kernels in the CPU kernel's
+        # packed layout (a no-op off CPU or without AVX512-VNNI).
+        rollout = _block(jax.jit(pack_for_decode)(requantize(params, parse_recipe(name))))
         cache = filled_cache(config, batch, context, rng)
         _, cache = _block(step(rollout, cache, tokens, positions, context))  # compile + warm up
         state[name] = [rollout, cache]

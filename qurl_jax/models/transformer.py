@@ -35,29 +35,39 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @flax.struct.dataclass
 class KVCache:
-    """Preallocated key/value cache shared by all layers.
+    """Preallocated key/value cache, one buffer per layer.
 
-    k, v: f[L, B, S, Hkv, D]   keys/values in compute dtype, S = cache length (slots).
-    mask: bool[B, S]           slot holds a real (non-pad) token.
+    k, v: L-tuples of f[B, Hkv, S, D]   keys/values in compute dtype, S = cache length (slots).
+    mask: bool[B, S]                    slot holds a real (non-pad) token.
+
+    Why this layout (measured on XLA:CPU, 12 layers, batch 8, 513 slots): both attention products
+    read a layer's cache as a batched [S, D] matrix per (batch row, kv head), so slots sit next to
+    head_dim; and each layer has its own buffer, because reading one layer out of a stacked
+    [L, ...] buffer makes XLA copy that layer's whole cache on every decode step. Together these
+    cut attention from ~25 ms to ~3 ms per decode step. Each buffer is updated in place when the
+    cache is donated.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     mask: jax.Array
+
+    SLOT_AXIS = 2  # axis of each k / v buffer that indexes cache slots
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
         dtype = config.compute_dtype if dtype is None else dtype
-        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, length, config.head_dim)
+        layers = range(config.num_layers)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(shape, dtype) for _ in layers),
+            v=tuple(jnp.zeros(shape, dtype) for _ in layers),
             mask=jnp.zeros((batch, length), jnp.bool_),
         )
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.mask.shape[1]
 
 
 def _cast_float(x: Any, dtype: Any) -> Any:
@@ -159,9 +169,8 @@ class Attention(nn.Module):
         cache: tuple[jax.Array, jax.Array] | None,
         cache_mask: jax.Array | None,
         cache_index: jax.Array | None,
-        layer: int = 0,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """`cache` holds all layers' (k, v) f[L, B, S, Hkv, D]; this layer writes row `layer`."""
+        """`cache` is this layer's (k, v) f[B, Hkv, S, D]; returns it with this call's tokens."""
         cfg = self.config
         b, t, _ = x.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -180,33 +189,34 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
 
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
         if cache is None:
             keys, values = k, v
             key_mask = mask  # [B, T]
             q_slot = jnp.arange(t)
-            k_slot = jnp.arange(t)
             new_cache = None
         else:
-            ck, cv = cache
-            # Write into the stacked buffer (not a per-layer copy) so XLA updates it in place.
-            idx = (layer, 0, cache_index, 0, 0)
-            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), idx)
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), idx)
-            keys, values = ck[layer], cv[layer]
+            idx = (0, 0, cache_index, 0)
+            keys = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), idx)
+            values = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), idx)
             key_mask = cache_mask  # [B, S], already updated with this call's tokens
             q_slot = cache_index + jnp.arange(t)
-            k_slot = jnp.arange(keys.shape[1])
-            new_cache = (ck, cv)
+            new_cache = (keys, values)
+        k_slot = jnp.arange(keys.shape[2])
 
-        # Grouped-query attention: q heads [Hkv, G] share one kv head. Scores in float32.
+        # Grouped-query attention: the G = H / Hkv query heads of one kv head and the T query
+        # positions form the rows of one [G*T, D] x [D, S] product per (batch row, kv head).
+        # Scores and softmax in float32.
         g = h // hkv
-        qg = q.reshape(b, t, hkv, g, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(dt)).astype(jnp.float32)
-        scores = scores / math.sqrt(d)
+        qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        batch_dims = ((0, 1), (0, 1))
+        scores = jax.lax.dot_general(qg, keys.astype(dt), (((3,), (3,)), batch_dims))
+        scores = scores.astype(jnp.float32).reshape(b, hkv, g, t, -1) / math.sqrt(d)
         allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
         scores = jnp.where(allowed[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt)).reshape(b, t, h * d)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, hkv, g * t, -1)
+        out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
+        out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache
 
@@ -230,12 +240,12 @@ class DecoderLayer(nn.Module):
     dot_general: DotGeneral
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, cache_mask, cache_index, layer):
+    def __call__(self, x, positions, mask, cache, cache_mask, cache_index):
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
         attn, new_cache = Attention(cfg, self.dot_general, name="self_attn")(
-            h, positions, mask, cache, cache_mask, cache_index, layer
+            h, positions, mask, cache, cache_mask, cache_index
         )
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
@@ -283,11 +293,13 @@ class Transformer(nn.Module):
                 raise ValueError("Transformer: a cache needs a cache_index")
             cache_index = jnp.asarray(cache_index, jnp.int32)
             cache_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache_index))
-        kv = None if cache is None else (cache.k, cache.v)
+        new_kv = []
         for i in range(cfg.num_layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = DecoderLayer(cfg, self.dot_general, name=f"layers_{i}")(
-                x, positions, mask, kv, cache_mask, cache_index, i
+                x, positions, mask, kv, cache_mask, cache_index
             )
+            new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
         if last_only:
             x = x[:, -1:]
@@ -298,7 +310,8 @@ class Transformer(nn.Module):
                             name="lm_head")(x)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=kv[0], v=kv[1], mask=cache_mask)
+            new_cache = KVCache(k=tuple(kv[0] for kv in new_kv), v=tuple(kv[1] for kv in new_kv),
+                                mask=cache_mask)
         return logits.astype(jnp.float32), new_cache
 
 

@@ -4,9 +4,12 @@ The learner keeps float32 master weights. Once per RL step `requantize(params, r
 into frozen low-precision rollout parameters, and the rollout model runs them through the
 `rollout_dot_general` hook: `Transformer(config, dot_general=rollout_dot_general)`.
 `invariant_scaling` is QuRL's update-aware rescaling, applied to the learner's parameters once
-before training; `update_capture` and `quantization_error` are the per-step diagnostics.
+before training; `update_capture` and `quantization_error` are the per-step diagnostics. On a CPU
+with AVX512-VNNI the int8 product runs on a custom kernel (`_cpu_kernel`); a decode loop stores
+its int8 kernels in that kernel's layout once per rollout with `pack_for_decode`.
 """
 
+from qurl_jax.quant._cpu_kernel import pack_for_decode
 from qurl_jax.quant._diagnostics import quantization_error, quantization_step, update_capture
 from qurl_jax.quant._dot_general import aqt_serving_config, make_dot_general, rollout_dot_general
 from qurl_jax.quant._invariant_scaling import invariant_scaling
@@ -25,6 +28,7 @@ __all__ = [
     "QuantizedTensor",
     "aqt_serving_config",
     "make_dot_general",
+    "pack_for_decode",
     "quantize_kernel",
     "rollout_dot_general",
     # Per-step requantization and QuRL's invariant scaling

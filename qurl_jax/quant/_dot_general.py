@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.numerics import utils as aqt_numerics
 
+from qurl_jax.quant._cpu_kernel import int8_dot_general, packed_int8_dot_general
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_groups
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
 
@@ -46,12 +47,20 @@ DotDimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
                             tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def aqt_serving_config(fmt: QuantFormat) -> aqt_config.DotGeneralRaw:
+def aqt_serving_config(fmt: QuantFormat, packed: bool = False) -> aqt_config.DotGeneralRaw:
     """AQT forward dot_general for W8A8 in `fmt`: both sides abs-max calibrated along the
-    contracting axis (per token / per output channel), int32 accumulation for int8, f32 for FP8."""
+    contracting axis (per token / per output channel), int32 accumulation for int8, f32 for FP8.
+
+    For int8, AQT's raw integer product is `int8_dot_general`: the VNNI kernel for decode-shaped
+    products on CPU, XLA's dot otherwise (bit-identical); with `packed` weights (see
+    `pack_for_decode`) it is the kernel's packed product."""
     cfg = aqt_config.dot_general_raw_make(fmt.value, fmt.value)
     numerics = aqt_numerics.get_numerics(fmt.value, preserve_max_val=True)
     aqt_config.set_numerics(cfg, numerics, numerics)
+    if fmt is QuantFormat.INT8:
+        cfg.dot_general = packed_int8_dot_general if packed else int8_dot_general
+    elif packed:
+        raise ValueError(f"aqt_serving_config: only int8 kernels can be packed, not {fmt}")
     return cfg
 
 
@@ -61,9 +70,10 @@ def _per_channel_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int) ->
     x = lhs.reshape(-1, k).astype(jnp.float32)
     rows = x.shape[0]
     if rows == 1:
-        # XLA:CPU's int8 dot has no fast path for a single row (~8x slower than two rows).
+        # XLA:CPU's int8 dot has no fast path for a single row (~8x slower than two rows); the
+        # padding row is nearly free for the VNNI kernel.
         x = jnp.pad(x, ((0, 1), (0, 0)))
-    cfg = aqt_serving_config(rhs.act_format)
+    cfg = aqt_serving_config(rhs.act_format, packed=rhs.packed)
     # AQT still wants an rhs array of the right shape; its own calibration of it is discarded
     # when a complete rhs QTensor is given (and removed by XLA as dead code).
     placeholder = jnp.zeros(rhs.shape, jnp.float32)

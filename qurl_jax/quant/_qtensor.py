@@ -50,12 +50,15 @@ class QuantizedTensor:
     block:  (rows, cols) of a scale block, already shrunk to the kernel's shape (static).
     act_format: format the activations are quantized to before the product; None = weight-only
       (static).
+    packed: qvalue holds the codes reordered for the CPU int8 kernel (`pack_for_decode`); same
+      shape, but only that kernel's product can read it (static).
     """
 
     qvalue: jax.Array
     scale: jax.Array
     block: tuple[int, int] = flax.struct.field(pytree_node=False)
     act_format: QuantFormat | None = flax.struct.field(pytree_node=False)
+    packed: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -86,6 +89,9 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """[R, C] kernel reconstructed from the codes, in `dtype`."""
+        if self.packed:
+            raise ValueError("QuantizedTensor.dequantize: the codes are packed for the CPU int8 "
+                             "kernel; dequantize the unpacked rollout parameters instead")
         return (self.qvalue.astype(jnp.float32) * self.expanded_scale()).astype(dtype)
 
     def to_aqt(self, contracting_axis: int = 0) -> aqt_tensor.QTensor:

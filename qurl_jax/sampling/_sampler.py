@@ -30,13 +30,15 @@ from jax.sharding import Mesh, NamedSharding
 
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.transformer import DotGeneral, KVCache, Transformer
+from qurl_jax.quant import pack_for_decode
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
 
 Params = dict[str, Any]
 
-# Logical axes of KVCache.k / .v ([L, B, S, Hkv, D]) and .mask ([B, S]) for `qurl_jax.sharding`.
-_CACHE_KV_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+# Logical axes of each KVCache.k / .v buffer ([B, Hkv, S, D]) and of .mask ([B, S]) for
+# `qurl_jax.sharding`.
+_CACHE_KV_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 _CACHE_MASK_AXES = ("batch", "cache_length")
 
 
@@ -325,9 +327,10 @@ class Sampler:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _constrain_cache(self, cache: KVCache) -> KVCache:
+        constrain = lambda x: self._constrain(x, _CACHE_KV_AXES)  # noqa: E731
         return KVCache(
-            k=self._constrain(cache.k, _CACHE_KV_AXES),
-            v=self._constrain(cache.v, _CACHE_KV_AXES),
+            k=tuple(map(constrain, cache.k)),
+            v=tuple(map(constrain, cache.v)),
             mask=self._constrain(cache.mask, _CACHE_MASK_AXES),
         )
 
@@ -358,10 +361,12 @@ class Sampler:
             {"params": params}, tokens, positions, mask, cache=cache, cache_index=0, last_only=True
         )
         # Copy each prompt's rows n times into the full-length cache (n = 1 is a plain pad).
-        pad = ((0, 0), (0, 0), (0, cache_len - p_len), (0, 0), (0, 0))
+        pad = [(0, 0)] * len(_CACHE_KV_AXES)
+        pad[KVCache.SLOT_AXIS] = (0, cache_len - p_len)
+        copy_rows = lambda x: jnp.pad(jnp.repeat(x, n, axis=0), pad)  # noqa: E731
         full = KVCache(
-            k=jnp.pad(jnp.repeat(cache.k, n, axis=1), pad),
-            v=jnp.pad(jnp.repeat(cache.v, n, axis=1), pad),
+            k=tuple(map(copy_rows, cache.k)),
+            v=tuple(map(copy_rows, cache.v)),
             mask=jnp.pad(jnp.repeat(cache.mask, n, axis=0), ((0, 0), (0, cache_len - p_len))),
         )
         return jnp.repeat(logits[:, 0], n, axis=0), self._constrain_cache(full)
@@ -375,9 +380,14 @@ class Sampler:
         largest matrix of a small model), so the loop runs the same model untied, with the head
         kernel materialised once as embedding.T. The optimization barrier keeps XLA from folding
         the transpose back into the product.
+
+        On a single CPU device, int8 kernels are reordered once into the CPU int8 kernel's packed
+        layout (`quant.pack_for_decode`), which it streams ~2x faster than the row-major codes.
         """
         cfg = self.config
         params = _cast_float_leaves(params, cfg.compute_dtype)
+        if self.mesh is None or self.mesh.size == 1:
+            params = pack_for_decode(params)
         embedding = params["embed_tokens"]["embedding"]
         if not (cfg.tie_word_embeddings and isinstance(embedding, jax.Array)):
             return self.model, params

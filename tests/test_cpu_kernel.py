@@ -1,0 +1,105 @@
+"""The AVX512-VNNI int8 matmul kernel (qurl_jax.quant._cpu_kernel): exact integer results on every
+tile/tail shape, dispatch rules, and that the int8 rollout model gives the same logits with and
+without it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qurl_jax.models import ModelConfig, Transformer, init_params
+from qurl_jax.quant import _cpu_kernel, requantize, rollout_dot_general
+
+LINEAR = (((1,), (0,)), ((), ()))
+
+requires_kernel = pytest.mark.skipif(
+    not _cpu_kernel.kernel_available(),
+    reason="the VNNI kernel needs an x86 CPU with AVX512-VNNI and a C++ compiler",
+)
+
+
+def _int8(rng: np.random.Generator, shape: tuple[int, ...]) -> jax.Array:
+    return jnp.asarray(rng.integers(-128, 128, shape), jnp.int8)
+
+
+def _reference(x: jax.Array, w: jax.Array) -> np.ndarray:
+    return np.asarray(x, np.int64) @ np.asarray(w, np.int64)
+
+
+@requires_kernel
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(1, 4, 1), (1, 5, 3), (2, 768, 2048), (3, 7, 65), (6, 130, 200), (7, 64, 64), (8, 768, 128),
+     (13, 2048, 70), (16, 1, 129), (64, 300, 191)],
+)
+def test_kernel_matches_integer_reference(m: int, k: int, n: int) -> None:
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = _int8(rng, (m, k)), _int8(rng, (k, n))
+    got = jax.jit(_cpu_kernel._kernel_product)(x, w)
+    assert got.dtype == jnp.int32 and got.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(got), _reference(x, w))
+
+
+@requires_kernel
+def test_kernel_extreme_codes() -> None:
+    # -128 and 127 everywhere: the largest magnitudes of the u8 shift and of the column sums.
+    for xv, wv in [(-128, -128), (-128, 127), (127, -128), (127, 127)]:
+        x = jnp.full((5, 1000), xv, jnp.int8)
+        w = jnp.full((1000, 77), wv, jnp.int8)
+        np.testing.assert_array_equal(np.asarray(jax.jit(_cpu_kernel._kernel_product)(x, w)),
+                                      _reference(x, w))
+
+
+@requires_kernel
+def test_kernel_is_in_the_compiled_program_only_for_decode_shapes() -> None:
+    rng = np.random.default_rng(0)
+    w = _int8(rng, (64, 32))
+    f = jax.jit(lambda x: _cpu_kernel.int8_dot_general(x, w, LINEAR,
+                                                       preferred_element_type=jnp.int32))
+    decode = _int8(rng, (_cpu_kernel.MAX_ROWS, 64))
+    prefill = _int8(rng, (_cpu_kernel.MAX_ROWS + 1, 64))
+    assert "qurl_int8_matmul" in f.lower(decode).as_text()
+    assert "qurl_int8_matmul" not in f.lower(prefill).as_text()
+    for x in (decode, prefill):
+        np.testing.assert_array_equal(np.asarray(f(x)), _reference(x, w))
+
+
+def test_int8_dot_general_falls_back_to_xla_for_other_products() -> None:
+    rng = np.random.default_rng(1)
+    # float operands, a transposed contraction, and batch dimensions all go to lax.dot_general.
+    xf, wf = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32), jnp.ones((8, 3), jnp.float32)
+    np.testing.assert_allclose(_cpu_kernel.int8_dot_general(xf, wf, LINEAR), xf @ wf, rtol=1e-6)
+    x, wt = _int8(rng, (4, 8)), _int8(rng, (3, 8))
+    out = _cpu_kernel.int8_dot_general(x, wt, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(out), _reference(x, wt.T))
+    xb, wb = _int8(rng, (2, 4, 8)), _int8(rng, (2, 8, 3))
+    out = _cpu_kernel.int8_dot_general(xb, wb, (((2,), (1,)), ((0,), (0,))),
+                                       preferred_element_type=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.einsum("bmk,bkn->bmn", np.asarray(xb, np.int64),
+                                            np.asarray(wb, np.int64)))
+
+
+@requires_kernel
+def test_int8_rollout_logits_identical_with_and_without_kernel(monkeypatch) -> None:
+    config = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=160,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         attention_bias=True, tie_word_embeddings=False)
+    params = init_params(config, jax.random.key(0))
+    rollout = requantize(params, "int8")
+    model = Transformer(config, dot_general=rollout_dot_general)
+    tokens = jax.random.randint(jax.random.key(1), (5, 3), 0, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(3), (5, 3))
+
+    def logits() -> jax.Array:
+        program = jax.jit(lambda p, t: model.apply({"params": p}, t, positions)[0])
+        assert ("qurl_int8_matmul" in program.lower(rollout, tokens).as_text()) == (
+            _cpu_kernel.kernel_available())
+        return program(rollout, tokens)
+
+    with_kernel = logits()
+    monkeypatch.setattr(_cpu_kernel, "kernel_available", lambda: False)
+    np.testing.assert_array_equal(np.asarray(with_kernel), np.asarray(logits()))
