@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from qurl_jax.models import ModelConfig, Transformer, init_params
-from qurl_jax.quant import _cpu_kernel, requantize, rollout_dot_general
+from qurl_jax.quant import _cpu_kernel, pack_for_decode, requantize, rollout_dot_general
+from qurl_jax.sampling import Sampler
 
 LINEAR = (((1,), (0,)), ((), ()))
 
@@ -53,6 +54,37 @@ def test_kernel_extreme_codes() -> None:
 
 
 @requires_kernel
+@pytest.mark.parametrize("k,n", [(4, 64), (768, 2048), (132, 192), (2048, 128)])
+def test_pack_matches_reference_layout_and_packed_product_is_exact(k: int, n: int) -> None:
+    rng = np.random.default_rng(k + n)
+    w = _int8(rng, (k, n))
+    packed = jax.jit(_cpu_kernel.pack_int8)(w)
+    np.testing.assert_array_equal(np.asarray(packed),
+                                  np.asarray(jax.jit(_cpu_kernel.pack_int8_reference)(w)))
+    # The layout's definition, element by element for a few entries.
+    p6 = np.asarray(packed).reshape(n // 64, k // 4, 4, 4, 4, 4)  # [t, kg, j, L, i, r]
+    for t, kg, j, lane, i, r in [(0, 0, 0, 0, 0, 0), (n // 64 - 1, k // 4 - 1, 3, 3, 3, 3),
+                                 (0, k // 4 - 1, 1, 2, 3, 1)]:
+        expect = int(np.asarray(w)[4 * kg + r, 64 * t + 16 * lane + 4 * j + i]) ^ 0x80
+        assert (int(p6[t, kg, j, lane, i, r]) & 0xFF) == (expect & 0xFF)
+    for m in (1, 8, 70):  # any number of rows, including more than MAX_ROWS
+        x = _int8(rng, (m, k))
+        got = jax.jit(lambda x, p: _cpu_kernel.packed_int8_dot_general(
+            x, p, LINEAR, preferred_element_type=jnp.int32))(x, packed)
+        np.testing.assert_array_equal(np.asarray(got), _reference(x, w))
+
+
+def test_packed_product_rejects_other_patterns() -> None:
+    x, w = jnp.zeros((2, 64), jnp.int8), jnp.zeros((64, 64), jnp.int8)
+    with pytest.raises(ValueError, match="packed_int8_dot_general"):
+        _cpu_kernel.packed_int8_dot_general(x, w, (((1,), (1,)), ((), ())))
+    with pytest.raises(ValueError, match="packed_int8_dot_general"):
+        _cpu_kernel.packed_int8_dot_general(x.astype(jnp.float32), w, LINEAR)
+    with pytest.raises(ValueError, match="N % 64"):
+        _cpu_kernel.pack_int8_reference(jnp.zeros((64, 32), jnp.int8))
+
+
+@requires_kernel
 def test_kernel_is_in_the_compiled_program_only_for_decode_shapes() -> None:
     rng = np.random.default_rng(0)
     w = _int8(rng, (64, 32))
@@ -83,11 +115,14 @@ def test_int8_dot_general_falls_back_to_xla_for_other_products() -> None:
                                             np.asarray(wb, np.int64)))
 
 
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=192,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True,
+                     tie_word_embeddings=False)
+
+
 @requires_kernel
 def test_int8_rollout_logits_identical_with_and_without_kernel(monkeypatch) -> None:
-    config = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=160,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                         attention_bias=True, tie_word_embeddings=False)
+    config = CONFIG
     params = init_params(config, jax.random.key(0))
     rollout = requantize(params, "int8")
     model = Transformer(config, dot_general=rollout_dot_general)
@@ -103,3 +138,37 @@ def test_int8_rollout_logits_identical_with_and_without_kernel(monkeypatch) -> N
     with_kernel = logits()
     monkeypatch.setattr(_cpu_kernel, "kernel_available", lambda: False)
     np.testing.assert_array_equal(np.asarray(with_kernel), np.asarray(logits()))
+
+
+@requires_kernel
+def test_pack_for_decode_packs_only_what_the_kernel_reads() -> None:
+    params = init_params(CONFIG, jax.random.key(0))
+    for recipe, expect_packed in [("int8", True), ("int8_weight_only", False), ("fp8", False)]:
+        packed = pack_for_decode(requantize(params, recipe))
+        mlp = packed["layers_0"]["mlp"]
+        # gate/up [64, 192] and down [192, 64] have N % 64 == 0; q [64, 64] too.
+        assert mlp["gate_proj"]["kernel"].packed is expect_packed
+        assert mlp["down_proj"]["kernel"].packed is expect_packed
+    rollout = pack_for_decode(requantize(params, "int8"))
+    with pytest.raises(ValueError, match="packed"):
+        rollout["layers_0"]["mlp"]["gate_proj"]["kernel"].dequantize()
+
+
+@requires_kernel
+def test_int8_sampler_tokens_identical_with_and_without_kernel(monkeypatch) -> None:
+    """The sampler's decode loop packs int8 kernels and runs the VNNI kernel; integer products
+    are exact, so the sampled tokens and log-probs equal those of XLA's int8 path."""
+    params = requantize(init_params(CONFIG, jax.random.key(0)), "int8")
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+
+    def sample() -> tuple[np.ndarray, np.ndarray]:
+        sampler = Sampler(CONFIG, rollout_dot_general, max_prompt_len=8, max_new_tokens=12)
+        out = sampler.sample(params, prompts, key=jax.random.key(3), n=2, max_new_tokens=12,
+                             temperature=1.0)
+        return np.asarray(out.tokens), np.asarray(out.logp)
+
+    tokens, logp = sample()
+    monkeypatch.setattr(_cpu_kernel, "kernel_available", lambda: False)
+    tokens_xla, logp_xla = sample()
+    np.testing.assert_array_equal(tokens, tokens_xla)
+    np.testing.assert_array_equal(logp, logp_xla)
