@@ -3,10 +3,12 @@
 Run `python -m qurl_jax.bench.quant`. The decode step is the sampler's hot loop: batch 8, one new
 token against a 512-token KV cache through the model's cache path, jitted with the cache donated
 (updated in place, as a sampler does), weights as `requantize` output and the model built with
-`rollout_dot_general`. All recipes are timed in one run, interleaved round by round so that load
-from other processes hits them alike; the table reports the median per recipe and its speedup over
-`fp`. It also times one `requantize` call against one learner step (forward, backward and AdamW on
-a batch of sequences), the per-RL-step overhead of quantized rollouts.
+`rollout_dot_general` (on CPU: the int8 kernels packed and attention on the decode attention
+kernel, as the sampler's loop runs them; `--xla-attention` for XLA's attention). All recipes are
+timed in one run, interleaved round by round so that load from other processes hits them alike;
+the table reports the median per recipe and its speedup over `fp`. It also times one `requantize`
+call against one learner step (forward, backward and AdamW on a batch of sequences), the per-RL-step
+overhead of quantized rollouts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from qurl_jax.cpu_kernels import decode_attention
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.params import init_params, token_logprobs
 from qurl_jax.models.transformer import KVCache, Transformer
@@ -48,10 +51,15 @@ def _block(x: Any) -> Any:
     return jax.tree.map(lambda a: a.block_until_ready(), x)
 
 
-def make_decode_step(config: ModelConfig) -> Callable[..., tuple[jax.Array, KVCache]]:
+def make_decode_step(config: ModelConfig,
+                     cpu_attention: bool = True) -> Callable[..., tuple[jax.Array, KVCache]]:
     """jitted (params, cache, tokens i32[B,1], positions i32[B,1], index) -> (logits, cache);
-    the cache argument is donated."""
-    model = Transformer(config, dot_general=rollout_dot_general)
+    the cache argument is donated. With `cpu_attention`, attention runs on the CPU decode
+    attention kernel where usable, as in the sampler's decode loop."""
+    hook = None
+    if cpu_attention and decode_attention.usable(config.compute_dtype, config.head_dim):
+        hook = decode_attention.decode_attention
+    model = Transformer(config, dot_general=rollout_dot_general, decode_attention=hook)
 
     def step(params, cache, tokens, positions, index):
         return model.apply({"params": params}, tokens, positions, cache=cache, cache_index=index)
@@ -81,15 +89,15 @@ def parse_recipe(spec: str) -> Recipe:
 
 
 def time_decode(config: ModelConfig, recipes: Sequence[str], batch: int = 8, context: int = 512,
-                rounds: int = 5, steps_per_round: int = 10,
-                seed: int = 0) -> dict[str, dict[str, float]]:
+                rounds: int = 5, steps_per_round: int = 10, seed: int = 0,
+                cpu_attention: bool = True) -> dict[str, dict[str, float]]:
     """Seconds of one decode step per recipe: {'median': ..., 'best': ...} over the rounds.
 
     Rounds are interleaved across recipes; 'best' (the fastest round) is the least disturbed by
     other processes on a shared machine."""
     rng = jax.random.key(seed)
     params = init_params(config, rng)
-    step = make_decode_step(config)
+    step = make_decode_step(config, cpu_attention)
     tokens = jnp.ones((batch, 1), jnp.int32)
     positions = jnp.full((batch, 1), context, jnp.int32)
     state = {}
@@ -176,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="comma-separated recipe names (baseline first); a '+lm_head' suffix "
                              "also quantizes the LM head")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--xla-attention", action="store_true",
+                        help="attention through XLA's ops instead of the CPU decode attention "
+                             "kernel")
     parser.add_argument("--steps-per-round", type=int, default=10)
     parser.add_argument("--learner-batch", type=int, default=8)
     parser.add_argument("--learner-seq-len", type=int, default=128)
@@ -185,8 +196,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"config: {cfg.model_type}, {cfg.num_params / 1e6:.1f}M params, hidden "
           f"{cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}; device "
           f"{jax.devices()[0].device_kind}")
-    print("decode step: batch 8, 1 new token, 512-token KV cache")
-    decode = time_decode(cfg, recipes, rounds=args.rounds, steps_per_round=args.steps_per_round)
+    kernel = not args.xla_attention and decode_attention.usable(cfg.compute_dtype, cfg.head_dim)
+    print(f"decode step: batch 8, 1 new token, 512-token KV cache; attention: "
+          f"{'CPU decode attention kernel' if kernel else 'XLA'}")
+    decode = time_decode(cfg, recipes, rounds=args.rounds, steps_per_round=args.steps_per_round,
+                         cpu_attention=not args.xla_attention)
     print(format_table(decode, recipes[0]))
     params = init_params(cfg, jax.random.key(0))
     print(f"rollout bytes of the quantized linear layers / float32 bytes (int8): "

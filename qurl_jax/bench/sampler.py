@@ -13,7 +13,8 @@ so that load from other processes hits them alike:
 Decode time is the time of a 256-token call minus the time of a 1-token call (prefill plus the first
 token), each the fastest of a few rounds, so decode tokens/s = batch * 255 / difference. The decode
 step's achieved memory bandwidth is the bytes it must read per step (every parameter once, plus the
-whole KV cache, which the model attends over with a mask) divided by the step time, compared with
+KV cache: the slots written so far with the CPU decode attention kernel, the whole cache with XLA's
+attention, which masks the unused slots but reads them) divided by the step time, compared with
 the bandwidth of a large numpy copy measured in the same run.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from qurl_jax.cpu_kernels import decode_attention
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.params import init_params
 from qurl_jax.sampling import Sampler
@@ -154,10 +156,14 @@ def main(argv: list[str] | None = None) -> None:
                 times[(name, n)].append(run(n))
     bandwidth = copy_bandwidth()
 
-    # Bytes one decode step of ours reads: all weights, plus k and v of every layer over the whole
-    # cache (prompt + generation slots; the model masks the unused ones but still reads them).
-    slots = args.prompt_len + args.new_tokens
-    kv_bytes = 2 * cfg.num_layers * args.batch * slots * cfg.num_kv_heads * cfg.head_dim * 4
+    # Bytes one decode step of ours reads: all weights, plus k and v of every layer. The CPU decode
+    # attention kernel reads the slots written so far (prompt + tokens generated: on average
+    # prompt + new / 2); XLA's attention reads the whole cache (prompt + generation slots).
+    if decode_attention.usable(cfg.compute_dtype, cfg.head_dim):
+        slots = args.prompt_len + args.new_tokens / 2
+    else:
+        slots = args.prompt_len + args.new_tokens
+    kv_bytes = int(2 * cfg.num_layers * args.batch * slots * cfg.num_kv_heads * cfg.head_dim * 4)
     steps = args.new_tokens - 1
     decode_s = {name: min(times[(name, args.new_tokens)]) - min(times[(name, 1)])
                 for name in runners}

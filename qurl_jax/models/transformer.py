@@ -29,6 +29,9 @@ import jax.numpy as jnp
 from qurl_jax.models.config import ModelConfig
 
 DotGeneral = Callable[..., jax.Array]
+# (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
+# f[B, Hkv, G, D]: attention of one query position per row to slots [0, length).
+DecodeAttention = Callable[..., jax.Array]
 # Finite "minus infinity": a fully masked row (a left-pad query) stays NaN-free.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -159,6 +162,7 @@ class Linear(nn.Module):
 class Attention(nn.Module):
     config: ModelConfig
     dot_general: DotGeneral
+    decode_attention: DecodeAttention | None = None
 
     @nn.compact
     def __call__(
@@ -209,6 +213,10 @@ class Attention(nn.Module):
         # Scores and softmax in float32.
         g = h // hkv
         qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        if cache is not None and t == 1 and self.decode_attention is not None:
+            out = self.decode_attention(qg, keys, values, key_mask, cache_index + 1)
+            out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out.reshape(b, 1, -1))
+            return out, new_cache
         batch_dims = ((0, 1), (0, 1))
         scores = jax.lax.dot_general(qg, keys.astype(dt), (((3,), (3,)), batch_dims))
         scores = scores.astype(jnp.float32).reshape(b, hkv, g, t, -1) / math.sqrt(d)
@@ -238,13 +246,15 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     config: ModelConfig
     dot_general: DotGeneral
+    decode_attention: DecodeAttention | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, cache, cache_mask, cache_index):
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
-        attn, new_cache = Attention(cfg, self.dot_general, name="self_attn")(
+        attn, new_cache = Attention(cfg, self.dot_general, self.decode_attention,
+                                    name="self_attn")(
             h, positions, mask, cache, cache_mask, cache_index
         )
         x = x + attn
@@ -268,6 +278,7 @@ class Transformer(nn.Module):
 
     config: ModelConfig
     dot_general: DotGeneral = jax.lax.dot_general
+    decode_attention: DecodeAttention | None = None
 
     @nn.compact
     def __call__(
@@ -296,7 +307,8 @@ class Transformer(nn.Module):
         new_kv = []
         for i in range(cfg.num_layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = DecoderLayer(cfg, self.dot_general, name=f"layers_{i}")(
+            x, kv = DecoderLayer(cfg, self.dot_general, self.decode_attention,
+                                 name=f"layers_{i}")(
                 x, positions, mask, kv, cache_mask, cache_index
             )
             new_kv.append(kv)

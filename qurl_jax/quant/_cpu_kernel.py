@@ -3,18 +3,17 @@
 `int8_dot_general` has the signature of `jax.lax.dot_general` and is what the int8 recipe's AQT
 config uses for its s8 x s8 -> s32 product (`DotGeneralRaw.dot_general`). On a CPU with
 AVX512-VNNI, for a product of at most `MAX_ROWS` rows (decode: one row per sequence) of
-x[M, K] @ w[K, N], it calls the FFI custom call `qurl_int8_matmul` (`cpu_int8_matmul.cc`);
-everything else, and every other platform, goes to `lax.dot_general`. Results are bit-identical
-(integer arithmetic).
+x[M, K] @ w[K, N], it calls the FFI custom call `qurl_int8_matmul`
+(`qurl_jax/cpu_kernels/int8_matmul.cc`); everything else, and every other platform, goes to
+`lax.dot_general`. Results are bit-identical (integer arithmetic).
 
 Why: XLA:CPU's int8 GEMM is compute-bound at decode batch sizes (~60-90 GMAC/s on 2 cores), so an
 int8 decode step was only ~1.4x the float32 one although it reads a quarter of the bytes; the
 kernel streams each weight tile once through VNNI dot-products.
 
-The kernel is compiled from source on first use with the system C++ compiler into
-`$QURL_JAX_CACHE_DIR` (default `~/.cache/qurl_jax`), keyed by a hash of the source and the jaxlib
-version, and loaded with ctypes. Without a compiler, on a CPU without AVX512-VNNI, or with
-`QURL_JAX_CPU_INT8_KERNEL=0`, a warning is logged once and XLA's own product is used.
+The kernel is compiled from source on first use (`qurl_jax.cpu_kernels`). Without a compiler, on
+a CPU without AVX512-VNNI, or with `QURL_JAX_CPU_KERNELS=0`, a warning is logged once and XLA's
+own product is used.
 
 For the decode loop, `pack_int8` stores a kernel's codes in the kernel's tile layout once per
 rollout (the sampler does this as loop-invariant work); the product on packed codes,
@@ -27,24 +26,16 @@ operands (correct, not fast); prefill-sized products (more than `MAX_ROWS` rows)
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import pathlib
-import subprocess
-import tempfile
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 
+from qurl_jax import cpu_kernels
 from qurl_jax.quant._qtensor import QuantizedTensor
 from qurl_jax.quant._recipes import QuantFormat
 
-_SOURCE = pathlib.Path(__file__).with_name("cpu_int8_matmul.cc")
 _TARGET = "qurl_int8_matmul"
 _PACKED_TARGET = "qurl_int8_matmul_packed"
 _PACK_TARGET = "qurl_int8_pack"
@@ -53,55 +44,13 @@ PACK_TILE = 64  # columns per packed tile
 _LINEAR_DIMS = (((1,), (0,)), ((), ()))
 
 
-def _cache_dir() -> pathlib.Path:
-    default = pathlib.Path.home() / ".cache" / "qurl_jax"
-    return pathlib.Path(os.environ.get("QURL_JAX_CACHE_DIR", default))
-
-
-def _compile(source: pathlib.Path) -> pathlib.Path:
-    """Builds the shared library (once per source hash and jaxlib version) and returns its path."""
-    digest = hashlib.sha256(source.read_bytes() + jaxlib.__version__.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_int8_matmul-{digest}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX", "c++")
-    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = pathlib.Path(tmp.name)
-    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}",
-           str(source), "-o", str(tmp_path)]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-        tmp_path.replace(out)  # atomic: concurrent builders never see a partial file
-    finally:
-        tmp_path.unlink(missing_ok=True)
-    return out
-
-
-@functools.cache
 def kernel_available() -> bool:
     """True when the VNNI kernel is built, loaded, registered and supported by this CPU."""
-    if os.environ.get("QURL_JAX_CPU_INT8_KERNEL", "1") == "0":
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_compile(_SOURCE)))
-        if not lib.qurl_cpu_supports_int8_matmul():
-            logging.warning("qurl_jax: this CPU lacks AVX512-VNNI; int8 rollouts use XLA's "
-                            "int8 matmul")
-            return False
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.QurlInt8Matmul),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_PACKED_TARGET, jax.ffi.pycapsule(lib.QurlInt8MatmulPacked),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_PACK_TARGET, jax.ffi.pycapsule(lib.QurlInt8Pack),
-                                    platform="cpu")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logging.warning("qurl_jax: the CPU int8 matmul kernel is unavailable (%s); int8 "
-                        "rollouts use XLA's int8 matmul", e)
-        return False
-    return True
+    return cpu_kernels.load("int8_matmul.cc", "qurl_cpu_supports_int8_matmul", (
+        (_TARGET, "QurlInt8Matmul"),
+        (_PACKED_TARGET, "QurlInt8MatmulPacked"),
+        (_PACK_TARGET, "QurlInt8Pack"),
+    ))
 
 
 def _kernel_product(lhs: jax.Array, rhs: jax.Array, target: str = _TARGET) -> jax.Array:
@@ -117,10 +66,11 @@ def can_pack(shape: tuple[int, ...]) -> bool:
 def pack_int8_reference(codes: jax.Array) -> jax.Array:
     """Reorders int8 codes [K, N] into the VNNI kernel's tile layout, returned with the same shape.
 
-    packed[t][kg][j][L][i][r] = codes[4 kg + r, 64 t + 16 L + 4 j + i] ^ 0x80 (see
-    cpu_int8_matmul.cc): each 64-column tile becomes contiguous, each 4-row group of a column
-    becomes 4 adjacent bytes, and the codes are shifted to unsigned (VNNI's unsigned operand), so
-    the kernel streams the weights once per product with no per-call repacking. The
+    packed[t][kg][j][L][i][r] = codes[4 kg + r, 64 t + 16 L + 4 j + i] ^ 0x80
+    (see qurl_jax/cpu_kernels/int8_matmul.cc): each 64-column tile becomes contiguous, each 4-row
+    group of a column becomes 4 adjacent bytes, and the codes are shifted to unsigned (VNNI's
+    unsigned operand), so the kernel streams the weights once per product with no per-call
+    repacking. The
     array keeps shape [K, N] (so it still fits the model's parameter shapes) but only the packed
     product may read it. This is the definition in jnp (slow on CPU: a 6-D transpose);
     `pack_int8` computes the same with the kernel library.

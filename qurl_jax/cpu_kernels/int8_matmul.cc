@@ -30,17 +30,15 @@
 
 #include <immintrin.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using qurl_jax::RunParallel;
 
 namespace {
 
@@ -136,41 +134,6 @@ void DoTile(const Problem& p, int64_t tile, std::vector<int8_t>* scratch) {
       default: RowBlock<6>(p, m0, n0, cols, packed); break;
     }
   }
-}
-
-// fn(0), ..., fn(num - 1) on the calling thread and the pool. Items are claimed through an atomic
-// counter; the caller works too and waits only for items other threads have claimed, so a busy
-// pool can never deadlock it.
-struct ParallelFor {
-  std::function<void(int64_t)> fn;
-  int64_t num;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Drain() {
-    int64_t finished = 0;
-    for (int64_t i = next.fetch_add(1); i < num; i = next.fetch_add(1)) {
-      fn(i);
-      ++finished;
-    }
-    if (finished) done.fetch_add(finished, std::memory_order_release);
-  }
-};
-
-void RunParallel(ffi::ThreadPool& pool, int64_t num, std::function<void(int64_t)> fn) {
-  auto work = std::make_shared<ParallelFor>();
-  work->fn = std::move(fn);
-  work->num = num;
-  // The caller is one worker: with one helper per remaining pool thread, the workers match the
-  // pool's size (measured on 2 cores: ~10% faster than one helper per pool thread).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    // A helper that starts after all items are claimed returns at once without calling fn;
-    // `work` stays alive through its shared_ptr copy even if this call has already returned.
-    pool.Schedule([work] { work->Drain(); });
-  }
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < num) std::this_thread::yield();
 }
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,

@@ -1,0 +1,57 @@
+"""Decode attention on the CPU kernel `decode_attention.cc`, as the model's `decode_attention` hook.
+
+`Transformer(config, decode_attention=decode_attention)` computes the attention of a one-token
+step against its KV cache with this kernel instead of XLA's two batched products: it reads only
+the slots up to the query's own (the cache's later slots are still empty during a rollout) and
+streams each key and value once. The sampler's decode loop uses it when `usable(config)` holds.
+Scores, softmax and the weighted sum are float32, as in the model; results match XLA's path to
+float32 rounding (the summation order differs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qurl_jax import cpu_kernels
+
+_TARGET = "qurl_decode_attention"
+
+
+def available() -> bool:
+    """True when the kernel is built, registered and this CPU has AVX512F."""
+    return cpu_kernels.load("decode_attention.cc", "qurl_cpu_supports_decode_attention",
+                            ((_TARGET, "QurlDecodeAttention"),))
+
+
+def usable(compute_dtype: jnp.dtype, head_dim: int) -> bool:
+    """Whether a model with this compute dtype and head size can use the kernel here."""
+    return (jax.default_backend() == "cpu" and jnp.dtype(compute_dtype) == jnp.float32
+            and head_dim % 16 == 0 and available())
+
+
+def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array,
+                     length: jax.Array) -> jax.Array:
+    """Grouped-query attention of one query position per row.
+
+    q: f32[B, Hkv, G, D]; keys, values: f32[B, Hkv, S, D]; key_mask: bool[B, S];
+    length: i32 scalar, slots [0, length) may be attended to (the query's slot + 1).
+    Returns f32[B, Hkv, G, D]. A row without any valid slot gets zeros.
+    """
+    b, hkv, g, d = q.shape
+    if not (q.dtype == keys.dtype == values.dtype == jnp.float32 and d % 16 == 0
+            and keys.shape == values.shape == (b, hkv, keys.shape[2], d)
+            and key_mask.shape == (b, keys.shape[2])):
+        raise ValueError(
+            f"decode_attention: needs f32 q[B, Hkv, G, D] and keys/values[B, Hkv, S, D] with "
+            f"D % 16 == 0 and key_mask[B, S]; got q {q.dtype}{q.shape}, keys "
+            f"{keys.dtype}{keys.shape}, values {values.dtype}{values.shape}, key_mask "
+            f"{key_mask.shape}"
+        )
+    out_type = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call(_TARGET, out_type, vmap_method="sequential")
+    return call(q, keys, values, key_mask.astype(jnp.bool_),
+                jnp.asarray(length, jnp.int32), scale=np.float32(1.0 / math.sqrt(d)))
