@@ -33,7 +33,8 @@ def _reference(q, k, v, mask, length):
 @pytest.mark.parametrize(
     "b,h,g,s,d,length",
     [(1, 1, 1, 1, 16, 1), (3, 2, 3, 37, 32, 25), (2, 2, 6, 513, 64, 513), (2, 1, 4, 40, 128, 17),
-     (4, 4, 1, 70, 64, 70), (2, 2, 2, 20, 16, 33)],  # the last: length past the cache is clipped
+     (4, 4, 1, 70, 64, 70), (2, 2, 2, 20, 16, 33),  # length past the cache is clipped
+     (16, 2, 6, 513, 64, 500)],  # large enough to be shared with the thread pool
 )
 def test_kernel_matches_reference(b, h, g, s, d, length) -> None:
     rng = np.random.default_rng(b * 100 + s)

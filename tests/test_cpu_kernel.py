@@ -33,7 +33,8 @@ def _reference(x: jax.Array, w: jax.Array) -> np.ndarray:
 @pytest.mark.parametrize(
     "m,k,n",
     [(1, 4, 1), (1, 5, 3), (2, 768, 2048), (3, 7, 65), (6, 130, 200), (7, 64, 64), (8, 768, 128),
-     (13, 2048, 70), (16, 1, 129), (64, 300, 191)],
+     (13, 2048, 70), (16, 1, 129), (64, 300, 191),
+     (16, 768, 2048)],  # the last is large enough to be shared with the thread pool
 )
 def test_kernel_matches_integer_reference(m: int, k: int, n: int) -> None:
     rng = np.random.default_rng(m * 1000 + k + n)
@@ -54,7 +55,7 @@ def test_kernel_extreme_codes() -> None:
 
 
 @requires_kernel
-@pytest.mark.parametrize("k,n", [(4, 64), (768, 2048), (132, 192), (2048, 128)])
+@pytest.mark.parametrize("k,n", [(4, 64), (768, 2048), (132, 192), (2048, 128), (2048, 2048)])
 def test_pack_matches_reference_layout_and_packed_product_is_exact(k: int, n: int) -> None:
     rng = np.random.default_rng(k + n)
     w = _int8(rng, (k, n))
@@ -87,15 +88,17 @@ def test_packed_product_rejects_other_patterns() -> None:
 @requires_kernel
 def test_kernel_is_in_the_compiled_program_only_for_decode_shapes() -> None:
     rng = np.random.default_rng(0)
-    w = _int8(rng, (64, 32))
-    f = jax.jit(lambda x: _cpu_kernel.int8_dot_general(x, w, LINEAR,
-                                                       preferred_element_type=jnp.int32))
-    decode = _int8(rng, (_cpu_kernel.MAX_ROWS, 64))
-    prefill = _int8(rng, (_cpu_kernel.MAX_ROWS + 1, 64))
-    assert "qurl_int8_matmul" in f.lower(decode).as_text()
-    assert "qurl_int8_matmul" not in f.lower(prefill).as_text()
-    for x in (decode, prefill):
-        np.testing.assert_array_equal(np.asarray(f(x)), _reference(x, w))
+    w = _int8(rng, (256, 256))
+    f = jax.jit(lambda x, w: _cpu_kernel.int8_dot_general(x, w, LINEAR,
+                                                          preferred_element_type=jnp.int32))
+    decode = _int8(rng, (_cpu_kernel.MAX_ROWS, 256))
+    prefill = _int8(rng, (_cpu_kernel.MAX_ROWS + 1, 256))
+    assert "qurl_int8_matmul" in f.lower(decode, w).as_text()
+    assert "qurl_int8_matmul" not in f.lower(prefill, w).as_text()
+    small = _int8(rng, (256, 255))  # under MIN_KERNEL_ELEMENTS: XLA's dot
+    assert "qurl_int8_matmul" not in f.lower(decode, small).as_text()
+    for x, w_ in ((decode, w), (prefill, w), (decode, small)):
+        np.testing.assert_array_equal(np.asarray(f(x, w_)), _reference(x, w_))
 
 
 def test_int8_dot_general_falls_back_to_xla_for_other_products() -> None:
@@ -115,8 +118,9 @@ def test_int8_dot_general_falls_back_to_xla_for_other_products() -> None:
                                             np.asarray(wb, np.int64)))
 
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=192,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True,
+# q/o and the MLP kernels are large enough for the kernel (>= MIN_KERNEL_ELEMENTS); k/v are not.
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=256, intermediate_size=512,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, attention_bias=True,
                      tie_word_embeddings=False)
 
 
@@ -146,9 +150,12 @@ def test_pack_for_decode_packs_only_what_the_kernel_reads() -> None:
     for recipe, expect_packed in [("int8", True), ("int8_weight_only", False), ("fp8", False)]:
         packed = pack_for_decode(requantize(params, recipe))
         mlp = packed["layers_0"]["mlp"]
-        # gate/up [64, 192] and down [192, 64] have N % 64 == 0; q [64, 64] too.
+        attn = packed["layers_0"]["self_attn"]
         assert mlp["gate_proj"]["kernel"].packed is expect_packed
         assert mlp["down_proj"]["kernel"].packed is expect_packed
+        assert attn["q_proj"]["kernel"].packed is expect_packed
+        if expect_packed:  # k/v [256, 128] are under MIN_KERNEL_ELEMENTS: left as they are
+            assert attn["k_proj"]["kernel"].packed is False
     rollout = pack_for_decode(requantize(params, "int8"))
     with pytest.raises(ValueError, match="packed"):
         rollout["layers_0"]["mlp"]["gate_proj"]["kernel"].dequantize()

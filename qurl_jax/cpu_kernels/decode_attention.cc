@@ -157,7 +157,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const float* vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  RunParallel(pool, b_n * h_n, [&](int64_t item) {
+  const int64_t bytes_read = 2 * b_n * h_n * sh.length * sh.dim * 4;
+  RunParallel(pool, b_n * h_n, bytes_read, [&](int64_t item) {
     thread_local std::vector<float> scratch;
     const int64_t b = item / h_n;
     AttendOne(sh, qp + item * sh.groups * sh.dim, kp + item * sh.slots * sh.dim,

@@ -161,7 +161,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
     for (int64_t j = 0; j < k4; ++j) rowsum[i] += xs[i * k4 + j];
 
   const Problem problem{xs, rowsum.data(), w.typed_data(), out->typed_data(), m, k, k4, n, packed};
-  RunParallel(pool, (n + kTile - 1) / kTile, [&problem](int64_t tile) {
+  RunParallel(pool, (n + kTile - 1) / kTile, m * k * n, [&problem](int64_t tile) {
     thread_local std::vector<int8_t> scratch;
     DoTile(problem, tile, &scratch);
   });
@@ -187,7 +187,7 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<
   const int64_t k = wd[0], n = wd[1];
   const Problem problem{nullptr, nullptr, w.typed_data(), nullptr, 0, k, k, n, false};
   int8_t* packed = out->typed_data();
-  RunParallel(pool, n / kTile, [&problem, packed](int64_t tile) {
+  RunParallel(pool, n / kTile, k * n, [&problem, packed](int64_t tile) {
     PackTile(problem, tile * kTile, kTile, packed + tile * problem.k4 * kTile);
   });
   return ffi::Error::Success();

@@ -12,7 +12,9 @@ with parameters whose kernels have been replaced by quantized tensors. The model
 
 Attention takes explicit per-token positions and a validity mask, so prompts can be left-padded, and
 an optional `KVCache` for prefill/decode: new keys and values are written at slot `cache_index`
-(shared by the whole batch) and queries attend to every valid slot up to their own.
+(shared by the whole batch) and queries attend to every valid slot up to their own. A one-token
+step with a cache can run its attention through an injected `decode_attention` function instead of
+XLA's ops (the sampler passes `qurl_jax.cpu_kernels.decode_attention` on CPU).
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ _TARGET = "qurl_int8_matmul"
 _PACKED_TARGET = "qurl_int8_matmul_packed"
 _PACK_TARGET = "qurl_int8_pack"
 MAX_ROWS = 64
+# Smaller kernels stay on XLA's int8 dot: for them the custom call's fixed cost is not repaid
+# (measured on the embedded default's 128-wide model, where the kernel made the int8 rollout
+# slower than fp32).
+MIN_KERNEL_ELEMENTS = 1 << 16
 PACK_TILE = 64  # columns per packed tile
 _LINEAR_DIMS = (((1,), (0,)), ((), ()))
 
@@ -128,6 +132,7 @@ def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                             **kwargs)
     eligible = (
         lhs.ndim == 2 and rhs.ndim == 2 and lhs.shape[0] <= MAX_ROWS
+        and rhs.size >= MIN_KERNEL_ELEMENTS
         and lhs.dtype == jnp.int8 and rhs.dtype == jnp.int8
         and jnp.dtype(preferred_element_type or jnp.int8) == jnp.int32
         and tuple(map(tuple, dimension_numbers[0])) == _LINEAR_DIMS[0]
@@ -141,7 +146,8 @@ def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
 
 def _packable(x: Any) -> bool:
     return (isinstance(x, QuantizedTensor) and not x.packed and x.format is QuantFormat.INT8
-            and x.act_format is QuantFormat.INT8 and x.is_per_channel(0) and can_pack(x.shape))
+            and x.act_format is QuantFormat.INT8 and x.is_per_channel(0) and can_pack(x.shape)
+            and x.qvalue.size >= MIN_KERNEL_ELEMENTS)
 
 
 def pack_for_decode(params: Any) -> Any:

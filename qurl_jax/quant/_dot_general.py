@@ -16,12 +16,13 @@ built with (`Transformer(config, dot_general=rollout_dot_general)`). It dispatch
 - a weight-only `QuantizedTensor`: dequantized, then a float product.
 
 Why AQT's serving path for the hot product: with the kernel given as a complete `QTensor` it adds
-only the per-token activation quantization and one output rescale around XLA's s8 x s8 -> s32
-dot, the same HLO as a hand-written int8 `lax.dot_general` (measured: equal time per layer). On
-this 2-core CPU that dot is about 2x faster than float32 at decode batch sizes for the 768-2048
-wide layers of the ~100M benchmark model (its throughput grows with the number of rows: ~28
-GMAC/s at 8 rows, ~100 at 128), and has no fast path for a single row, which is therefore padded
-to two. On CPU FP8 is emulated by XLA (upcast), so the FP8 recipes are for numerics, not speed.
+only the per-token activation quantization and one output rescale around the s8 x s8 -> s32
+product. That product is AQT's `DotGeneralRaw.dot_general`, set here to `int8_dot_general`: on a
+CPU with AVX512-VNNI it runs on qurl_jax's int8 kernel (`quant._cpu_kernel`, bit-identical to XLA's
+dot), because XLA:CPU's own int8 GEMM is compute-bound at decode batch sizes (~2x fp32 on the
+768-2048-wide layers of the ~100M benchmark model, against ~3-5x for the kernel reading packed
+weights). XLA's int8 dot has no fast path for a single row, which is therefore padded to two. On CPU
+FP8 is emulated by XLA (upcast), so the FP8 recipes are for numerics, not speed.
 
 The model calls the hook with two dimension-number patterns: a linear layer contracts the last
 axis of x with axis 0 of a kernel [in, out]; the tied LM head contracts it with axis 1 of the
