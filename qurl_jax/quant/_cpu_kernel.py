@@ -139,8 +139,8 @@ def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         and not any(dimension_numbers[1])
         and not kwargs
     )
-    if not (eligible and kernel_available()):
-        return xla(lhs, rhs)
+    if not (eligible and jax.default_backend() == "cpu" and kernel_available()):
+        return xla(lhs, rhs)  # (an accelerator host never builds the kernel)
     return jax.lax.platform_dependent(lhs, rhs, cpu=_kernel_product, default=xla)
 
 
