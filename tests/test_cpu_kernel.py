@@ -179,3 +179,19 @@ def test_int8_sampler_tokens_identical_with_and_without_kernel(monkeypatch) -> N
     tokens_xla, logp_xla = sample()
     np.testing.assert_array_equal(tokens, tokens_xla)
     np.testing.assert_array_equal(logp, logp_xla)
+
+
+@requires_kernel
+def test_accelerator_lowering_has_no_cpu_kernel() -> None:
+    """The kernel sits behind lax.platform_dependent: lowering the same function for CUDA emits
+    XLA's dot only (the accelerator path is unchanged)."""
+    from jax import export
+
+    x, w = jnp.ones((8, 256), jnp.int8), jnp.ones((256, 256), jnp.int8)
+    f = jax.jit(lambda x, w: _cpu_kernel.int8_dot_general(x, w, LINEAR,
+                                                          preferred_element_type=jnp.int32))
+    unchecked = [export.DisabledSafetyCheck.custom_call(name) for name in
+                 ("qurl_int8_matmul", "qurl_int8_matmul_packed")]
+    for platforms, has_kernel in ((["cpu"], True), (["cuda"], False)):
+        module = export.export(f, platforms=platforms, disabled_checks=unchecked)(x, w)
+        assert ("qurl_int8_matmul" in module.mlir_module()) is has_kernel
