@@ -11,7 +11,8 @@ tempered one the sampler drew from (logits / temperature), so behaviour, proxima
 log-probs are all on the same distribution.
 
 The update accumulates gradients over `num_micro_batches` slices of the batch with `lax.scan`
-(the loss of each micro-batch is averaged), clips the global norm, and applies AdamW. A non-finite
+(each micro-batch weighted by its loss normaliser, so the result is the whole batch's loss and
+gradient), clips the global norm, and applies AdamW. A non-finite
 loss or gradient leaves parameters and optimizer state unchanged and is reported in the metrics
 (`update/skipped`), so the trainer can count bad steps without losing the last good state.
 """
@@ -30,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qurl_jax import sharding as shd
 from qurl_jax.models import ModelConfig, Transformer, param_logical_axes
-from qurl_jax.rl.objectives import ObjectiveConfig, policy_loss
+from qurl_jax.rl.objectives import ObjectiveConfig, loss_weight, policy_loss
 
 Batch = dict[str, jax.Array]
 
@@ -53,6 +54,41 @@ def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positi
     logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1) if with_entropy else None
     return logp, entropy
+
+
+# How a metric of `policy_loss` combines over micro-batches: counts add up, extremes are extremes,
+# everything else is a mean weighted like the loss (`objectives.loss_weight`).
+_COUNT_METRICS = ("kept_tokens", "kept_sequences", "valid_tokens")
+
+
+def _metric_reduction(name: str) -> str:
+    if name in _COUNT_METRICS:
+        return "sum"
+    if name.endswith("_max"):
+        return "max"
+    if name.endswith("_min"):
+        return "min"
+    return "mean"
+
+
+def _metric_identity(name: str) -> float:
+    return {"max": -jnp.inf, "min": jnp.inf}.get(_metric_reduction(name), 0.0)
+
+
+def _accumulate_metrics(acc: dict[str, jax.Array], new: dict[str, jax.Array],
+                        weight: jax.Array) -> dict[str, jax.Array]:
+    out = {}
+    for k, v in new.items():
+        how = _metric_reduction(k)
+        if how == "max":
+            out[k] = jnp.maximum(acc[k], v)
+        elif how == "min":
+            out[k] = jnp.minimum(acc[k], v)
+        elif how == "sum":
+            out[k] = acc[k] + v
+        else:
+            out[k] = acc[k] + weight * v
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,16 +236,24 @@ class Learner:
 
             def body(acc, mb):
                 (loss_i, metrics_i), g_i = grad_fn(params, mb)
-                acc = jax.tree.map(jnp.add, acc, (loss_i, metrics_i, g_i))
-                return acc, None
+                w = loss_weight(metrics_i, self.objective.agg)
+                loss, metrics, grads, total = acc
+                return (loss + w * loss_i, _accumulate_metrics(metrics, metrics_i, w),
+                        jax.tree.map(lambda a, g: a + w * g, grads, g_i), total + w), None
 
             zero_metrics = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(
                 lambda x: x[0], micro))[0][1])
             init = (jnp.zeros((), jnp.float32),
-                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics),
-                    jax.tree.map(jnp.zeros_like, params))
-            (loss, metrics, grads), _ = jax.lax.scan(body, init, micro)
-            loss, metrics, grads = jax.tree.map(lambda x: x / n, (loss, metrics, grads))
+                    {k: jnp.full(s.shape, _metric_identity(k), s.dtype)
+                     for k, s in zero_metrics.items()},
+                    jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+            (loss, metrics, grads, total), _ = jax.lax.scan(body, init, micro)
+            # Weighted by each micro-batch's loss normaliser (kept tokens or sequences): the
+            # loss and gradient of the whole batch, not a mean of micro-batch means.
+            inv = 1.0 / jnp.maximum(total, 1.0)
+            loss, grads = loss * inv, jax.tree.map(lambda g: g * inv, grads)
+            metrics = {k: v * inv if _metric_reduction(k) == "mean" else v
+                       for k, v in metrics.items()}
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)

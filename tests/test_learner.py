@@ -32,9 +32,9 @@ def _batch(seed: int = 0) -> dict[str, jax.Array]:
     }
 
 
-def _learner(mesh, num_micro_batches=1, adam_eps=1e-8) -> Learner:
+def _learner(mesh, num_micro_batches=1, adam_eps=1e-8, objective=None) -> Learner:
     optim = OptimConfig(learning_rate=1e-2, weight_decay=0.1, eps=adam_eps)
-    return Learner(CFG, ObjectiveConfig(), optim, mesh, temperature=0.9,
+    return Learner(CFG, objective or ObjectiveConfig(), optim, mesh, temperature=0.9,
                    num_micro_batches=num_micro_batches)
 
 
@@ -80,6 +80,35 @@ def test_micro_batch_accumulation_matches_full_batch_for_token_sums():
     np.testing.assert_allclose(full[1]["update/loss"], acc[1]["update/loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(full[0]), jax.tree.leaves(acc[0]), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-7)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batch_accumulation_matches_full_batch_when_token_counts_differ(agg):
+    # Micro-batches with different numbers of response tokens (and, for the second, one sequence
+    # with no token at all): a plain mean of micro-batch token means would weight the tokens of
+    # the short half more. Weighted by kept tokens / sequences the result is the full batch's.
+    params = init_params(CFG, jax.random.key(3))
+    batch = _batch(3)
+    resp = np.zeros((B, G), np.float32)
+    resp[: B // 2, :G] = 1.0  # first micro-batch: every response token
+    resp[B // 2:, :1] = 1.0  # second: one token each ...
+    resp[-1] = 0.0  # ... and one sequence without any
+    batch["resp_mask"] = jnp.asarray(resp)
+    objective = ObjectiveConfig(agg=agg)
+    mesh = shd.make_mesh()
+    full = _one_update(_learner(mesh, adam_eps=1.0, objective=objective), params, batch)
+    acc = _one_update(_learner(mesh, num_micro_batches=2, adam_eps=1.0, objective=objective),
+                      params, batch)
+    np.testing.assert_allclose(full[1]["update/loss"], acc[1]["update/loss"], rtol=1e-5)
+    np.testing.assert_allclose(full[1]["update/grad_norm"], acc[1]["update/grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(full[0]), jax.tree.leaves(acc[0]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-7)
+    # Counts add up, extremes stay extremes, token fractions are over all kept tokens.
+    for key in ("kept_tokens", "kept_sequences", "valid_tokens", "ratio_max", "is_weight_min",
+                "logp_gap_abs_max"):
+        np.testing.assert_allclose(full[1][key], acc[1][key], rtol=1e-5, err_msg=key)
+    if agg == "token_mean":
+        np.testing.assert_allclose(full[1]["clipfrac"], acc[1]["clipfrac"], atol=1e-6)
 
 
 def test_nonfinite_loss_skips_update():

@@ -314,6 +314,19 @@ def aggregate(
     return _safe_div(jnp.sum(per_seq), n_seq)
 
 
+def loss_weight(metrics: dict[str, Array], agg: Aggregation | str) -> Array:
+    """The count `aggregate` divided by in the batch that produced `metrics` (`policy_loss`'s):
+    kept tokens for token_mean, kept sequences otherwise.
+
+    Splitting a batch into micro-batches and combining their losses (and gradients) weighted by
+    this count, divided by its total, gives exactly the loss of the whole batch; a plain mean of the
+    micro-batch losses does not when micro-batches keep different numbers of tokens.
+    """
+    if Aggregation(agg) == Aggregation.TOKEN_MEAN:
+        return metrics["kept_tokens"]
+    return metrics["kept_sequences"]
+
+
 def _check_inputs(
     logp: Array,
     logp_prox: Array,
@@ -538,7 +551,7 @@ def policy_loss(
       kl_loss, entropy, clipfrac, clipfrac_upper (A > 0, R above the upper bound), clipfrac_lower
       (A < 0, R below the lower bound), dual_clipfrac, ratio_mean, ratio_max, upper_bound_mean,
       truncated_frac (valid tokens whose weight hit the cap), masked_token_frac (valid tokens
-      removed by rejection or veto), vetoed_seq_frac, kept_tokens, valid_tokens,
+      removed by rejection or veto), vetoed_seq_frac, kept_tokens, kept_sequences, valid_tokens,
       is_weight_mean/max/min and is_ess (applied weights over kept tokens; fractions are over kept
       tokens too), and the raw pre-truncation statistics of
       `mismatch_metrics` (raw_is_weight_*, raw_is_ess, raw_is_chi2, kl_behav_prox_k1/k3,
@@ -622,6 +635,7 @@ def _policy_loss(
             jnp.sum(terms.vetoed & seqs, dtype=jnp.float32), jnp.sum(seqs, dtype=jnp.float32)
         ),
         "kept_tokens": n_keep,
+        "kept_sequences": jnp.sum(jnp.any(keep, axis=-1), dtype=jnp.float32),
         "valid_tokens": n_valid,
         "is_weight_mean": _masked_mean(terms.weight, keep),
         "is_weight_max": _masked_max(terms.weight, keep),
