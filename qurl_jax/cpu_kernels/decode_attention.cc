@@ -65,9 +65,13 @@ void AttendOne(const Shapes& sh, const float* q, const float* k, const float* v,
                float* out, std::vector<float>* scratch) {
   const int64_t g_n = sh.groups, d_n = sh.dim, len = sh.length, dv = d_n / 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  scratch->resize(g_n * len);
-  float* scores = scratch->data();  // [G, len]
-  std::vector<float> row_max(g_n, neg_inf);
+  // One per-thread buffer, reused across calls (this runs per (row, kv head) every decode step):
+  // scores [G, len], then the row maxima and sums [G] each.
+  scratch->resize(g_n * (len + 2));
+  float* scores = scratch->data();
+  float* row_max = scores + g_n * len;
+  float* row_sum = row_max + g_n;
+  std::fill(row_max, row_max + g_n, neg_inf);
   bool any = false;
   for (int64_t s = 0; s < len; ++s) {
     if (!mask[s]) {
@@ -93,7 +97,6 @@ void AttendOne(const Shapes& sh, const float* q, const float* k, const float* v,
   }
   // Probabilities (unnormalised) in place; masked slots (-inf) become exactly 0.
   const __m512 minus_inf = _mm512_set1_ps(neg_inf);
-  std::vector<float> row_sum(g_n);
   for (int64_t g = 0; g < g_n; ++g) {
     const __m512 m = _mm512_set1_ps(row_max[g]);
     __m512 total = _mm512_setzero_ps();

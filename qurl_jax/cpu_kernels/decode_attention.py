@@ -3,9 +3,9 @@
 `Transformer(config, decode_attention=decode_attention)` computes the attention of a one-token
 step against its KV cache with this kernel instead of XLA's two batched products: it reads only
 the slots up to the query's own (the cache's later slots are still empty during a rollout) and
-streams each key and value once. The sampler's decode loop uses it when `usable(config)` holds.
-Scores, softmax and the weighted sum are float32, as in the model; results match XLA's path to
-float32 rounding (the summation order differs).
+streams each key and value once. The sampler's decode loop uses it when
+`usable(compute_dtype, head_dim)` holds. Scores, softmax and the weighted sum are float32, as in
+the model; results match XLA's path to float32 rounding (the summation order differs).
 """
 
 from __future__ import annotations

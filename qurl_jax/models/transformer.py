@@ -208,7 +208,6 @@ class Attention(nn.Module):
             key_mask = cache_mask  # [B, S], already updated with this call's tokens
             q_slot = cache_index + jnp.arange(t)
             new_cache = (keys, values)
-        k_slot = jnp.arange(keys.shape[2])
 
         # Grouped-query attention: the G = H / Hkv query heads of one kv head and the T query
         # positions form the rows of one [G*T, D] x [D, S] product per (batch row, kv head).
@@ -217,15 +216,15 @@ class Attention(nn.Module):
         qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
         if cache is not None and t == 1 and self.decode_attention is not None:
             out = self.decode_attention(qg, keys, values, key_mask, cache_index + 1)
-            out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out.reshape(b, 1, -1))
-            return out, new_cache
-        batch_dims = ((0, 1), (0, 1))
-        scores = jax.lax.dot_general(qg, keys.astype(dt), (((3,), (3,)), batch_dims))
-        scores = scores.astype(jnp.float32).reshape(b, hkv, g, t, -1) / math.sqrt(d)
-        allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
-        scores = jnp.where(allowed[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, hkv, g * t, -1)
-        out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
+        else:
+            k_slot = jnp.arange(keys.shape[2])
+            batch_dims = ((0, 1), (0, 1))
+            scores = jax.lax.dot_general(qg, keys.astype(dt), (((3,), (3,)), batch_dims))
+            scores = scores.astype(jnp.float32).reshape(b, hkv, g, t, -1) / math.sqrt(d)
+            allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]
+            scores = jnp.where(allowed[:, None, None], scores, _MASK_VALUE)  # allowed: [B, T, S]
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, hkv, g * t, -1)
+            out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
         out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache

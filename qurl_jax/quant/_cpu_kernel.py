@@ -57,6 +57,15 @@ def kernel_available() -> bool:
     ))
 
 
+def _is_int8_linear(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: Any,
+                    kwargs: dict[str, Any]) -> bool:
+    """x s8[M, K] contracted with w s8[K, N] on K, no batch axes, int32 out: the kernel's op."""
+    return (lhs.ndim == 2 and rhs.ndim == 2 and lhs.dtype == jnp.int8 and rhs.dtype == jnp.int8
+            and jnp.dtype(out_dtype) == jnp.int32
+            and tuple(map(tuple, dimension_numbers[0])) == _LINEAR_DIMS[0]
+            and not any(dimension_numbers[1]) and not kwargs)
+
+
 def _kernel_product(lhs: jax.Array, rhs: jax.Array, target: str = _TARGET) -> jax.Array:
     out_type = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1]), jnp.int32)
     return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(lhs, rhs)
@@ -74,10 +83,9 @@ def pack_int8_reference(codes: jax.Array) -> jax.Array:
     (see qurl_jax/cpu_kernels/int8_matmul.cc): each 64-column tile becomes contiguous, each 4-row
     group of a column becomes 4 adjacent bytes, and the codes are shifted to unsigned (VNNI's
     unsigned operand), so the kernel streams the weights once per product with no per-call
-    repacking. The
-    array keeps shape [K, N] (so it still fits the model's parameter shapes) but only the packed
-    product may read it. This is the definition in jnp (slow on CPU: a 6-D transpose);
-    `pack_int8` computes the same with the kernel library.
+    repacking. The array keeps shape [K, N] (so it still fits the model's parameter shapes) but
+    only the packed product may read it. This is the definition in jnp (slow on CPU: a 6-D
+    transpose); `pack_int8` computes the same with the kernel library.
     """
     k, n = codes.shape
     if not can_pack(codes.shape):
@@ -107,11 +115,9 @@ def packed_int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: A
     Unlike `int8_dot_general` there is no fallback: the packed codes mean nothing to another
     product, so anything but the kernel's one pattern is an error."""
     del precision
-    if not (lhs.ndim == 2 and lhs.dtype == jnp.int8 and rhs.dtype == jnp.int8
-            and can_pack(rhs.shape) and lhs.shape[1] == rhs.shape[0]
-            and jnp.dtype(preferred_element_type or jnp.int32) == jnp.int32
-            and tuple(map(tuple, dimension_numbers[0])) == _LINEAR_DIMS[0]
-            and not any(dimension_numbers[1]) and not kwargs):
+    out_dtype = preferred_element_type or jnp.int32
+    if not (_is_int8_linear(lhs, rhs, dimension_numbers, out_dtype, kwargs)
+            and can_pack(rhs.shape) and lhs.shape[1] == rhs.shape[0]):
         raise ValueError(
             f"packed_int8_dot_general: needs int8 x[M, K] @ packed int8 w[K, N] -> int32 with "
             f"dimension_numbers {_LINEAR_DIMS}; got lhs {lhs.dtype}{lhs.shape}, rhs "
@@ -130,14 +136,10 @@ def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     xla = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers,
                             precision=precision, preferred_element_type=preferred_element_type,
                             **kwargs)
+    # Without preferred_element_type an int8 product is int8, which the kernel does not make.
     eligible = (
-        lhs.ndim == 2 and rhs.ndim == 2 and lhs.shape[0] <= MAX_ROWS
-        and rhs.size >= MIN_KERNEL_ELEMENTS
-        and lhs.dtype == jnp.int8 and rhs.dtype == jnp.int8
-        and jnp.dtype(preferred_element_type or jnp.int8) == jnp.int32
-        and tuple(map(tuple, dimension_numbers[0])) == _LINEAR_DIMS[0]
-        and not any(dimension_numbers[1])
-        and not kwargs
+        _is_int8_linear(lhs, rhs, dimension_numbers, preferred_element_type or lhs.dtype, kwargs)
+        and lhs.shape[0] <= MAX_ROWS and rhs.size >= MIN_KERNEL_ELEMENTS
     )
     if not (eligible and jax.default_backend() == "cpu" and kernel_available()):
         return xla(lhs, rhs)  # (an accelerator host never builds the kernel)
