@@ -28,14 +28,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from qurl_jax.models import attention as attn_lib
 from qurl_jax.models.config import ModelConfig
 
 DotGeneral = Callable[..., jax.Array]
 # (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
 # f[B, Hkv, G, D]: attention of one query position per row to slots [0, length).
 DecodeAttention = Callable[..., jax.Array]
-# Finite "minus infinity": a fully masked row (a left-pad query) stays NaN-free.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @flax.struct.dataclass
@@ -198,34 +197,25 @@ class Attention(nn.Module):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
         if cache is None:
             keys, values = k, v
-            key_mask = mask  # [B, T]
-            q_slot = jnp.arange(t)
+            q_pos, k_pos, k_valid = positions, positions, mask
             new_cache = None
         else:
             idx = (0, 0, cache_index, 0)
             keys = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), idx)
             values = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), idx)
-            key_mask = cache_mask  # [B, S], already updated with this call's tokens
-            q_slot = cache_index + jnp.arange(t)
+            # Slots are written in order, so a slot's index serves as its position here.
+            q_pos = jnp.broadcast_to(cache_index + jnp.arange(t), (b, t))
+            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), (b, keys.shape[2]))
+            k_valid = cache_mask  # [B, S], already updated with this call's tokens
             new_cache = (keys, values)
 
-        # Grouped-query attention: the G = H / Hkv query heads of one kv head and the T query
-        # positions form the rows of one [G*T, D] x [D, S] product per (batch row, kv head).
-        # Scores and softmax in float32.
-        g = h // hkv
-        qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
         if cache is not None and t == 1 and self.decode_attention is not None:
-            out = self.decode_attention(qg, keys, values, key_mask, cache_index + 1)
+            out = self.decode_attention(attn_lib.group_queries(q, hkv), keys, values, k_valid,
+                                        cache_index + 1)
+            out = attn_lib.ungroup_queries(out, t)
         else:
-            k_slot = jnp.arange(keys.shape[2])
-            batch_dims = ((0, 1), (0, 1))
-            scores = jax.lax.dot_general(qg, keys.astype(dt), (((3,), (3,)), batch_dims))
-            scores = scores.astype(jnp.float32).reshape(b, hkv, g, t, -1) / math.sqrt(d)
-            allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]
-            scores = jnp.where(allowed[:, None, None], scores, _MASK_VALUE)  # allowed: [B, T, S]
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, hkv, g * t, -1)
-            out = jax.lax.dot_general(probs, values.astype(dt), (((3,), (2,)), batch_dims))
-        out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+            out = attn_lib.dot_product_attention(q, keys, values, q_pos, k_pos, k_valid)
+        out = out.reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache
 
