@@ -39,7 +39,13 @@ from qurl_jax.data.rewards import (
     math_reward,
 )
 from qurl_jax.data.tokenizer import build_char_tokenizer
-from qurl_jax.models import ModelConfig, Transformer, init_params, token_logprobs
+from qurl_jax.models import (
+    ModelConfig,
+    Transformer,
+    init_params,
+    positions_from_mask,
+    token_logprobs,
+)
 from qurl_jax.models.hf import load_hf, load_tokenizer, save_hf
 from qurl_jax.sampling import Sampler
 
@@ -189,7 +195,7 @@ def supervised_warm_start(model_config: ModelConfig, params: Any,
         tokens[i, : len(p) + len(a)] = p + a
         valid[i, : len(p) + len(a)] = True
         loss_mask[i, len(p): len(p) + len(a)] = 1.0
-    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
+    positions = positions_from_mask(valid)
     model = Transformer(model_config)
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, learning_rate, max(steps // 20, 1), steps, learning_rate * 0.1), weight_decay=0.0)

@@ -33,6 +33,7 @@ from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import objective_from_config, validate
 from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
+from qurl_jax.models import positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.sampling import Sampler
 from qurl_jax.tasks import build_model_and_task
@@ -285,7 +286,7 @@ class Trainer:
 
     def _learner_batch(self, r: Rollout) -> dict[str, jax.Array]:
         """The learner's inputs except the advantages (those wait for the verifier)."""
-        positions = np.maximum(np.cumsum(r.attn_mask, axis=1) - 1, 0).astype(np.int32)
+        positions = positions_from_mask(r.attn_mask)
         batch = {"tokens": r.tokens, "positions": positions, "attn_mask": r.attn_mask,
                  "resp_mask": r.resp_mask, "logp_behav": r.logp_behav}
         return self.learner.shard_batch({k: jnp.asarray(v) for k, v in batch.items()})

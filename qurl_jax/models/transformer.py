@@ -27,6 +27,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qurl_jax.models import attention as attn_lib
 from qurl_jax.models.config import ModelConfig
@@ -74,11 +75,23 @@ class KVCache:
         return self.mask.shape[1]
 
 
-def _cast_float(x: Any, dtype: Any) -> Any:
-    """Casts float arrays to the compute dtype; quantized tensors (pytrees) pass through."""
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
-        return x.astype(dtype)
-    return x
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Casts the floating-point arrays of a pytree (or one array) to `dtype`. Quantized tensors are
+    pytrees whose scales must stay float32, so they (any non-dict node) pass through untouched."""
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree, is_leaf=lambda x: not isinstance(x, dict))
+
+
+def positions_from_mask(mask: Any) -> Any:
+    """i32[B, T] RoPE positions of a token mask bool[B, T]: 0 at the first real token, +1 per real
+    token, pads clamped to 0 (they are never attended to). numpy in, numpy out; jax in, jax out."""
+    xp = np if isinstance(mask, np.ndarray) else jnp
+    return xp.maximum(xp.cumsum(mask, axis=-1, dtype=xp.int32) - 1, 0)
 
 
 def rope_inv_freq(config: ModelConfig) -> jax.Array:
@@ -149,7 +162,7 @@ class Linear(nn.Module):
             (x.shape[-1], self.features), self.param_dtype,
         )
         y = self.dot_general(
-            x.astype(self.dtype), _cast_float(kernel, self.dtype), (((x.ndim - 1,), (0,)), ((), ()))
+            x.astype(self.dtype), cast_floats(kernel, self.dtype), (((x.ndim - 1,), (0,)), ((), ()))
         )
         if self.use_bias:
             bias = self.param(
@@ -337,5 +350,5 @@ class Embed(nn.Module):
     def attend(self, x: jax.Array, dot_general: DotGeneral) -> jax.Array:
         dt = self.config.compute_dtype
         return dot_general(
-            x.astype(dt), _cast_float(self.embedding, dt), (((x.ndim - 1,), (1,)), ((), ()))
+            x.astype(dt), cast_floats(self.embedding, dt), (((x.ndim - 1,), (1,)), ((), ()))
         )

@@ -30,7 +30,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models.config import ModelConfig
-from qurl_jax.models.transformer import DotGeneral, KVCache, Transformer
+from qurl_jax.models.transformer import (
+    DotGeneral,
+    KVCache,
+    Transformer,
+    cast_floats,
+    positions_from_mask,
+)
 from qurl_jax.quant import pack_for_decode
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
@@ -83,7 +89,7 @@ class SampleOutput:
         learner's input; the logits at column P-1+t predict response token t."""
         tokens = jnp.concatenate([self.prompt_tokens, self.tokens], axis=1)
         mask = jnp.concatenate([self.prompt_mask, self.mask], axis=1)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        positions = positions_from_mask(mask)
         return tokens, mask, positions
 
 
@@ -120,18 +126,6 @@ def _left_pad(prompts: Sequence[Sequence[int]], width: int, rows: int, pad_id: i
         tokens[i, width - len(p):] = p
         mask[i, width - len(p):] = True
     return tokens, mask
-
-
-def _cast_float_leaves(params: Params, dtype: Any) -> Params:
-    """Casts the plain float arrays of a param dict to the compute dtype, leaving quantized tensors
-    (any non-dict pytree node) untouched: the same cast the model applies per call, done once."""
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, params, is_leaf=lambda x: not isinstance(x, dict))
 
 
 class Sampler:
@@ -356,7 +350,7 @@ class Sampler:
         with B*n rows and `cache_len` slots, prompt in slots [0, P))."""
         cfg = self.config
         b, p_len = tokens.shape
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        positions = positions_from_mask(mask)
         cache = self._constrain_cache(KVCache.zeros(cfg, b, p_len))
         logits, cache = self.model.apply(
             {"params": params}, tokens, positions, mask, cache=cache, cache_index=0, last_only=True
@@ -388,7 +382,7 @@ class Sampler:
         which reads only the cache slots written so far.
         """
         cfg = self.config
-        params = _cast_float_leaves(params, cfg.compute_dtype)
+        params = cast_floats(params, cfg.compute_dtype)
         decode_attention = None
         if self.mesh is None or self.mesh.size == 1:
             params = pack_for_decode(params)
