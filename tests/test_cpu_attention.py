@@ -87,9 +87,9 @@ def test_model_decode_step_with_kernel_matches_xla() -> None:
         model = Transformer(CONFIG, decode_attention=hook)
         cache = KVCache.zeros(CONFIG, 3, 10)
         _, cache = model.apply({"params": params}, tokens[:, :6], positions[:, :6], mask[:, :6],
-                               cache=cache, cache_index=0)
+                               cache=cache)
         logits, _ = model.apply({"params": params}, tokens[:, 6:], positions[:, 6:], None,
-                                cache=cache, cache_index=6)
+                                cache=cache)
         return np.asarray(logits)
 
     np.testing.assert_allclose(run(cpu_attention.decode_attention), run(None), atol=1e-5)

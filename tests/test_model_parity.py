@@ -163,13 +163,13 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(case):
 
     cache = KVCache.zeros(config, batch=3, length=prompt_len + steps + 2)
     prefill, cache = apply({"params": params}, jnp.asarray(p_tokens),
-                                 jnp.asarray(positions[:, :prompt_len]), jnp.asarray(p_mask),
-                                 cache=cache, cache_index=0)
+                           jnp.asarray(positions[:, :prompt_len]), jnp.asarray(p_mask), cache=cache)
     np.testing.assert_allclose(np.asarray(prefill)[p_mask], full[:, :prompt_len][p_mask],
                                atol=1e-5)
     for j in range(steps):
         s = prompt_len + j
+        np.testing.assert_array_equal(np.asarray(cache.next_pos), positions[:, s])
         step, cache = apply({"params": params}, jnp.asarray(tokens[:, s:s + 1]),
-                            jnp.asarray(positions[:, s:s + 1]), None, cache=cache, cache_index=s)
+                            cache.next_pos[:, None], None, cache=cache)
         np.testing.assert_allclose(np.asarray(step)[:, 0], full[:, s], atol=1e-5,
                                    err_msg=f"decode step {j}")

@@ -410,12 +410,12 @@ def test_quantized_decode_with_cache_matches_full_forward() -> None:
     tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, config.vocab_size)
     full = _logits(config, rollout, tokens, rollout_dot_general)
 
-    @functools.partial(jax.jit, static_argnums=3)
-    def run(tokens, positions, cache, index):
-        return model.apply({"params": rollout}, tokens, positions, cache=cache, cache_index=index)
+    @jax.jit
+    def run(tokens, positions, cache):
+        return model.apply({"params": rollout}, tokens, positions, cache=cache)
 
-    _, cache = run(tokens[:, :5], _positions(tokens)[:, :5], KVCache.zeros(config, 2, 8), 0)
-    step, _ = run(tokens[:, 5:], _positions(tokens)[:, 5:], cache, 5)
+    _, cache = run(tokens[:, :5], _positions(tokens)[:, :5], KVCache.zeros(config, 2, 8))
+    step, _ = run(tokens[:, 5:], _positions(tokens)[:, 5:], cache)
     np.testing.assert_allclose(step[:, 0], full[:, 5], rtol=1e-5, atol=1e-5)
 
 

@@ -53,29 +53,36 @@ def _block(x: Any) -> Any:
 
 def make_decode_step(config: ModelConfig,
                      cpu_attention: bool = True) -> Callable[..., tuple[jax.Array, KVCache]]:
-    """jitted (params, cache, tokens i32[B,1], positions i32[B,1], index) -> (logits, cache);
-    the cache argument is donated. With `cpu_attention`, attention runs on the CPU decode
-    attention kernel where usable, as in the sampler's decode loop."""
+    """jitted (params, cache, tokens i32[B,1]) -> (logits, cache); the cache argument is donated.
+    The returned cache keeps the input's bookkeeping (pos, n_used, next_pos), so every call is
+    the same step: the token is written into the same free slot at the same position. With
+    `cpu_attention`, attention runs on the CPU decode attention kernel where usable, as in the
+    sampler's decode loop."""
     hook = None
     if cpu_attention and decode_attention.usable(config.compute_dtype, config.head_dim):
         hook = decode_attention.decode_attention
     model = Transformer(config, dot_general=rollout_dot_general, decode_attention=hook)
 
-    def step(params, cache, tokens, positions, index):
-        return model.apply({"params": params}, tokens, positions, cache=cache, cache_index=index)
+    def step(params, cache, tokens):
+        logits, new = model.apply({"params": params}, tokens, cache.next_pos[:, None],
+                                  cache=cache)
+        return logits, new.replace(pos=cache.pos, n_used=cache.n_used, next_pos=cache.next_pos)
 
     return jax.jit(step, donate_argnums=(1,))
 
 
 def filled_cache(config: ModelConfig, batch: int, context: int, rng: jax.Array) -> KVCache:
-    """A cache of `context` valid random slots plus room for one more token."""
+    """A cache of `context` valid random slots (positions 0 .. context-1) plus room for one more
+    token."""
     cache = KVCache.zeros(config, batch, context + 1)
     keys = jax.random.split(rng, 2 * config.num_layers)
     random_like = lambda key, x: jax.random.normal(key, x.shape, x.dtype)  # noqa: E731
-    return KVCache(
+    return cache.replace(
         k=tuple(map(random_like, keys[0::2], cache.k)),
         v=tuple(map(random_like, keys[1::2], cache.v)),
-        mask=cache.mask.at[:, :context].set(True),
+        pos=cache.pos.at[:, :context].set(jnp.arange(context, dtype=jnp.int32)),
+        n_used=jnp.full((batch,), context, jnp.int32),
+        next_pos=jnp.full((batch,), context, jnp.int32),
     )
 
 
@@ -99,14 +106,13 @@ def time_decode(config: ModelConfig, recipes: Sequence[str], batch: int = 8, con
     params = init_params(config, rng)
     step = make_decode_step(config, cpu_attention)
     tokens = jnp.ones((batch, 1), jnp.int32)
-    positions = jnp.full((batch, 1), context, jnp.int32)
     state = {}
     for name in recipes:
         # As the sampler's decode loop does once per rollout: int8 kernels in the CPU kernel's
         # packed layout (a no-op off CPU or without AVX512-VNNI).
         rollout = _block(jax.jit(pack_for_decode)(requantize(params, parse_recipe(name))))
         cache = filled_cache(config, batch, context, rng)
-        _, cache = _block(step(rollout, cache, tokens, positions, context))  # compile + warm up
+        _, cache = _block(step(rollout, cache, tokens))  # compile + warm up
         state[name] = [rollout, cache]
     samples: dict[str, list[float]] = {name: [] for name in recipes}
     for _ in range(rounds):
@@ -114,7 +120,7 @@ def time_decode(config: ModelConfig, recipes: Sequence[str], batch: int = 8, con
             rollout, cache = state[name]
             start = time.perf_counter()
             for _ in range(steps_per_round):
-                logits, cache = step(rollout, cache, tokens, positions, context)
+                logits, cache = step(rollout, cache, tokens)
             _block((logits, cache))
             samples[name].append((time.perf_counter() - start) / steps_per_round)
             state[name][1] = cache

@@ -11,10 +11,11 @@ learner passes nothing (plain float matmuls); the rollout passes `qurl_jax.quant
 with parameters whose kernels have been replaced by quantized tensors. The model code never changes.
 
 Attention takes explicit per-token positions and a validity mask, so prompts can be left-padded, and
-an optional `KVCache` for prefill/decode: new keys and values are written at slot `cache_index`
-(shared by the whole batch) and queries attend to every valid slot up to their own. A one-token
-step with a cache can run its attention through an injected `decode_attention` function instead of
-XLA's ops (the sampler passes `qurl_jax.cpu_kernels.decode_attention` on CPU).
+an optional `KVCache` for prefill/decode with per-row state: each row writes its new keys and values
+at its own next free slot and records their logical positions, and queries attend to the cached
+keys by those positions (never by slot index). A one-token step with a cache can run its attention
+through an injected `decode_attention` function instead of XLA's ops (the sampler passes
+`qurl_jax.cpu_kernels.decode_attention` on CPU).
 """
 
 from __future__ import annotations
@@ -34,20 +35,32 @@ from qurl_jax.models.config import ModelConfig
 
 DotGeneral = Callable[..., jax.Array]
 # (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
-# f[B, Hkv, G, D]: attention of one query position per row to slots [0, length).
+# f[B, Hkv, G, D]: attention of one query position per row to the slots of [0, length) that
+# key_mask marks (every cached key is in the query's past, so no position test is needed).
 DecodeAttention = Callable[..., jax.Array]
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Preallocated key/value cache, one buffer per layer.
+    """Key/value cache with per-row bookkeeping: L layers, R rows, S physical slots per row.
 
-    k, v: L-tuples of f[B, Hkv, S, D]   keys/values in compute dtype, S = cache length (slots).
-    mask: bool[B, S]                    slot holds a real (non-pad) token.
+    k, v: L-tuples of f[R, Hkv, S, D]  post-RoPE keys / values in the compute dtype.
+    pos: i32[R, S]                     logical (RoPE) position of the token in each slot; -1 marks
+                                       an empty slot (never written, or a prompt's left pad).
+    n_used: i32[R]                     slots in use; row r's next token goes to slot n_used[r].
+    next_pos: i32[R]                   logical position of row r's next token.
 
-    Why this layout (measured on XLA:CPU, 12 layers, batch 8, 513 slots): both attention products
-    read a layer's cache as a batched [S, D] matrix per (batch row, kv head), so slots sit next to
-    head_dim; and each layer has its own buffer, because reading one layer out of a stacked
+    Invariants: slots [n_used[r], S) of row r are empty; inside [0, n_used[r]) the non-empty slots
+    hold strictly increasing positions, all < next_pos[r]. Attention reads only `pos`: a cached
+    key is visible to a query when its slot is non-empty and its position is <= the query's.
+    Nothing assumes slot s holds position s, nor that rows are aligned, so the same structure
+    serves a cache whose slots hold an arbitrary ordered subset of the past (KV compression:
+    gather the kept slots to the front, set n_used, keep next_pos) and one whose rows are at
+    different points of their sequences (a finished row refilled with a new prompt).
+
+    Why this k/v layout (measured on XLA:CPU, 12 layers, batch 8, 513 slots): both attention
+    products read a layer's cache as a batched [S, D] matrix per (row, kv head), so slots sit next
+    to head_dim; and each layer has its own buffer, because reading one layer out of a stacked
     [L, ...] buffer makes XLA copy that layer's whole cache on every decode step. Together these
     cut attention from ~25 ms to ~3 ms per decode step. Each buffer is updated in place when the
     cache is donated.
@@ -55,24 +68,60 @@ class KVCache:
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-    mask: jax.Array
+    pos: jax.Array
+    n_used: jax.Array
+    next_pos: jax.Array
 
     SLOT_AXIS = 2  # axis of each k / v buffer that indexes cache slots
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
+        """An empty cache of `batch` rows and `length` slots per row."""
         dtype = config.compute_dtype if dtype is None else dtype
         shape = (batch, config.num_kv_heads, length, config.head_dim)
         layers = range(config.num_layers)
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in layers),
             v=tuple(jnp.zeros(shape, dtype) for _ in layers),
-            mask=jnp.zeros((batch, length), jnp.bool_),
+            pos=jnp.full((batch, length), -1, jnp.int32),
+            n_used=jnp.zeros((batch,), jnp.int32),
+            next_pos=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def length(self) -> int:
-        return self.mask.shape[1]
+        """S, the physical slots per row."""
+        return self.pos.shape[1]
+
+    def repeat(self, n: int, length: int) -> KVCache:
+        """Each row repeated n times (row r becomes rows r*n .. r*n+n-1, as GRPO samples share
+        their prompt's prefill) in a cache of `length` >= S slots; the added slots are empty."""
+        if length < self.length:
+            raise ValueError(f"KVCache.repeat: length={length} is shorter than the cache's "
+                             f"{self.length} slots")
+        extra = length - self.length
+        kv_pad = [(0, 0)] * 4
+        kv_pad[self.SLOT_AXIS] = (0, extra)
+        grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=0), kv_pad)  # noqa: E731
+        return KVCache(
+            k=tuple(map(grow, self.k)),
+            v=tuple(map(grow, self.v)),
+            pos=jnp.pad(jnp.repeat(self.pos, n, axis=0), ((0, 0), (0, extra)),
+                        constant_values=-1),
+            n_used=jnp.repeat(self.n_used, n),
+            next_pos=jnp.repeat(self.next_pos, n),
+        )
+
+
+def write_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
+    """Writes new[r] into buffer[r] starting at slots[r] along `axis` (an axis of the per-row
+    array, i.e. of buffer[r]); one scatter. buffer: [R, ...]; new: [R, ...] with T along `axis`;
+    slots: i32[R]. The caller keeps slots[r] + T within the buffer (XLA would clamp the start)."""
+
+    def one(row: jax.Array, update: jax.Array, slot: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(row, update.astype(row.dtype), slot, axis)
+
+    return jax.vmap(one)(buffer, new, slots)
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:
@@ -185,10 +234,14 @@ class Attention(nn.Module):
         positions: jax.Array,
         mask: jax.Array,
         cache: tuple[jax.Array, jax.Array] | None,
-        cache_mask: jax.Array | None,
-        cache_index: jax.Array | None,
+        cache_pos: jax.Array | None,
+        write_slots: jax.Array | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """`cache` is this layer's (k, v) f[B, Hkv, S, D]; returns it with this call's tokens."""
+        """`cache` is this layer's (k, v) f[B, Hkv, S, D]; returns it with this call's tokens.
+
+        With a cache, cache_pos: i32[B, S] is `KVCache.pos` already updated with this call's
+        tokens, and write_slots: i32[B] the first slot each row writes (`KVCache.n_used` before
+        the call)."""
         cfg = self.config
         b, t, _ = x.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -213,18 +266,16 @@ class Attention(nn.Module):
             q_pos, k_pos, k_valid = positions, positions, mask
             new_cache = None
         else:
-            idx = (0, 0, cache_index, 0)
-            keys = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), idx)
-            values = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), idx)
-            # Slots are written in order, so a slot's index serves as its position here.
-            q_pos = jnp.broadcast_to(cache_index + jnp.arange(t), (b, t))
-            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), (b, keys.shape[2]))
-            k_valid = cache_mask  # [B, S], already updated with this call's tokens
+            slot_axis = KVCache.SLOT_AXIS - 1  # of one row's [Hkv, S, D] buffer
+            keys = write_rows(cache[0], k, write_slots, slot_axis)
+            values = write_rows(cache[1], v, write_slots, slot_axis)
+            q_pos, k_pos, k_valid = positions, cache_pos, cache_pos >= 0
             new_cache = (keys, values)
 
         if cache is not None and t == 1 and self.decode_attention is not None:
+            # Slots past a row's n_used are empty, so reading [0, max n_used) is exact.
             out = self.decode_attention(attn_lib.group_queries(q, hkv), keys, values, k_valid,
-                                        cache_index + 1)
+                                        jnp.max(write_slots) + 1)
             out = attn_lib.ungroup_queries(out, t)
         else:
             out = attn_lib.dot_product_attention(q, keys, values, q_pos, k_pos, k_valid)
@@ -253,13 +304,13 @@ class DecoderLayer(nn.Module):
     decode_attention: DecodeAttention | None = None
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, cache_mask, cache_index):
+    def __call__(self, x, positions, mask, cache, cache_pos, write_slots):
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
         attn, new_cache = Attention(cfg, self.dot_general, self.decode_attention,
                                     name="self_attn")(
-            h, positions, mask, cache, cache_mask, cache_index
+            h, positions, mask, cache, cache_pos, write_slots
         )
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
@@ -274,9 +325,10 @@ class Transformer(nn.Module):
       tokens: i32[B, T] token ids (pad positions may hold any id).
       positions: i32[B, T] RoPE positions (for a left-padded prompt: 0 at the first real token).
       mask: bool[B, T] real tokens; None means all real. Padded keys are never attended to.
-      cache: optional KVCache; this call's keys/values are written at slots
-        [cache_index, cache_index + T) and queries attend to all valid slots up to their own.
-      cache_index: i32 scalar write slot (required with a cache).
+      cache: optional KVCache; row r's T new keys/values go to slots [n_used[r], n_used[r] + T)
+        (the caller leaves room), recorded at their `positions` (pads as empty slots), and the
+        queries attend to every cached key at or before their own position. For a decode step
+        pass positions = cache.next_pos[:, None].
       last_only: return logits for the last position only ([B, 1, V]); what prefill needs.
     """
 
@@ -291,7 +343,6 @@ class Transformer(nn.Module):
         positions: jax.Array,
         mask: jax.Array | None = None,
         cache: KVCache | None = None,
-        cache_index: jax.Array | int | None = None,
         last_only: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         cfg = self.config
@@ -302,18 +353,16 @@ class Transformer(nn.Module):
         embed = Embed(cfg, name="embed_tokens")
         x = embed(tokens)
 
-        cache_mask = None
+        cache_pos = write_slots = None
         if cache is not None:
-            if cache_index is None:
-                raise ValueError("Transformer: a cache needs a cache_index")
-            cache_index = jnp.asarray(cache_index, jnp.int32)
-            cache_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache_index))
+            write_slots = cache.n_used
+            cache_pos = write_rows(cache.pos, jnp.where(mask, positions, -1), write_slots, 0)
         new_kv = []
         for i in range(cfg.num_layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = DecoderLayer(cfg, self.dot_general, self.decode_attention,
                                  name=f"layers_{i}")(
-                x, positions, mask, kv, cache_mask, cache_index
+                x, positions, mask, kv, cache_pos, write_slots
             )
             new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
@@ -326,8 +375,10 @@ class Transformer(nn.Module):
                             name="lm_head")(x)
         new_cache = None
         if cache is not None:
+            last = jnp.max(jnp.where(mask, positions + 1, 0), axis=1)
             new_cache = KVCache(k=tuple(kv[0] for kv in new_kv), v=tuple(kv[1] for kv in new_kv),
-                                mask=cache_mask)
+                                pos=cache_pos, n_used=cache.n_used + t,
+                                next_pos=jnp.maximum(cache.next_pos, last))
         return logits.astype(jnp.float32), new_cache
 
 

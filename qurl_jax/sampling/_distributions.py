@@ -91,6 +91,16 @@ def _nucleus_threshold(probs: jax.Array, top_p: jax.Array | float) -> jax.Array:
     return jax.lax.bitcast_convert_type(hi, jnp.float32)
 
 
+def _uniforms(key: jax.Array, n: int) -> jax.Array:
+    """f32[N] uniforms in [0, 1): N draws from one key, or one draw per key from keys [N]."""
+    key_rank = 0 if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else 1  # raw keys: u32[2]
+    if key.ndim == key_rank:
+        return jax.random.uniform(key, (n,), jnp.float32)
+    if key.shape[0] != n:
+        raise ValueError(f"sample_tokens: {key.shape[0]} keys for {n} rows")
+    return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key)
+
+
 def sample_tokens(
     logits: jax.Array,
     key: jax.Array,
@@ -102,7 +112,8 @@ def sample_tokens(
 
     Args:
       logits: f[N, V] next-token logits (cast to float32 here).
-      key: PRNG key for this step (unused when greedy).
+      key: PRNG key for this step, or keys [N], one per row (a row's draw then depends on its
+        own key only, not on the batch it is in); unused when greedy.
       temperature: scalar > 0; logits are divided by it before softmax (also for greedy, where it
         only affects the reported log-probabilities).
       top_p: scalar in (0, 1]; used only when `mode.top_p`.
@@ -118,7 +129,7 @@ def sample_tokens(
     n, v = scaled.shape
     log_norm = jax.nn.logsumexp(scaled, axis=-1)  # [N]
 
-    u = jax.random.uniform(key, (n,), jnp.float32)
+    u = _uniforms(key, n)
     if not mode.truncates:
         if mode.greedy:
             # First index of the maximum (jnp.argmax's tie rule); two plain reductions are ~3x

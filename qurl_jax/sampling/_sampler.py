@@ -1,17 +1,22 @@
 """The rollout engine: one jitted prefill and one jitted early-exit decode loop over a KV cache.
 
-`Sampler.sample` left-pads a batch of token-id prompts to a prompt-length bucket, runs the model
-once over the B distinct prompts (prefill, logits of the last position only), copies each prompt's
-cache rows n times (GRPO groups share a prefill) into a cache preallocated for prompt_bucket +
-gen_bucket slots, and hands that cache (donated, so it is updated in place) to a `lax.while_loop`
-that samples one token per row per step and stops as soon as every row has emitted an EOS id or
-`max_new_tokens` tokens. Prompt and generation lengths are rounded up to buckets and the two
-programs are cached per bucket, so a training run compiles a handful of programs rather than one per
-batch.
+`Sampler.sample` left-pads a batch of token-id prompts to a prompt-length bucket and streams the
+B * n rollout rows through at most `max_concurrent_rows` rows at a time, in chunks of whole prompts
+(GRPO groups share a prefill). Per chunk it runs the model once over the chunk's distinct prompts
+(prefill, logits of the last position only), copies each prompt's cache rows n times into a cache
+of prompt_bucket + gen_bucket slots, and hands that cache (donated, so it is updated in place) to a
+`lax.while_loop` that samples one token per row per step and stops as soon as every row of the
+chunk has emitted an EOS id or `max_new_tokens` tokens. Only one chunk's KV cache is allocated at a
+time; the chunks' outputs are concatenated on device. Prompt and generation lengths are rounded up
+to buckets and the two programs are cached per bucket, so a training run compiles a handful of
+programs rather than one per batch, and every chunk of a call runs the same two programs.
+
+Randomness is per row: row i of the whole batch draws step t's token with
+`fold_in(fold_in(key, i), t)`, so the same key gives the same tokens whatever the chunk size.
 
 The same code path serves full-precision parameters and quantized rollout parameters: the model's
 `dot_general` hook and the parameter pytree are supplied from outside (`qurl_jax.quant`). Under a
-mesh the batch is sharded over ('data', 'fsdp') and the cache's kv heads over 'tensor'; parameters
+mesh each chunk is sharded over ('data', 'fsdp') and the cache's kv heads over 'tensor'; parameters
 are expected to be placed already (`qurl_jax.sharding.shard_params`).
 """
 
@@ -26,7 +31,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models.config import ModelConfig
@@ -43,10 +48,11 @@ from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
 
 Params = dict[str, Any]
 
-# Logical axes of each KVCache.k / .v buffer ([B, Hkv, S, D]) and of .mask ([B, S]) for
-# `qurl_jax.sharding`.
+# Logical axes (`qurl_jax.sharding`) of each KVCache.k / .v buffer [R, Hkv, S, D], of .pos [R, S]
+# and of the per-row .n_used / .next_pos [R].
 _CACHE_KV_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
-_CACHE_MASK_AXES = ("batch", "cache_length")
+_CACHE_POS_AXES = ("batch", "cache_length")
+_ROW_AXES = ("batch",)
 
 
 class FinishReason(enum.IntEnum):
@@ -128,6 +134,15 @@ def _left_pad(prompts: Sequence[Sequence[int]], width: int, rows: int, pad_id: i
     return tokens, mask
 
 
+def default_platform(mesh: Mesh | None) -> str:
+    """The platform a sampler's programs run on: the mesh's devices', or JAX's default backend."""
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def _concat_rows(chunks: list[jax.Array]) -> jax.Array:
+    return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=0)
+
+
 class Sampler:
     """Jitted batched sampler for one model configuration and one `dot_general` hook.
 
@@ -141,8 +156,17 @@ class Sampler:
         up to the maximum. The KV cache holds prompt_bucket + gen_bucket slots.
       min_bucket: smallest power-of-two bucket.
       pad_id: token id written into prompt pads and after EOS (always masked out).
-      mesh: optional device mesh; the batch is sharded over ('data', 'fsdp') and is padded to a
+      mesh: optional device mesh; each chunk is sharded over ('data', 'fsdp') and is padded to a
         multiple of their size. Parameters must already be placed on the mesh.
+      max_concurrent_rows: most rollout rows decoded at once, which bounds the KV cache; 0 decodes
+        all B * n rows at once. A chunk holds whole prompts (their n samples share one prefill)
+        and the same number of prompts on every batch shard, so it holds
+        max_concurrent_rows // (n * shards) * shards prompts (at least one per shard; `sample`
+        raises if max_concurrent_rows < n * shards).
+      platform: the platform the programs are built for (default: `default_platform(mesh)`).
+        Work that only pays on the CPU is done only when it is 'cpu' (see `_decode_model`); on an
+        accelerator the decode loop runs the plain model. Naming an accelerator here on a host
+        mesh builds the accelerator's programs for the host (what a memory estimate wants).
     """
 
     def __init__(
@@ -157,6 +181,8 @@ class Sampler:
         min_bucket: int = 16,
         pad_id: int = 0,
         mesh: Mesh | None = None,
+        max_concurrent_rows: int = 0,
+        platform: str | None = None,
     ) -> None:
         self.config = config.validate()
         self.model = Transformer(config, dot_general)
@@ -173,8 +199,14 @@ class Sampler:
         if not 0 <= pad_id < config.vocab_size:
             raise ValueError(f"Sampler.pad_id={pad_id} is outside the vocabulary [0, "
                              f"{config.vocab_size})")
+        if isinstance(max_concurrent_rows, bool) or not isinstance(
+                max_concurrent_rows, int | np.integer) or max_concurrent_rows < 0:
+            raise ValueError(f"Sampler.max_concurrent_rows={max_concurrent_rows!r} must be an int "
+                             f">= 0 (0 = all rows at once)")
         self.pad_id = int(pad_id)
         self.mesh = mesh
+        self.max_concurrent_rows = int(max_concurrent_rows)
+        self.platform = default_platform(mesh) if platform is None else platform
         self._programs: dict[tuple, tuple[Any, Any]] = {}
 
     @property
@@ -191,7 +223,7 @@ class Sampler:
         return len(self._programs)
 
     # ----------------------------------------------------------------------------------------------
-    # Public entry point.
+    # Public entry points.
 
     def sample(
         self,
@@ -212,7 +244,8 @@ class Sampler:
         Args:
           params: model parameters (full precision or quantized for this sampler's hook).
           prompts: B lists of token ids (different lengths allowed; none empty).
-          key: PRNG key; the same key and inputs give the same tokens.
+          key: PRNG key; the same key and inputs give the same tokens, whatever
+            `max_concurrent_rows` is.
           n: samples per prompt (rows b*n .. b*n+n-1 belong to prompt b).
           max_new_tokens: response length limit.
           temperature: softmax temperature (> 0); logits are divided by it in float32. With
@@ -227,8 +260,9 @@ class Sampler:
         b, v = len(prompts), self.config.vocab_size
         p_len = _bucket(max(len(p) for p in prompts), self.prompt_buckets)
         g_len = _bucket(max_new_tokens, self.gen_buckets)
-        shards = self._batch_shards()
-        tokens, mask = _left_pad(prompts, p_len, -(-b // shards) * shards, self.pad_id)
+        group = self._prompts_per_chunk(b, n)
+        num_chunks = -(-b // group)
+        tokens, mask = _left_pad(prompts, p_len, num_chunks * group, self.pad_id)
         mode = SamplingMode(
             greedy=bool(greedy),
             top_k=0 if greedy or top_k >= v else int(top_k),
@@ -240,34 +274,94 @@ class Sampler:
         eos_arr[: len(eos)] = eos
         # Greedy decoding reports log-probs at the given temperature, or at 1 if it is not > 0.
         temp = temperature if temperature > 0 else 1.0
-        prefill, decode = self._programs_for(tokens.shape[0], int(n), p_len, g_len, mode,
-                                             eos_arr.size)
-        tokens_d, mask_d = self._put_batch(tokens), self._put_batch(mask)
-        logits, cache = prefill(params, tokens_d, mask_d)
-        resp, _ = decode(
-            params, cache, logits, self._put_batch(np.repeat(mask.sum(1), n).astype(np.int32)),
-            key, jnp.float32(temp), jnp.float32(top_p), jnp.int32(max_new_tokens),
-            jnp.asarray(eos_arr),
-        )
-        rows = b * n
+        prefill, decode = self._programs_for(group, int(n), p_len, g_len, mode, eos_arr.size)
+        settings = (key, jnp.float32(temp), jnp.float32(top_p), jnp.int32(max_new_tokens),
+                    jnp.asarray(eos_arr))
+        rows = group * n
+        chunks = []
+        # Dispatched without waiting: the host never blocks between or inside the chunks.
+        for c in range(num_chunks):
+            prompt_rows = slice(c * group, (c + 1) * group)
+            logits, cache = prefill(params, self._put_batch(tokens[prompt_rows]),
+                                    self._put_batch(mask[prompt_rows]))
+            row_ids = self._put_batch(np.arange(c * rows, (c + 1) * rows, dtype=np.int32))
+            response, _ = decode(params, cache, logits, row_ids, *settings)
+            chunks.append(response)
 
         def crop(x: jax.Array, columns: int | None = None) -> jax.Array:
             """Drops batch-padding rows (and generation-bucket columns past `columns`); a no-op
             when there are none, which keeps the outputs' batch sharding."""
-            if x.shape[0] != rows:
-                x = x[:rows]
+            if x.shape[0] != b * n:
+                x = x[: b * n]
             if columns is not None and x.shape[1] != columns:
                 x = x[:, :columns]
             return x
 
+        per_row = ("tokens", "logp", "logp_untruncated", "mask", "lengths", "finish_reason")
+        out = {name: _concat_rows([r[name] for r in chunks]) for name in per_row}
+        prompt_tokens, prompt_mask = self._put_batch(tokens), self._put_batch(mask)
         if n > 1:
-            tokens_d, mask_d = jnp.repeat(tokens_d, n, axis=0), jnp.repeat(mask_d, n, axis=0)
+            prompt_tokens = jnp.repeat(prompt_tokens, n, axis=0)
+            prompt_mask = jnp.repeat(prompt_mask, n, axis=0)
+        num_steps = chunks[0]["num_steps"]
+        if num_chunks > 1:
+            num_steps = jnp.max(jnp.stack([r["num_steps"] for r in chunks]))
         per_token = ("tokens", "logp", "logp_untruncated", "mask")
         return SampleOutput(
-            **{name: crop(resp[name], max_new_tokens) for name in per_token},
-            lengths=crop(resp["lengths"]), finish_reason=crop(resp["finish_reason"]),
-            prompt_tokens=crop(tokens_d), prompt_mask=crop(mask_d), num_steps=resp["num_steps"],
+            **{name: crop(out[name], max_new_tokens) for name in per_token},
+            lengths=crop(out["lengths"]), finish_reason=crop(out["finish_reason"]),
+            prompt_tokens=crop(prompt_tokens), prompt_mask=crop(prompt_mask), num_steps=num_steps,
         )
+
+    def lower_programs(
+        self,
+        abstract_params: Params,
+        rows: int,
+        p_len: int,
+        g_len: int,
+        *,
+        n: int = 1,
+        mode: SamplingMode | None = None,
+        lowering_platforms: tuple[str, ...] | None = None,
+    ) -> dict[str, jax.stages.Lowered]:
+        """The prefill and decode programs of one rollout chunk, lowered but neither compiled nor
+        run, for memory and cost analysis (`lowered.compile().memory_analysis()`).
+
+        Args:
+          abstract_params: the parameters' pytree as `jax.ShapeDtypeStruct`s (e.g. from
+            `jax.eval_shape`), carrying their shardings under a mesh.
+          rows: the chunk's decode rows (prompts * n), a multiple of n * batch shards.
+          p_len / g_len: prompt and generation buckets (the cache holds p_len + g_len slots).
+          n: samples per prompt (the prefill runs rows / n prompts).
+          mode: the static sampling settings (default: plain sampling).
+          lowering_platforms: passed to `jax.stages.Traced.lower` (default: this process's
+            devices); the programs themselves follow this sampler's `platform`.
+
+        Returns {'prefill': ..., 'decode': ...}, the same programs `sample` runs for a chunk of
+        these shapes.
+        """
+        shards = self._batch_shards()
+        if rows < 1 or rows % (n * shards):
+            raise ValueError(f"Sampler.lower_programs: rows={rows} must be a positive multiple "
+                             f"of n * batch shards = {n} * {shards}")
+        group = rows // n
+        prefill, decode = self._programs_for(group, n, p_len, g_len, mode or SamplingMode(), 8)
+        i32 = jnp.int32
+        cache = self._with_shardings(
+            jax.eval_shape(lambda: KVCache.zeros(self.config, rows, p_len + g_len)))
+        prefill_args = (abstract_params, self._abstract_batch((group, p_len), i32),
+                        self._abstract_batch((group, p_len), jnp.bool_))
+        decode_args = (
+            abstract_params, cache, self._abstract_batch((rows, self.config.vocab_size),
+                                                         jnp.float32),
+            self._abstract_batch((rows,), i32), jax.eval_shape(lambda: jax.random.key(0)),
+            jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32),
+            jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((8,), i32),
+        )
+        return {
+            "prefill": prefill.trace(*prefill_args).lower(lowering_platforms=lowering_platforms),
+            "decode": decode.trace(*decode_args).lower(lowering_platforms=lowering_platforms),
+        }
 
     def _check_inputs(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int,
                       temperature: float, top_k: int, top_p: float, greedy: bool,
@@ -302,6 +396,20 @@ class Sampler:
                 raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {v})")
         return eos
 
+    def _prompts_per_chunk(self, num_prompts: int, n: int) -> int:
+        """Prompts per chunk: a multiple of the batch shards, as many as `max_concurrent_rows`
+        allows (but no more than the padded batch)."""
+        shards = self._batch_shards()
+        whole = -(-num_prompts // shards) * shards
+        if self.max_concurrent_rows == 0:
+            return whole
+        fit = self.max_concurrent_rows // (n * shards) * shards
+        if fit == 0:
+            raise ValueError(
+                f"Sampler.max_concurrent_rows={self.max_concurrent_rows} holds no whole group: a "
+                f"chunk needs at least n * batch shards = {n} * {shards} rows (n={n})")
+        return min(fit, whole)
+
     # ----------------------------------------------------------------------------------------------
     # Sharding helpers.
 
@@ -315,74 +423,91 @@ class Sampler:
             return jnp.asarray(x)
         return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
 
+    def _abstract_batch(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        """What `_put_batch` makes of a host array of this shape, abstractly."""
+        sharding = None if self.mesh is None else batch_sharding(self.mesh, len(shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def _named(self, x: Any, axes: tuple[str, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_mesh_spec(PartitionSpec(*axes), x.shape,
+                                                             self.mesh))
+
     def _constrain(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         if self.mesh is None:
             return x
-        spec = logical_to_mesh_spec(jax.sharding.PartitionSpec(*axes), x.shape, self.mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, self._named(x, axes))
+
+    def _cache_shardings(self, cache: KVCache) -> KVCache:
+        """The cache's shardings (as a KVCache of NamedShardings); a mesh is required."""
+        return KVCache(
+            k=tuple(self._named(x, _CACHE_KV_AXES) for x in cache.k),
+            v=tuple(self._named(x, _CACHE_KV_AXES) for x in cache.v),
+            pos=self._named(cache.pos, _CACHE_POS_AXES),
+            n_used=self._named(cache.n_used, _ROW_AXES),
+            next_pos=self._named(cache.next_pos, _ROW_AXES),
+        )
 
     def _constrain_cache(self, cache: KVCache) -> KVCache:
-        constrain = lambda x: self._constrain(x, _CACHE_KV_AXES)  # noqa: E731
-        return KVCache(
-            k=tuple(map(constrain, cache.k)),
-            v=tuple(map(constrain, cache.v)),
-            mask=self._constrain(cache.mask, _CACHE_MASK_AXES),
-        )
+        if self.mesh is None:
+            return cache
+        return jax.lax.with_sharding_constraint(cache, self._cache_shardings(cache))
+
+    def _with_shardings(self, cache: KVCache) -> KVCache:
+        """An abstract cache (ShapeDtypeStructs) with the shardings the programs give it."""
+        if self.mesh is None:
+            return cache
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            cache, self._cache_shardings(cache))
 
     # ----------------------------------------------------------------------------------------------
     # The two programs.
 
-    def _programs_for(self, b: int, n: int, p_len: int, g_len: int, mode: SamplingMode,
+    def _programs_for(self, group: int, n: int, p_len: int, g_len: int, mode: SamplingMode,
                       num_eos: int) -> tuple[Any, Any]:
-        key = (b, n, p_len, g_len, mode, num_eos)
+        """The jitted (prefill, decode) pair for chunks of `group` prompts x n samples."""
+        key = (group, n, p_len, g_len, mode, num_eos)
         if key not in self._programs:
             prefill = jax.jit(functools.partial(self._prefill, n=n, cache_len=p_len + g_len))
-            decode = jax.jit(
-                functools.partial(self._decode, mode=mode, p_len=p_len, g_len=g_len),
-                donate_argnums=(1,),
-            )
+            decode = jax.jit(functools.partial(self._decode, mode=mode, g_len=g_len),
+                             donate_argnums=(1,))
             self._programs[key] = (prefill, decode)
         return self._programs[key]
 
     def _prefill(self, params: Params, tokens: jax.Array, mask: jax.Array, *, n: int,
                  cache_len: int) -> tuple[jax.Array, KVCache]:
-        """Runs the B distinct prompts once and returns (last-position logits f32[B*n, V], cache
-        with B*n rows and `cache_len` slots, prompt in slots [0, P))."""
-        cfg = self.config
+        """Runs a chunk's P distinct prompts (tokens i32[P, p_len], mask bool[P, p_len]) once and
+        returns (last-position logits f32[P*n, V], cache of P*n rows and `cache_len` slots, the
+        prompt in slots [0, p_len): n_used = p_len, next_pos = prompt length)."""
         b, p_len = tokens.shape
-        positions = positions_from_mask(mask)
-        cache = self._constrain_cache(KVCache.zeros(cfg, b, p_len))
+        cache = self._constrain_cache(KVCache.zeros(self.config, b, p_len))
         logits, cache = self.model.apply(
-            {"params": params}, tokens, positions, mask, cache=cache, cache_index=0, last_only=True
+            {"params": params}, tokens, positions_from_mask(mask), mask, cache=cache,
+            last_only=True,
         )
-        # Copy each prompt's rows n times into the full-length cache (n = 1 is a plain pad).
-        pad = [(0, 0)] * len(_CACHE_KV_AXES)
-        pad[KVCache.SLOT_AXIS] = (0, cache_len - p_len)
-        copy_rows = lambda x: jnp.pad(jnp.repeat(x, n, axis=0), pad)  # noqa: E731
-        full = KVCache(
-            k=tuple(map(copy_rows, cache.k)),
-            v=tuple(map(copy_rows, cache.v)),
-            mask=jnp.pad(jnp.repeat(cache.mask, n, axis=0), ((0, 0), (0, cache_len - p_len))),
-        )
-        return jnp.repeat(logits[:, 0], n, axis=0), self._constrain_cache(full)
+        return jnp.repeat(logits[:, 0], n, axis=0), self._constrain_cache(
+            cache.repeat(n, cache_len))
 
     def _decode_model(self, params: Params) -> tuple[Transformer, Params]:
         """The decode loop's model and parameters, with loop-invariant work done once.
 
         Float parameters are cast to the compute dtype here rather than by the model every step.
-        A tied LM head multiplies by the embedding transposed ([V, E] contracted on E); XLA's CPU
-        matmuls read such a transposed operand far slower than a [E, V] kernel (the LM head is the
-        largest matrix of a small model), so the loop runs the same model untied, with the head
-        kernel materialised once as embedding.T. The optimization barrier keeps XLA from folding
-        the transpose back into the product.
 
-        On a single CPU device the loop also uses qurl_jax's CPU kernels (`qurl_jax.cpu_kernels`)
-        where this machine can run them: int8 kernels are stored once in the int8 matmul kernel's
-        packed layout (`quant.pack_for_decode`), and attention runs on the decode attention kernel,
-        which reads only the cache slots written so far.
+        CPU-only work, done only when this sampler's `platform` is 'cpu' (the one predicate; on
+        an accelerator each of these would cost memory or time for nothing):
+        - A tied LM head multiplies by the embedding transposed ([V, E] contracted on E); XLA's
+          CPU matmuls read such a transposed operand far slower than a [E, V] kernel (the LM head
+          is the largest matrix of a small model), so the loop runs the same model untied, with
+          the head kernel materialised once as embedding.T (a second copy of the embedding). The
+          optimization barrier keeps XLA from folding the transpose back into the product.
+        - On a single device, qurl_jax's CPU kernels (`qurl_jax.cpu_kernels`) where this machine
+          can run them: int8 kernels are stored once in the int8 matmul kernel's packed layout
+          (`quant.pack_for_decode`, a packed copy of those weights), and attention runs on the
+          decode attention kernel, which reads only the cache slots in use.
         """
         cfg = self.config
         params = cast_floats(params, cfg.compute_dtype)
+        if self.platform != "cpu":
+            return self.model, params
         decode_attention = None
         if self.mesh is None or self.mesh.size == 1:
             params = pack_for_decode(params)
@@ -402,7 +527,7 @@ class Sampler:
         params: Params,
         cache: KVCache,
         logits: jax.Array,
-        prompt_lengths: jax.Array,
+        row_ids: jax.Array,
         key: jax.Array,
         temperature: jax.Array,
         top_p: jax.Array,
@@ -410,25 +535,25 @@ class Sampler:
         eos_ids: jax.Array,
         *,
         mode: SamplingMode,
-        p_len: int,
         g_len: int,
     ) -> tuple[dict[str, jax.Array], KVCache]:
         """Samples up to `max_new_tokens` (<= g_len) tokens per row with an early-exit while loop.
 
-        logits: f32[N, V] next-token logits after the prompt; prompt_lengths: i32[N] real prompt
-        tokens per row (0 marks a batch-padding row, which counts as finished from the start);
-        eos_ids: i32[E] EOS ids, -1 padded.
+        cache: the prefilled cache of the chunk's N rows (room for g_len - 1 more tokens);
+        logits: f32[N, V] next-token logits after the prompt; row_ids: i32[N] each row's index
+        in the whole batch (its random stream); eos_ids: i32[E] EOS ids, -1 padded. A row whose
+        prompt is empty (batch padding: next_pos 0) counts as finished from the start.
         Returns the response fields of `SampleOutput` (g_len columns) and the updated cache.
         """
         num_rows = logits.shape[0]
         model, params = self._decode_model(params)
+        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row_ids)
 
         def pick(step: jax.Array, step_logits: jax.Array, done: jax.Array, buffers: tuple
                  ) -> tuple[jax.Array, jax.Array, tuple]:
             """Samples column `step`, writes it into the buffers, updates the finished flags."""
-            tok, lp, lp_full = sample_tokens(
-                step_logits, jax.random.fold_in(key, step), temperature, top_p, mode
-            )
+            step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
+            tok, lp, lp_full = sample_tokens(step_logits, step_keys, temperature, top_p, mode)
             live = ~done
             tok = jnp.where(live, tok, self.pad_id)
             toks, lps, lps_full, masks = buffers
@@ -448,7 +573,7 @@ class Sampler:
             jnp.zeros((num_rows, g_len), jnp.float32),
             jnp.zeros((num_rows, g_len), jnp.bool_),
         )
-        done = prompt_lengths == 0
+        done = cache.next_pos == 0
         # The first token comes from the prefill logits; each loop iteration then feeds the previous
         # token through the model and samples the next one, so no forward pass is wasted.
         tok, done, buffers = pick(jnp.int32(0), logits, done, buffers)
@@ -459,10 +584,8 @@ class Sampler:
 
         def body(state: tuple) -> tuple:
             step, tok, done, buffers, cache = state
-            positions = (prompt_lengths + step - 1)[:, None]
             step_logits, cache = model.apply(
-                {"params": params}, tok[:, None], positions, None, cache=cache,
-                cache_index=p_len + step - 1,
+                {"params": params}, tok[:, None], cache.next_pos[:, None], None, cache=cache
             )
             tok, done, buffers = pick(step, step_logits[:, 0], done, buffers)
             return step + 1, tok, done, buffers, cache
