@@ -54,6 +54,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0
     c.rollout.top_k = 0  # 0 = off
     c.rollout.top_p = 1.0
+    c.rollout.max_concurrent_rows = 0  # rows decoded at once (bounds the KV cache); 0 = all
     c.rollout.invariant_scaling = 1.0  # QuRL's s; 1.0 disables, 1.5 is the paper's value
     c.rollout.invariant_scaling_targets = ("qkv",)  # 'qkv' and/or 'gate_up'
 

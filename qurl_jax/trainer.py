@@ -114,7 +114,8 @@ class Trainer:
                                num_micro_batches=c.rl.num_micro_batches)
         sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
-                              pad_id=self.task.pad_id, mesh=self.mesh)
+                              pad_id=self.task.pad_id, mesh=self.mesh,
+                              max_concurrent_rows=c.rollout.max_concurrent_rows)
         self.sampler = Sampler(self.model_config, quant.make_dot_general(self.recipe),
                                **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)

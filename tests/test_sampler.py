@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable
 
 import jax
@@ -364,18 +365,106 @@ def test_buckets_limit_compilations(llama) -> None:
 # Sharding, text interface, bad input.
 
 
-def test_sharded_greedy_matches_single_device(qwen) -> None:
+def test_sharded_chunked_greedy_matches_single_device(qwen) -> None:
     cfg, params, sampler = qwen
-    expected = sampler.sample(params, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=10,
+    prompts = PROMPTS * 2
+    expected = sampler.sample(params, prompts, key=jax.random.key(0), n=2, max_new_tokens=10,
                               greedy=True)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     sharded = shard_params(params, param_logical_axes(cfg), mesh)
-    sharded_sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh)
-    out = sharded_sampler.sample(sharded, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=10,
+    # 4 batch shards x n = 2: chunks of 4 prompts (8 rows), so 6 prompts run as 4 + 2 (+ 2 pads).
+    sharded_sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
+                              max_concurrent_rows=8)
+    out = sharded_sampler.sample(sharded, prompts, key=jax.random.key(0), n=2, max_new_tokens=10,
                                  greedy=True)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
     np.testing.assert_allclose(np.asarray(out.logp), np.asarray(expected.logp), atol=1e-5)
-    assert out.tokens.shape == (6, 10)
+    assert out.tokens.shape == (12, 10)
+    assert sharded_sampler.num_programs == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Bounded concurrent rows, program hooks, platform gating.
+
+
+def test_chunking_does_not_change_results(qwen) -> None:
+    # One group (n = 2 rows) per chunk, two groups per chunk (3 prompts: 2 + 1 and a padding
+    # prompt), all at once: per-row random streams make the draws independent of the chunking.
+    cfg, params, all_at_once = qwen
+    kw = dict(key=jax.random.key(7), n=2, max_new_tokens=8, temperature=1.0, top_k=40)
+    outs = [all_at_once.sample(params, PROMPTS, **kw)]
+    for rows in (2, 4):
+        chunked = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=rows)
+        outs.append(chunked.sample(params, PROMPTS, **kw))
+        assert chunked.num_programs == 1  # every chunk runs the same two programs
+    ref = outs[0]
+    assert len(set(np.asarray(ref.tokens)[:, 0].tolist())) > 1  # rows draw different tokens
+    for out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_allclose(np.asarray(out.logp), np.asarray(ref.logp), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(out.logp_untruncated),
+                                   np.asarray(ref.logp_untruncated), atol=1e-6)
+        for name in ("mask", "lengths", "finish_reason", "prompt_tokens", "prompt_mask"):
+            np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                          np.asarray(getattr(ref, name)), err_msg=name)
+        assert int(out.num_steps) == int(ref.num_steps) == 8
+
+
+def test_max_concurrent_rows_must_hold_a_group(qwen) -> None:
+    cfg, params, _ = qwen
+    with pytest.raises(ValueError, match="max_concurrent_rows=-1"):
+        Sampler(cfg, max_concurrent_rows=-1)
+    sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=3)
+    with pytest.raises(ValueError, match=r"max_concurrent_rows=3 holds no whole group.*n=4"):
+        sampler.sample(params, PROMPTS, key=jax.random.key(0), n=4, max_new_tokens=4)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def test_lower_programs_compile_and_report_memory(qwen) -> None:
+    cfg, params, sampler = qwen
+    rows, n, p_len, g_len = 4, 2, 8, 16
+    lowered = sampler.lower_programs(_abstract(params), rows, p_len, g_len, n=n)
+    assert set(lowered) == {"prefill", "decode"}
+    memory = {name: low.compile().memory_analysis() for name, low in lowered.items()}
+    cache_bytes = (2 * cfg.num_layers * rows * cfg.num_kv_heads * (p_len + g_len)
+                   * cfg.head_dim * 4)
+    # The prefill returns the chunk's cache; the decode program takes it donated (aliased).
+    assert memory["prefill"].output_size_in_bytes >= cache_bytes
+    assert memory["decode"].argument_size_in_bytes >= cache_bytes
+    assert memory["decode"].alias_size_in_bytes >= cache_bytes
+    with pytest.raises(ValueError, match="rows=3"):
+        sampler.lower_programs(_abstract(params), 3, p_len, g_len, n=n)
+
+
+def test_cpu_only_decode_work_follows_the_platform() -> None:
+    from qurl_jax.quant import make_dot_general, requantize
+    from qurl_jax.sampling._sampler import default_platform
+
+    assert default_platform(None) == jax.default_backend()
+    assert default_platform(make_mesh(data=2)) == "cpu"
+    cfg = TINY["qwen2"]  # tied LM head
+    abstract = _abstract(jax.eval_shape(lambda p: requantize(p, "int8"), _random_params(cfg)))
+
+    def decode_text(platform: str) -> str:
+        sampler = Sampler(cfg, make_dot_general("int8"), max_prompt_len=8, max_new_tokens=8,
+                          platform=platform)
+        assert sampler.platform == platform
+        lowered = sampler.lower_programs(abstract, 2, 8, 8, lowering_platforms=(platform,))
+        return lowered["decode"].as_text()
+
+    # On CPU the decode loop materialises the tied head's transpose [V, E] -> [E, V] behind a
+    # barrier; for an accelerator it runs the plain tied model: no copy of the embedding, no CPU
+    # kernel call.
+    head_transpose = re.compile(rf"stablehlo.transpose .*\(tensor<{cfg.vocab_size}x"
+                                rf"{cfg.hidden_size}xf32>\)")
+    cpu = decode_text("cpu")
+    assert "optimization_barrier" in cpu and head_transpose.search(cpu)
+    cuda = decode_text("cuda")
+    assert "optimization_barrier" not in cuda and not head_transpose.search(cuda)
+    assert "qurl_" not in cuda
 
 
 _WORDS = ["<pad>", "<eos>", "<user>", "<assistant>"] + [f"w{i}" for i in range(252)]
