@@ -61,10 +61,10 @@ def _tree_bytes(tree: Any) -> int:
 
 
 def _ours(config: ModelConfig, params: Any, dot_general: Any, prompts: list[list[int]],
-          max_new: int) -> Callable[[int], float]:
+          max_new: int, max_concurrent_rows: int = 0) -> Callable[[int], float]:
     # One generation bucket: the 1-token and the full call run the same two programs.
     sampler = Sampler(config, dot_general, prompt_buckets=(len(prompts[0]),),
-                      gen_buckets=(max_new,))
+                      gen_buckets=(max_new,), max_concurrent_rows=max_concurrent_rows)
 
     def run(new_tokens: int) -> float:
         t0 = time.perf_counter()
@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="timed rounds per engine; the fastest counts (least disturbed by "
                              "other processes on the shared cores)")
+    parser.add_argument("--max-concurrent-rows", type=int, default=0,
+                        help="our sampler decodes at most this many rows at once (0 = all)")
     parser.add_argument("--engines", default="fp32,int8,transformers",
                         help="comma-separated subset of fp32,int8,transformers")
     parser.add_argument("--torch-threads", default="2,1",
@@ -132,14 +134,15 @@ def main(argv: list[str] | None = None) -> None:
     runners: dict[str, Callable[[int], float]] = {}
     weight_bytes: dict[str, int] = {}
     if "fp32" in engines:
-        runners["ours fp32"] = _ours(cfg, params, jax.lax.dot_general, prompts, args.new_tokens)
+        runners["ours fp32"] = _ours(cfg, params, jax.lax.dot_general, prompts, args.new_tokens,
+                                     args.max_concurrent_rows)
         weight_bytes["ours fp32"] = _tree_bytes(params)
     if "int8" in engines:
         from qurl_jax.quant import make_dot_general, requantize
 
         qparams = jax.block_until_ready(requantize(params, "int8"))
         runners["ours int8"] = _ours(cfg, qparams, make_dot_general("int8"), prompts,
-                                     args.new_tokens)
+                                     args.new_tokens, args.max_concurrent_rows)
         weight_bytes["ours int8"] = _tree_bytes(qparams)
     if "transformers" in engines:
         for threads in (int(t) for t in args.torch_threads.split(",")):
@@ -163,7 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         slots = args.prompt_len + args.new_tokens / 2
     else:
         slots = args.prompt_len + args.new_tokens
-    kv_bytes = int(2 * cfg.num_layers * args.batch * slots * cfg.num_kv_heads * cfg.head_dim * 4)
+    # With --max-concurrent-rows our sampler runs the decode loop once per chunk of rows.
+    rows = min(args.batch, args.max_concurrent_rows or args.batch)
+    chunks = -(-args.batch // rows)
+    kv_bytes = int(2 * cfg.num_layers * rows * slots * cfg.num_kv_heads * cfg.head_dim * 4)
     steps = args.new_tokens - 1
     decode_s = {name: min(times[(name, args.new_tokens)]) - min(times[(name, 1)])
                 for name in runners}
@@ -173,14 +179,15 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"model: {cfg.num_params / 1e6:.1f}M params (Qwen2-shaped, tied 32k vocab), batch "
           f"{args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, EOS disabled, "
-          f"full-vocabulary sampling at temperature 1; best of {args.rounds} rounds")
+          f"full-vocabulary sampling at temperature 1; best of {args.rounds} rounds"
+          + (f"; ours in {chunks} chunks of {rows} rows" if chunks > 1 else ""))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; load "
           f"average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; numpy copy "
           f"{bandwidth / 1e9:.1f} GB/s (read + write)")
     print(f"{'engine':<16}{'prefill s':>10}{'decode s':>10}{'tok/s':>8}{'ms/step':>9}"
           f"{'GB/step':>9}{'GB/s':>7}{'vs best hf':>12}{'vs fp32':>9}")
     for name in runners:
-        step_s = decode_s[name] / steps
+        step_s = decode_s[name] / (steps * (chunks if name.startswith("ours") else 1))
         if name in weight_bytes:
             step_bytes = weight_bytes[name] + kv_bytes
             traffic = f"{step_bytes / 1e9:>9.3f}{step_bytes / step_s / 1e9:>7.1f}"

@@ -2,8 +2,8 @@
 
 `Transformer(config, decode_attention=decode_attention)` computes the attention of a one-token
 step against its KV cache with this kernel instead of XLA's two batched products: it reads only
-the slots up to the query's own (the cache's later slots are still empty during a rollout) and
-streams each key and value once. The sampler's decode loop uses it when
+the slots in use (up to the fullest row's; the cache's later slots are still empty during a
+rollout) and streams each key and value once. The sampler's decode loop uses it when
 `usable(compute_dtype, head_dim)` holds. Scores, softmax and the weighted sum are float32, as in
 the model; results match XLA's path to float32 rounding (the summation order differs).
 """
@@ -38,7 +38,8 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask:
     """Grouped-query attention of one query position per row.
 
     q: f32[B, Hkv, G, D]; keys, values: f32[B, Hkv, S, D]; key_mask: bool[B, S];
-    length: i32 scalar, slots [0, length) may be attended to (the query's slot + 1).
+    length: i32 scalar, slots [0, length) are read (the model passes the largest `n_used` of the
+    batch after this step's write; a row's slots past its own are empty, so masked).
     Returns f32[B, Hkv, G, D]. A row without any valid slot gets zeros.
     """
     b, hkv, g, d = q.shape

@@ -326,9 +326,9 @@ class Transformer(nn.Module):
       positions: i32[B, T] RoPE positions (for a left-padded prompt: 0 at the first real token).
       mask: bool[B, T] real tokens; None means all real. Padded keys are never attended to.
       cache: optional KVCache; row r's T new keys/values go to slots [n_used[r], n_used[r] + T)
-        (the caller leaves room), recorded at their `positions` (pads as empty slots), and the
-        queries attend to every cached key at or before their own position. For a decode step
-        pass positions = cache.next_pos[:, None].
+        (the caller leaves room), recorded at their `positions` (pads as empty slots); next_pos
+        moves one past the last real position. The queries attend to every cached key at or
+        before their own position. For a decode step pass positions = cache.next_pos[:, None].
       last_only: return logits for the last position only ([B, 1, V]); what prefill needs.
     """
 
