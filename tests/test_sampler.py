@@ -441,11 +441,10 @@ def test_lower_programs_compile_and_report_memory(qwen) -> None:
 
 def test_cpu_only_decode_work_follows_the_platform() -> None:
     from qurl_jax.quant import make_dot_general, requantize
-    from qurl_jax.sampling._sampler import default_platform
 
-    assert default_platform(None) == jax.default_backend()
-    assert default_platform(make_mesh(data=2)) == "cpu"
     cfg = TINY["qwen2"]  # tied LM head
+    assert Sampler(cfg).platform == jax.default_backend()
+    assert Sampler(cfg, mesh=make_mesh(data=2)).platform == "cpu"
     abstract = _abstract(jax.eval_shape(lambda p: requantize(p, "int8"), _random_params(cfg)))
 
     def decode_text(platform: str) -> str:

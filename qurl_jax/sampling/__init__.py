@@ -1,9 +1,11 @@
 """Rollout sampling: jitted prefill + early-exit decode over a KV cache, with exact log-probs.
 
 Public API:
-- `Sampler(config, dot_general, ...)`: bucketed, cached programs; `Sampler.sample(params, prompts,
-  key=..., n=..., max_new_tokens=..., temperature=..., top_k=..., top_p=..., greedy=...,
-  eos_ids=...) -> SampleOutput`.
+- `Sampler(config, dot_general, ..., max_concurrent_rows=..., platform=...)`: bucketed, cached
+  programs; `Sampler.sample(params, prompts, key=..., n=..., max_new_tokens=..., temperature=...,
+  top_k=..., top_p=..., greedy=..., eos_ids=...) -> SampleOutput`, streamed through at most
+  `max_concurrent_rows` rows at a time; `Sampler.lower_programs(abstract_params, rows, p_len,
+  g_len)`: one chunk's prefill and decode programs, lowered, for memory analysis.
 - `SampleOutput`, `FinishReason`: per-token tokens / logp / logp_untruncated / mask and per-row
   lengths and finish reasons, plus the left-padded prompts for the learner.
 - `generate(sampler, params, texts, tokenizer, ...)`: strings in, strings out (CLI, evaluation).

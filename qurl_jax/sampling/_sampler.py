@@ -134,7 +134,7 @@ def _left_pad(prompts: Sequence[Sequence[int]], width: int, rows: int, pad_id: i
     return tokens, mask
 
 
-def default_platform(mesh: Mesh | None) -> str:
+def _default_platform(mesh: Mesh | None) -> str:
     """The platform a sampler's programs run on: the mesh's devices', or JAX's default backend."""
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
@@ -160,10 +160,10 @@ class Sampler:
         multiple of their size. Parameters must already be placed on the mesh.
       max_concurrent_rows: most rollout rows decoded at once, which bounds the KV cache; 0 decodes
         all B * n rows at once. A chunk holds whole prompts (their n samples share one prefill)
-        and the same number of prompts on every batch shard, so it holds
-        max_concurrent_rows // (n * shards) * shards prompts (at least one per shard; `sample`
-        raises if max_concurrent_rows < n * shards).
-      platform: the platform the programs are built for (default: `default_platform(mesh)`).
+        and the same number of prompts on every batch shard: max_concurrent_rows // (n * shards)
+        * shards prompts, or all of them if fewer (`sample` raises ValueError when that is none).
+      platform: the platform the programs are built for (default: the mesh's devices', or JAX's
+        default backend without a mesh).
         Work that only pays on the CPU is done only when it is 'cpu' (see `_decode_model`); on an
         accelerator the decode loop runs the plain model. Naming an accelerator here on a host
         mesh builds the accelerator's programs for the host (what a memory estimate wants).
@@ -206,7 +206,7 @@ class Sampler:
         self.pad_id = int(pad_id)
         self.mesh = mesh
         self.max_concurrent_rows = int(max_concurrent_rows)
-        self.platform = default_platform(mesh) if platform is None else platform
+        self.platform = _default_platform(mesh) if platform is None else platform
         self._programs: dict[tuple, tuple[Any, Any]] = {}
 
     @property
