@@ -146,7 +146,7 @@ MAIN="~/qurl_venv/bin/python $(quote_cmd -m qurl_jax.main --config="${CONFIG}" -
   "${OVERRIDES[@]+"${OVERRIDES[@]}"}")"
 if [[ "${DETACH}" == 1 ]]; then
   MAIN="setsid nohup ${MAIN} >~/${RUN_NAME}.log 2>&1 </dev/null &"
-  note "detached: logs in ~/${RUN_NAME}.log on each worker; metrics and plots under ${WORKDIR}"
+  note "detached: logs in ~/${RUN_NAME}.log on each worker; metrics in ${WORKDIR}"
 fi
 run gcloud compute tpus tpu-vm ssh "${TPU_NAME}" --worker=all "${GCLOUD_SCOPE[@]}" \
   --command="cd ~/qurl_jax && ${MAIN}"
