@@ -178,9 +178,10 @@ class _Plot:
         self.drawn = True
 
     def panel(self, ax, data: Mapping[str, Series], keys: Sequence[str], *, title: str,
-              ylabel: str, labels: Mapping[str, str] | None = None,
-              scale: str | None = None) -> None:
-        """One axes with those of `keys` the run logged; hidden when it logged none."""
+              ylabel: str, labels: Mapping[str, str] | None = None, scale: str | None = None,
+              ylim: tuple[float | None, float | None] | None = None) -> None:
+        """One axes with those of `keys` the run logged; hidden when it logged none. `ylim`
+        applies on a linear scale (fractions start at 0, so a flat 0 does not look like noise)."""
         keys = [k for k in dict.fromkeys(keys) if k in data]
         if not keys:
             ax.set_visible(False)
@@ -189,10 +190,18 @@ class _Plot:
         for key in keys:
             self.line(ax, data[key], (labels or {}).get(key, key), scale)
         self.finish_axes(ax, title, ylabel, scale)
+        if ylim and scale == "linear":
+            low, high = ax.set_ylim(*ylim)
+            ax.set_ylim(low - 0.02 * (high - low), high)  # a line at the limit stays visible
 
     @staticmethod
     def finish_axes(ax, title: str, ylabel: str, scale: str = "linear") -> None:
+        from matplotlib.ticker import MaxNLocator
+
         ax.set_yscale(scale)
+        if scale == "linear":  # 0.9996 rather than "-0.0004" under a "+1" offset
+            ax.ticklabel_format(axis="y", useOffset=False)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
         ax.set_ylabel(ylabel + (", log scale" if scale == "log" else ""))
@@ -257,23 +266,25 @@ def _mismatch(data: Mapping[str, Series], run: str) -> _Plot | None:
     plot.panel(weight_ax, data, _matching(data, "*weight*"),
                title="importance weights pi_prox / pi_behav", ylabel="weight (1 = on-policy)")
     plot.panel(frac_ax, data, ["truncated_frac", "masked_token_frac", "vetoed_seq_frac"],
-               title="weights truncated, tokens masked, sequences vetoed", ylabel="fraction")
+               title="weights truncated, tokens masked, sequences vetoed", ylabel="fraction",
+               ylim=(0, None))
     plot.panel(ess_ax, data, _matching(data, "*ess"), title="effective sample size of the weights",
-               ylabel="ESS / tokens (1 = uniform)", scale="linear")
+               ylabel="ESS / tokens (1 = uniform)", scale="linear", ylim=(0, 1.05))
     return plot if plot.drawn else None
 
 
 def _clip_fractions(data: Mapping[str, Series], run: str) -> _Plot | None:
     plot = _Plot(f"{run}: clip fractions")
     plot.panel(plot.axes[0], data, _matching(data, "*clipfrac*"),
-               title="tokens clipped by the PPO ratio bounds", ylabel="fraction of kept tokens")
+               title="tokens clipped by the PPO ratio bounds", ylabel="fraction of kept tokens",
+               ylim=(0, None))
     return plot if plot.drawn else None
 
 
 def _update(data: Mapping[str, Series], run: str) -> _Plot | None:
     plot = _Plot(f"{run}: update", cols=3)
     loss_ax, entropy_ax, norm_ax = plot.axes
-    plot.panel(loss_ax, data, ["update/loss", "pg_loss", "kl_loss"], title="loss terms",
+    plot.panel(loss_ax, data, ["update/loss", "loss", "pg_loss", "kl_loss"], title="loss terms",
                ylabel="loss", scale="linear")
     plot.panel(entropy_ax, data, ["entropy"], title="policy entropy on the rollout tokens",
                ylabel="nats per token", scale="linear")
