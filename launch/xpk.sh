@@ -13,7 +13,8 @@
 # or --device-type with --num-nodes.
 # Options:
 #   --num-slices=N           TPU slices (default 1)
-#   --docker-image=IMG       an image with qurl_jax installed, used as is (python3 on its PATH)
+#   --docker-image=IMG       an image with qurl_jax installed, used as is (python3 on its PATH,
+#                            working directory holding configs/)
 #   --base-docker-image=IMG  otherwise: xpk layers this checkout on IMG (default python:3.11) and each
 #                            pod installs it (launch/install.sh) before the run
 #   --max-restarts=K         restarts of the whole workload on failure (default 0; the run resumes
@@ -32,7 +33,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 source "${REPO}/launch/common.sh"
 
 usage() {
-  sed -n '2,29s/^# \{0,1\}//p' "$0"
+  sed -n '2,30s/^# \{0,1\}//p' "$0"
 }
 
 CLUSTER="" PROJECT="" ZONE="" TPU_TYPE="" DEVICE_TYPE="" NUM_SLICES="" NUM_NODES="" BUCKET=""
