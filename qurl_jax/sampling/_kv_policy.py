@@ -2,8 +2,10 @@
 
 Sparse-RL samples rollouts with a compressed KV history: the prompt is never compressed at
 prefill; during decoding, every `interval` steps, each row whose logical length exceeds `budget`
-keeps `budget` of its cached tokens and evicts the rest. Everything here works on a static-shape,
-per-row cache and is jit-compatible (no data-dependent shapes; `lax.top_k` with a static k):
+keeps `budget` of its cached tokens and evicts the rest (`needs_compression` counts slots in use
+instead, which agrees on caches without left pads; see there). Everything here works on a
+static-shape, per-row cache and is jit-compatible (no data-dependent shapes; `lax.top_k` with a
+static k):
 
     keys, values  f[R, Hkv, S, D]  per layer, post-RoPE keys (never re-rotated)
     pos           i32[R, S]        logical position of each slot, -1 = empty or left pad
@@ -38,8 +40,9 @@ so a zero neighbour never wins a max that includes the centre candidate: on the 
 (left pads, then contiguous candidates, then the window, then empty slots) this is exactly the
 reference's max-pool over the candidate list with -inf padding at both ends.
 
-Scoring materialises f32[R, Hkv, S, S] cosines (R-KV) and f32[R, Hkv, G, W, S] logits per scored
-layer; the decode loop pays it once per interval under `lax.cond`.
+Scoring materialises f32[R, Hkv, S, S] cosines (R-KV; 800 MiB for 256 rows, 2 KV heads and
+S = 640) and f32[R, Hkv, G, W, S] logits per scored layer; the decode loop pays it once per
+interval under `lax.cond`.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ class KVPolicyConfig:
     Attributes:
       policy: DENSE (no compression), STREAMING, SNAPKV or RKV.
       budget: B, the number of tokens kept after a compression.
-      interval: I, compress every I decode steps (rows longer than B only).
+      interval: I, compress every I decode steps (rows with more than B slots in use only).
       window: W, the observation window: the last W queries score the cache, and the last W
         tokens are always kept.
       pool_kernel: max-pool kernel over token scores (odd; 1 = no pooling).
@@ -212,7 +215,7 @@ def window_from_prompt(q: jax.Array, mask: jax.Array, window: int) -> tuple[jax.
     column T - 1); mask: bool[R, T] real-token mask. Returns (win_q f[R, H, W, D] oldest first,
     win_valid bool[R, W]); pads and the missing entries of prompts shorter than W are invalid.
     """
-    r, t, h, d = q.shape
+    t = q.shape[1]
     if t < window:
         q = jnp.pad(q, ((0, 0), (window - t, 0), (0, 0), (0, 0)))
         mask = jnp.pad(mask, ((0, 0), (window - t, 0)))
@@ -339,10 +342,10 @@ def compact(keys: jax.Array, values: jax.Array, pos: jax.Array,
     """Gathers the kept slots of one layer to the front of the cache and clears the rest.
 
     keys, values f[R, Hkv, S, D]; pos i32[R, S] (-1 on every slot that holds no token, as the
-    layout requires); keep i32[R, budget] from `keep_slots`: the kept
-    tokens' slots ascending, then fillers (slots with pos -1). Returns (keys', values', pos',
-    n_used'): the kept tokens in slots [0, n_used'), every other slot zeros with pos -1;
-    n_used' = budget unless a row kept fewer tokens.
+    layout requires); keep i32[R, budget] from `keep_slots`: the kept tokens' slots ascending,
+    then fillers (slots with pos -1). Returns (keys', values', pos', n_used'): the kept tokens in
+    slots [0, n_used'), every other slot zeros with pos -1; n_used' = budget unless a row kept
+    fewer tokens.
     """
     s = keys.shape[2]
     budget = keep.shape[1]
