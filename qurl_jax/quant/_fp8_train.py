@@ -68,6 +68,7 @@ Learner integration (inside the jitted loss / log-prob function, per batch):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -88,7 +89,7 @@ from qurl_jax.quant._requantize import kernel_block, quantized_kernel_paths
 TOKEN_GROUP = 128
 
 Params = dict[str, Any]
-DotGeneral = Any  # callable with the signature of `jax.lax.dot_general`
+DotGeneral = Callable[..., jax.Array]  # the signature of `jax.lax.dot_general`
 
 
 @flax.struct.dataclass
@@ -123,7 +124,8 @@ class _Grouping(NamedTuple):
 
 def _forward(x: jax.Array, w: jax.Array, valid: jax.Array, grouping: _Grouping
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, QuantizedTensor, jax.Array]]:
-    """f32[M, N] = X W with X f32[M, K] (invalid rows zeroed), W f32[K, N]; and the residuals."""
+    """f32[M, N] = X W with X f32[M, K] (invalid rows zeroed), W f32[K, N]; and the residuals:
+    activation codes [M, Kp] and f32 scales [M, Kp / block[0]], the FP8 weight blocks, valid."""
     x = jnp.where(valid[:, None], x, 0.0)
     wq = quantize_kernel(w, grouping.fmt, grouping.block, grouping.fmt)
     out, x_codes, x_scale = block_product(x, wq.qvalue, wq.scale, wq.block, grouping.fmt)
@@ -166,8 +168,7 @@ def _fp8_linear_bwd(grouping: _Grouping,
     return dx, dw, None
 
 
-_fp8_linear.defvjp(lambda x, w, valid, grouping: _forward(x, w, valid, grouping),
-                   _fp8_linear_bwd)
+_fp8_linear.defvjp(_forward, _fp8_linear_bwd)
 
 
 def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None = None,
