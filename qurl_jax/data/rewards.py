@@ -167,8 +167,9 @@ class RewardComputer:
     worker that could not be started scores `failure_reward` and is counted in `stats` (the pool
     keeps trying to restore its workers; the batch goes on). With `use_processes=False` the
     function runs in `num_workers` threads of this process with no time limit (for cheap
-    pure-Python rewards such as `exact_match_reward`). `submit` returns a `concurrent.futures.Future[list[float]]`
-    immediately; `__call__` waits for it. Batches submitted one after another complete in order.
+    pure-Python rewards such as `exact_match_reward`). `submit` returns a
+    `concurrent.futures.Future[list[float]]` immediately; `__call__` waits for it. Batches
+    submitted one after another complete in order.
     """
 
     def __init__(
