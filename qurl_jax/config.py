@@ -126,7 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # 0 = only before and after training
     c.train.max_bad_steps = 3  # consecutive non-finite updates before the run stops
     c.train.export_hf = ""  # directory to export the final model to (Hugging Face format)
-    c.train.progress = True  # a progress bar on a terminal; a status line every few steps else
+    c.train.progress = True  # a bar on a terminal; off one (or if False) a line every few steps
     # False: the control run. Every phase runs and is logged, but the update is computed and then
     # discarded, as with learning rate 0, so an evaluation gain cannot come from the updates.
     c.train.apply_updates = True

@@ -3,6 +3,7 @@ log-prob under top-p, the PRNG streams, DAPO filtering and refill, resume after 
 mismatching model, the large configs with their model swapped for a tiny one, bad overrides, NaN
 handling and the plain progress line."""
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -28,7 +29,7 @@ from qurl_jax.config import (
     optim_from_config,
     validate,
 )
-from qurl_jax.learner import Learner
+from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.metrics import PhaseTimer, read_metrics
 from qurl_jax.rl.objectives import policy_loss
 from qurl_jax.trainer import (
@@ -530,3 +531,13 @@ def test_export_hf_at_the_end_loads_in_transformers(tmp_path):
     ours, _ = t.learner.model.apply({"params": jax.device_get(t.params)}, ids.numpy(),
                                     np.arange(ids.shape[1])[None])
     np.testing.assert_allclose(np.asarray(ours), hf_logits, atol=1e-4)
+
+
+def test_optim_from_config_carries_every_optimiser_field():
+    o = base_config().optim
+    fields = {f.name for f in dataclasses.fields(OptimConfig)}
+    assert fields == set(o.keys())
+    for i, name in enumerate(sorted(fields)):
+        o[name] = i + 1 if isinstance(o[name], int) else 0.5 + i / 100  # distinct values
+    optim = optim_from_config(o)
+    assert {name: getattr(optim, name) for name in fields} == {name: o[name] for name in fields}
