@@ -93,3 +93,17 @@ def test_restore_onto_another_mesh(tmp_path):
     step, state, _ = Checkpointer(str(tmp_path), interval=1, keep=1).restore_latest(template)
     assert step == 1 and state["w"].sharding == wanted
     np.testing.assert_array_equal(state["w"], w)
+
+
+def test_orbax_event_loop_noise_is_silenced(tmp_path, caplog):
+    import logging
+
+    Checkpointer(str(tmp_path), interval=1, keep=1).close()
+    with caplog.at_level(logging.ERROR):
+        try:
+            raise RuntimeError("Event loop is closed")
+        except RuntimeError:
+            logging.getLogger("asyncio").exception("Task exception was never retrieved")
+        logging.getLogger("asyncio").error("a real asyncio error")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["a real asyncio error"]
