@@ -50,7 +50,7 @@ def get_config():
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
-    c.sft.steps = 2000
+    c.sft.steps = 4000
     c.sft.format_noise = 0.5
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 64
