@@ -14,6 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from qurl_jax.models.attention import Implementation
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -35,6 +37,7 @@ class ModelConfig:
 
     `dtype` is the compute dtype (float32 on CPU, bfloat16 on TPU/GPU); master parameters are always
     `param_dtype` (float32) so that tiny RL updates are not lost to bf16 rounding in the learner.
+    `attention` picks the attention implementation ('auto' | 'dense' | 'blockwise' | 'cudnn').
     """
 
     model_type: str = "llama"
@@ -54,6 +57,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Attention implementation (`attention.Implementation`): a property of how this process runs
+    # the model, not of the checkpoint, so `hf.py` neither writes nor reads it.
+    attention: str = "auto"
 
     @property
     def compute_dtype(self) -> Any:
@@ -91,6 +97,9 @@ class ModelConfig:
                 f"ModelConfig.rope_scaling.rope_type={rs.rope_type!r} is not "
                 f"supported; expected one of {SUPPORTED_ROPE_TYPES}"
             )
+        if self.attention not in tuple(Implementation):
+            raise ValueError(f"ModelConfig.attention={self.attention!r} is not supported; "
+                             f"expected one of {tuple(str(i) for i in Implementation)}")
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))

@@ -19,6 +19,7 @@ XLA's ops (the sampler passes `qurl_jax.cpu_kernels.decode_attention` on CPU).
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from typing import Any
@@ -227,7 +228,7 @@ class Attention(nn.Module):
                                         cache_index + 1)
             out = attn_lib.ungroup_queries(out, t)
         else:
-            out = attn_lib.dot_product_attention(q, keys, values, q_pos, k_pos, k_valid)
+            out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention)
         out = out.reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache
@@ -267,6 +268,25 @@ class DecoderLayer(nn.Module):
         return x, new_cache
 
 
+class Remat(enum.StrEnum):
+    """What the backward pass keeps of each decoder layer's forward (`jax.checkpoint` policies).
+
+    Saved bytes per token per layer in the compute dtype (E hidden, M MLP width, Q = H*D,
+    K = Hkv*D): NONE keeps everything the backward uses (~2Q + 4K + 4E + 5M, plus attention's own
+    residuals: dense [H, T] scores per token); DOTS keeps the outputs of the weight matmuls
+    (Q + 2K + 2E + 2M) and recomputes the rest; FULL keeps only the layer input (E) and recomputes
+    the layer.
+    """
+
+    NONE = "none"
+    DOTS = "dots"  # jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    FULL = "full"  # jax.checkpoint_policies.nothing_saveable
+
+
+_REMAT_POLICIES = {Remat.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                   Remat.FULL: jax.checkpoint_policies.nothing_saveable}
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. `__call__` returns (float32 logits, updated cache or None).
 
@@ -278,11 +298,18 @@ class Transformer(nn.Module):
         [cache_index, cache_index + T) and queries attend to all valid slots up to their own.
       cache_index: i32 scalar write slot (required with a cache).
       last_only: return logits for the last position only ([B, 1, V]); what prefill needs.
+      return_hidden: return the final normed hidden states f[B, T, E] (compute dtype) instead of
+        logits; `lm_head_logits` turns any slice of them into logits (the learner's response-only,
+        chunked log-probs).
+
+    `remat` rematerialises each decoder layer in the backward pass (`Remat`); it changes neither
+    the parameters (still `layers_{i}/...`) nor the forward's result.
     """
 
     config: ModelConfig
     dot_general: DotGeneral = jax.lax.dot_general
     decode_attention: DecodeAttention | None = None
+    remat: Remat | str = Remat.NONE
 
     @nn.compact
     def __call__(
@@ -293,6 +320,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         cache_index: jax.Array | int | None = None,
         last_only: bool = False,
+        return_hidden: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
@@ -308,27 +336,48 @@ class Transformer(nn.Module):
                 raise ValueError("Transformer: a cache needs a cache_index")
             cache_index = jnp.asarray(cache_index, jnp.int32)
             cache_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache_index))
+        remat = Remat(self.remat)
+        layer = DecoderLayer if remat is Remat.NONE else nn.remat(
+            DecoderLayer, policy=_REMAT_POLICIES[remat])
         new_kv = []
         for i in range(cfg.num_layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = DecoderLayer(cfg, self.dot_general, self.decode_attention,
-                                 name=f"layers_{i}")(
+            x, kv = layer(cfg, self.dot_general, self.decode_attention, name=f"layers_{i}")(
                 x, positions, mask, kv, cache_mask, cache_index
             )
             new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
         if last_only:
             x = x[:, -1:]
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x, self.dot_general)
+        if return_hidden:
+            out = x
+        elif cfg.tie_word_embeddings:
+            out = embed.attend(x, self.dot_general).astype(jnp.float32)
         else:
-            logits = Linear(cfg.vocab_size, ("embed", "vocab"), self.dot_general, dt, pdt,
-                            name="lm_head")(x)
+            out = Linear(cfg.vocab_size, ("embed", "vocab"), self.dot_general, dt, pdt,
+                         name="lm_head")(x).astype(jnp.float32)
         new_cache = None
         if cache is not None:
             new_cache = KVCache(k=tuple(kv[0] for kv in new_kv), v=tuple(kv[1] for kv in new_kv),
                                 mask=cache_mask)
-        return logits.astype(jnp.float32), new_cache
+        return out, new_cache
+
+
+def lm_head_logits(config: ModelConfig, params: Any, hidden: jax.Array,
+                   dot_general: DotGeneral = jax.lax.dot_general) -> jax.Array:
+    """f32[..., V] logits of final hidden states f[..., E] (from `return_hidden=True`).
+
+    The same product as the model's own head (`Embed.attend` when tied, the `lm_head` Linear
+    otherwise): compute dtype in and out, then float32.
+    """
+    dt = config.compute_dtype
+    if config.tie_word_embeddings:
+        weight, contract = params["embed_tokens"]["embedding"], 1  # [V, E]
+    else:
+        weight, contract = params["lm_head"]["kernel"], 0  # [E, V]
+    logits = dot_general(hidden.astype(dt), cast_floats(weight, dt),
+                         (((hidden.ndim - 1,), (contract,)), ((), ())))
+    return logits.astype(dt).astype(jnp.float32)
 
 
 class Embed(nn.Module):
