@@ -207,16 +207,29 @@ class Learner:
         """
         return jax.device_put(jax.tree.map(jnp.copy, params), self.param_shardings(params))
 
+    def opt_state_shardings(self, params: Any) -> Any:
+        """Shardings of the optimizer state: moments placed like the parameters, step counts
+        replicated on the mesh. `params` may be arrays or `jax.ShapeDtypeStruct`s."""
+        repl = NamedSharding(self.mesh, PartitionSpec())
+        return optax.tree_map_params(
+            self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, params),
+            self.param_shardings(params), transform_non_params=lambda _: repl)
+
     def init_opt_state(self, params: Any) -> Any:
         """Optimizer state placed like the parameters (moments share their shardings)."""
-        shardings = self.param_shardings(params)
-        state = jax.jit(self.tx.init, in_shardings=(shardings,))(params)
-        # Scalars (step counts) come out without a mesh sharding; the update returns them replicated
-        # on the mesh, so place them that way now or the second update would recompile.
-        repl = NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, repl),
-            state)
+        return jax.jit(self.tx.init, in_shardings=(self.param_shardings(params),),
+                       out_shardings=self.opt_state_shardings(params))(params)
+
+    def abstract_state(self, params: Any) -> tuple[Any, Any]:
+        """(params, optimizer state) as `jax.ShapeDtypeStruct`s carrying their mesh shardings, from
+        parameter shapes (e.g. `jax.eval_shape` of `init_params`): what `update_fn(...).lower`
+        needs to compile the update without allocating anything."""
+        def place(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        opt_state = jax.eval_shape(self.tx.init, params)
+        return (jax.tree.map(place, params, self.param_shardings(params)),
+                jax.tree.map(place, opt_state, self.opt_state_shardings(params)))
 
     def shard_batch(self, batch: Batch) -> Batch:
         return {k: jax.device_put(v, shd.batch_sharding(self.mesh, v.ndim))

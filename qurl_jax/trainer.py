@@ -30,7 +30,7 @@ from absl import logging
 from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.config import objective_from_config, validate
+from qurl_jax.config import learner_micro_batch_size, objective_from_config, validate
 from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
 from qurl_jax.models import positions_from_mask
@@ -107,11 +107,14 @@ class Trainer:
         c = self.config
         self.mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
         self.model_config, init_params, self.task = build_model_and_task(c, self.workdir)
+        self.model_config = self.model_config.replace(attention=c.model.attention)
         self.recipe = quant.get_recipe(c.rollout.precision)
         self.objective = objective_from_config(c.rl)
         self.learner = Learner(self.model_config, self.objective, optim_from_config(c.optim),
                                self.mesh, temperature=c.rollout.temperature,
-                               num_micro_batches=c.rl.num_micro_batches)
+                               num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
+                               logprob_chunk=c.train.logprob_chunk,
+                               logprob_batch_size=learner_micro_batch_size(c))
         sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                               pad_id=self.task.pad_id, mesh=self.mesh)

@@ -7,7 +7,7 @@ checkpoint readers/writers in `qurl_jax.models.hf` and `qurl_jax.models.llama2c`
 """
 
 from qurl_jax.models.attention import Implementation as AttentionImplementation
-from qurl_jax.models.config import ModelConfig, RopeScaling
+from qurl_jax.models.config import ModelConfig, Remat, RopeScaling
 from qurl_jax.models.params import (
     chunked_token_logprobs,
     init_params,
@@ -17,7 +17,6 @@ from qurl_jax.models.params import (
 )
 from qurl_jax.models.transformer import (
     KVCache,
-    Remat,
     Transformer,
     cast_floats,
     lm_head_logits,

@@ -10,6 +10,7 @@ with a shape error deep inside a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax.numpy as jnp
@@ -18,6 +19,20 @@ from qurl_jax.models.attention import Implementation
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class Remat(enum.StrEnum):
+    """What the learner's backward pass keeps of each decoder layer's forward (`Transformer.remat`).
+
+    NONE keeps every intermediate the backward uses; DOTS keeps the outputs of the weight matmuls
+    (per token: the q/k/v/o, gate/up and down projections, H*D + 2*Hkv*D + 2*E + 2*M values) and
+    recomputes the rest (norms, RoPE, attention, activations); FULL keeps only the layer's input
+    (E values per token) and recomputes the whole layer.
+    """
+
+    NONE = "none"
+    DOTS = "dots"  # jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    FULL = "full"  # jax.checkpoint_policies.nothing_saveable
 
 
 @dataclasses.dataclass(frozen=True)

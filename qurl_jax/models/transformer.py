@@ -19,7 +19,6 @@ XLA's ops (the sampler passes `qurl_jax.cpu_kernels.decode_attention` on CPU).
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax.models import attention as attn_lib
-from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.config import ModelConfig, Remat
 
 DotGeneral = Callable[..., jax.Array]
 # (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
@@ -266,21 +265,6 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
         x = x + MLP(cfg, self.dot_general, name="mlp")(h)
         return x, new_cache
-
-
-class Remat(enum.StrEnum):
-    """What the backward pass keeps of each decoder layer's forward (`jax.checkpoint` policies).
-
-    Saved bytes per token per layer in the compute dtype (E hidden, M MLP width, Q = H*D,
-    K = Hkv*D): NONE keeps everything the backward uses (~2Q + 4K + 4E + 5M, plus attention's own
-    residuals: dense [H, T] scores per token); DOTS keeps the outputs of the weight matmuls
-    (Q + 2K + 2E + 2M) and recomputes the rest; FULL keeps only the layer input (E) and recomputes
-    the layer.
-    """
-
-    NONE = "none"
-    DOTS = "dots"  # jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    FULL = "full"  # jax.checkpoint_policies.nothing_saveable
 
 
 _REMAT_POLICIES = {Remat.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
