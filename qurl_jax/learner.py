@@ -183,7 +183,8 @@ class Learner:
         except ValueError as e:
             raise ValueError(f"remat={remat!r} is not one of {[str(r) for r in Remat]}") from e
         self.model_config = model_config.validate()
-        self.model = Transformer(model_config, remat=remat)
+        self.model = Transformer(model_config, remat=remat,
+                                 shard_activation=self._shard_activation)
         self.objective = objective
         self.mesh = mesh
         self.temperature = float(temperature)
@@ -234,6 +235,16 @@ class Learner:
     def shard_batch(self, batch: Batch) -> Batch:
         return {k: jax.device_put(v, shd.batch_sharding(self.mesh, v.ndim))
                 for k, v in batch.items()}
+
+    def _shard_activation(self, x: jax.Array, logical: tuple[str, ...]) -> jax.Array:
+        spec = shd.logical_to_mesh_spec(PartitionSpec(*logical), x.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _constrain_rows(self, rows: Batch) -> Batch:
+        """Pins a slice of the batch (inside a scan) to the batch sharding, so the partitioner
+        keeps its rows split over the devices instead of replicating the slice's compute."""
+        return {k: jax.lax.with_sharding_constraint(v, shd.batch_sharding(self.mesh, v.ndim))
+                for k, v in rows.items()}
 
     def _batch_shardings(self, batch: Batch) -> dict[str, NamedSharding]:
         return {k: shd.batch_sharding(self.mesh, v.ndim) for k, v in batch.items()}
@@ -323,6 +334,7 @@ class Learner:
             micro = split_rows(batch, n)
 
             def body(acc, mb):
+                mb = self._constrain_rows(mb)
                 (loss_i, metrics_i), g_i = grad_fn(params, mb)
                 w = loss_weight(metrics_i, self.objective.agg)
                 loss, metrics, grads, total = acc

@@ -33,6 +33,12 @@ from qurl_jax.models import attention as attn_lib
 from qurl_jax.models.config import ModelConfig, Remat
 
 DotGeneral = Callable[..., jax.Array]
+# (activation, its logical axis names) -> the activation pinned to a sharding. The learner passes
+# one built from `qurl_jax.sharding`'s rules so the partitioner keeps activations split over the
+# batch (FSDP: gather weights, not activations); None leaves the partitioner free.
+ShardActivation = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+# Logical axes of the residual stream f[B, T, E].
+RESIDUAL_AXES = ("batch", "length", "embed")
 # (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
 # f[B, Hkv, G, D]: attention of one query position per row to slots [0, length).
 DecodeAttention = Callable[..., jax.Array]
@@ -294,6 +300,7 @@ class Transformer(nn.Module):
     dot_general: DotGeneral = jax.lax.dot_general
     decode_attention: DecodeAttention | None = None
     remat: Remat | str = Remat.NONE
+    shard_activation: ShardActivation | None = None
 
     @nn.compact
     def __call__(
@@ -311,8 +318,9 @@ class Transformer(nn.Module):
         b, t = tokens.shape
         if mask is None:
             mask = jnp.ones((b, t), jnp.bool_)
+        pin = self.shard_activation or (lambda a, _: a)
         embed = Embed(cfg, name="embed_tokens")
-        x = embed(tokens)
+        x = pin(embed(tokens), RESIDUAL_AXES)
 
         cache_mask = None
         if cache is not None:
@@ -329,6 +337,7 @@ class Transformer(nn.Module):
             x, kv = layer(cfg, self.dot_general, self.decode_attention, name=f"layers_{i}")(
                 x, positions, mask, kv, cache_mask, cache_index
             )
+            x = pin(x, RESIDUAL_AXES)
             new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
         if last_only:
