@@ -183,7 +183,7 @@ class Learner:
         except ValueError as e:
             raise ValueError(f"remat={remat!r} is not one of {[str(r) for r in Remat]}") from e
         self.model_config = model_config.validate()
-        self.model = Transformer(model_config, remat=remat,
+        self.model = Transformer(model_config, remat=remat, scan_layers=True,
                                  shard_activation=self._shard_activation)
         self.objective = objective
         self.mesh = mesh

@@ -31,6 +31,8 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +116,20 @@ def _block(x: jax.Array, i: jax.Array, size: int, axis: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis)
 
 
+def _set_block(x: jax.Array, block: jax.Array, i: jax.Array, size: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), i * size, axis)
+
+
+def _loop(n: int, body: Callable[[jax.Array, Any], Any], init: Any) -> Any:
+    """`fori_loop(0, n, body, init)` as a `while_loop`. The kernels' loops are never differentiated
+    (the custom_vjp owns the gradient), and a while loop cannot be partially evaluated: under an
+    outer `lax.scan` over layers, JAX would otherwise hoist the loop-invariant parts of a scan-based
+    loop (the per-block masks) out of the layer scan as residuals stacked over all (query block,
+    key block) pairs, i.e. O(T^2) memory again."""
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])),
+                              (jnp.int32(0), init))[1]
+
+
 def _needed_blocks(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, bq: int,
                    bk: int) -> jax.Array:
     """bool[nq, nk]: some row of the batch has an allowed (query, key) pair in block (i, j).
@@ -140,21 +156,20 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_valid, bq, bk):
     scale = 1.0 / math.sqrt(d)
     needed = _needed_blocks(q_pos, k_pos, k_valid, bq, bk)
 
-    def query_block(i):
+    def query_block(i, outputs):
         q_i, q_pos_i = _block(q, i, bq, 3), _block(q_pos, i, bq, 1)
 
         def key_block(j, carry):
             def compute(carry):
                 m, denom, acc = carry
-                k_j, v_j = _block(k, j, bk, 2), _block(v, j, bk, 2)
-                s = _scores(q_i, k_j, q_pos_i, _block(k_pos, j, bk, 1),
+                s = _scores(q_i, _block(k, j, bk, 2), q_pos_i, _block(k_pos, j, bk, 1),
                             _block(k_valid, j, bk, 1), scale)
                 m_new = jnp.maximum(m, s.max(-1))
                 # Rows that have seen no allowed key yet keep m = -inf; exponentiate against 0.
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - m_safe[..., None])
                 correction = jnp.exp(m - m_safe)
-                pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_j,
+                pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _block(v, j, bk, 2),
                                 preferred_element_type=jnp.float32)
                 return (m_new, denom * correction + p.sum(-1),
                         acc * correction[..., None] + pv)
@@ -164,17 +179,15 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_valid, bq, bk):
         init = (jnp.full((b, hkv, g, bq), -jnp.inf, jnp.float32),
                 jnp.zeros((b, hkv, g, bq), jnp.float32),
                 jnp.zeros((b, hkv, g, bq, d), jnp.float32))
-        m, denom, acc = jax.lax.fori_loop(0, nk, key_block, init)
+        m, denom, acc = _loop(nk, key_block, init)
         seen = denom > 0
         denom = jnp.where(seen, denom, 1.0)
-        out = acc / denom[..., None]
-        lse = jnp.where(seen, m + jnp.log(denom), jnp.inf)
-        return out.astype(q.dtype), lse
+        out, lse = outputs
+        return (_set_block(out, acc / denom[..., None], i, bq, 3),
+                _set_block(lse, jnp.where(seen, m + jnp.log(denom), jnp.inf), i, bq, 3))
 
-    out, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq, B, Hkv, G, bq, (D)]
-    out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, t, d)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, t)
-    return out, lse
+    return _loop(nq, query_block, (jnp.zeros(q.shape, q.dtype),
+                                   jnp.zeros(q.shape[:-1], jnp.float32)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -191,15 +204,15 @@ def _flash_bwd(bq, bk, residuals, d_out):
     """FlashAttention-2's backward: key blocks outside (dk, dv of one block accumulate over the
     query blocks), query blocks inside (dq, kept whole in f32, accumulates over key blocks)."""
     q, k, v, q_pos, k_pos, k_valid, out, lse = residuals
-    b, hkv, g, t, d = q.shape
-    nq, nk = t // bq, k.shape[2] // bk
+    d = q.shape[-1]
+    nq, nk = q.shape[3] // bq, k.shape[2] // bk
     scale = 1.0 / math.sqrt(d)
     needed = _needed_blocks(q_pos, k_pos, k_valid, bq, bk)
     # delta = rowsum(dO * O) = sum_k P dP, the softmax backward's per-row term.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     d_out = d_out.astype(q.dtype)
 
-    def key_block(dq, j):
+    def key_block(j, grads):
         k_j, v_j = _block(k, j, bk, 2), _block(v, j, bk, 2)
         k_pos_j, k_valid_j = _block(k_pos, j, bk, 1), _block(k_valid, j, bk, 1)
 
@@ -216,20 +229,20 @@ def _flash_bwd(bq, bk, residuals, d_out):
                 ds = (p * (dp - _block(delta, i, bq, 3)[..., None]) * scale).astype(q.dtype)
                 dq_i = _block(dq, i, bq, 3) + jnp.einsum(
                     "bhgqk,bhkd->bhgqd", ds, k_j, preferred_element_type=jnp.float32)
-                dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, 3)
                 dk_j = dk_j + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i,
                                          preferred_element_type=jnp.float32)
-                return dq, dk_j, dv_j
+                return _set_block(dq, dq_i, i, bq, 3), dk_j, dv_j
 
             return jax.lax.cond(needed[i, j], compute, lambda c: c, carry)
 
-        zeros = jnp.zeros((b, hkv, bk, d), jnp.float32)
-        dq, dk_j, dv_j = jax.lax.fori_loop(0, nq, query_block, (dq, zeros, zeros))
-        return dq, (dk_j, dv_j)
+        dq, dk, dv = grads
+        zeros = jnp.zeros(k_j.shape, jnp.float32)
+        dq, dk_j, dv_j = _loop(nq, query_block, (dq, zeros, zeros))
+        return dq, _set_block(dk, dk_j, j, bk, 2), _set_block(dv, dv_j, j, bk, 2)
 
-    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
-    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)  # [nk, B, Hkv, bk, D] -> [B, Hkv, S, D]
-    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+    dq, dk, dv = _loop(nk, key_block, (jnp.zeros(q.shape, jnp.float32),
+                                       jnp.zeros(k.shape, jnp.float32),
+                                       jnp.zeros(v.shape, jnp.float32)))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
