@@ -187,3 +187,26 @@ def test_memory_knobs_leave_the_update_unchanged(remat, attention):
     np.testing.assert_allclose(knobs[2], base[2], atol=1e-5)  # logp_prox, in slices of 2 rows
     for a, b in zip(jax.tree.leaves(knobs[0]), jax.tree.leaves(base[0]), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_layers_match_the_unrolled_model(remat):
+    # The learner's model scans its layers over stacked parameters; same logits and gradients as
+    # the unrolled loop the sampler runs, with the parameters still named layers_{i}.
+    config = CFG.replace(num_layers=3)
+    params = init_params(config, jax.random.key(7))
+    batch = _batch(7)
+    args = (batch["tokens"], batch["positions"], batch["attn_mask"])
+
+    def loss(model, params):
+        logits, _ = model.apply({"params": params}, *args)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    grad = lambda model: jax.jit(jax.grad(loss, argnums=1, has_aux=True),  # noqa: E731
+                                 static_argnums=0)(model, params)
+    ref_grad, ref_logits = grad(Transformer(config))
+    scan_grad, scan_logits = grad(Transformer(config, remat=remat, scan_layers=True))
+    np.testing.assert_allclose(scan_logits, ref_logits, atol=1e-5)
+    assert set(scan_grad) == set(params) and "layers_2" in scan_grad
+    for a, b in zip(jax.tree.leaves(scan_grad), jax.tree.leaves(ref_grad), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
