@@ -270,6 +270,7 @@ class Learner:
 
     def _logprobs(self, params: Any, batch: Batch, response_len: int) -> jax.Array:
         def forward(rows: Batch) -> jax.Array:
+            rows = self._constrain_rows(rows)
             logp, _ = response_logprobs(self.model, params, rows["tokens"], rows["positions"],
                                         rows["attn_mask"], response_len, self.temperature,
                                         chunk=self.logprob_chunk)

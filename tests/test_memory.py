@@ -1,14 +1,17 @@
 """Learner memory grows linearly with the sequence: a regression to materialised [T, T] attention
 scores or whole [tokens, vocab] logits fails here. Programs are compiled, never run."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from qurl_jax import sharding as shd
 from qurl_jax.bench import memory
+from qurl_jax.config import base_config
 from qurl_jax.learner import Learner, OptimConfig
-from qurl_jax.models import ModelConfig, init_params
+from qurl_jax.models import ModelConfig, hf, init_params
 from qurl_jax.rl.objectives import ObjectiveConfig
 
 # A vocabulary 512x the model width, as in real LMs (152K / 1.5K-3.5K), so whole logits would
@@ -55,3 +58,23 @@ def test_temp_memory_grows_linearly_with_length(remat):
         # chunked, only activations O(E + M) per token grow.
         per_position = (long[program] - short[program]) / added_positions
         assert per_position < ROWS * CFG.vocab_size * 4 / 4, (program, per_position)
+
+
+def test_memory_report_of_a_small_config(tmp_path):
+    # The report end to end on a tiny model shape (a config.json beside the config, as under
+    # configs/shapes/), on a 2-way FSDP mesh: every program compiles and reports its bytes.
+    with open(tmp_path / "tiny.json", "w") as f:
+        json.dump(hf.config_to_hf(CFG.replace(vocab_size=512)), f)
+    c = base_config()
+    c.model.path = "checkpoints/tiny"
+    c.data.prompts_per_step, c.rollout.n = 4, 2
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 16, 24
+    c.rl.num_minibatches, c.rl.num_micro_batches = 2, 2
+    c.mesh.fsdp = 2
+    lines = []
+    figures = memory.report(c, str(tmp_path), log=lines.append)
+    assert figures["devices"] == 2 and set(figures["programs"]) == set(memory.PROGRAMS)
+    for program in figures["programs"].values():
+        assert program["peak_bytes"] >= program["temp_bytes"] > 0
+        assert set(program) == {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"}
+    assert any("estimate" in line for line in lines)

@@ -86,14 +86,14 @@ class Setup:
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """Analytic bytes per device by part, and the formula that produced them."""
+    """Analytic bytes per device: (part, formula, bytes) rows, and the symbols' values."""
 
-    parts: dict[str, int]
-    formula: str
+    parts: tuple[tuple[str, str, int], ...]
+    symbols: dict[str, int]
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values())
+        return sum(row[2] for row in self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,52 +113,39 @@ def _abstract_batch(setup: Setup, rows: int, keys: tuple[str, ...]) -> dict[str,
             for k in keys}
 
 
-def _param_bytes_per_device(tree: Any) -> int:
+def _bytes_per_device(tree: Any) -> int:
     """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shard = x.sharding.shard_shape(x.shape)
-        total += int(np.prod(shard)) * x.dtype.itemsize
-    return total
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+               for x in jax.tree.leaves(tree))
 
 
-def _dims(setup: Setup, rows: int) -> dict[str, int]:
-    """Symbols of the formulas: b rows per device, T, G, L, E, M, Q, K, V, t, cb, C."""
+def _symbols(setup: Setup, rows: int) -> dict[str, int]:
+    """b rows per device, T = P + G, G, L, E, M, Q = H*D, K = Hkv*D, V, t = tensor-parallel ways,
+    cb = compute dtype bytes, C = log-prob chunk, Pd = parameter bytes per device (f32),
+    Pl = the decoder layers' share of Pd, N1 = parameters of one layer (unsharded)."""
     m, c = setup.model_config, setup.config
-    data_par = c.mesh.data * c.mesh.fsdp
-    return dict(b=max(rows // data_par, 1), T=setup.prompt_len + setup.response_len,
-                G=setup.response_len, L=m.num_layers, E=m.hidden_size, M=m.intermediate_size,
-                Q=m.num_heads * m.head_dim, K=m.num_kv_heads * m.head_dim, V=m.vocab_size,
-                t=c.mesh.tensor, cb=m.compute_dtype.itemsize, C=min(c.train.logprob_chunk,
-                                                                    setup.response_len))
+    layers = {k: v for k, v in setup.params.items() if k.startswith("layers_")}
+    return dict(b=max(rows // (c.mesh.data * c.mesh.fsdp), 1),
+                T=setup.prompt_len + setup.response_len, G=setup.response_len, L=m.num_layers,
+                E=m.hidden_size, M=m.intermediate_size, Q=m.num_heads * m.head_dim,
+                K=m.num_kv_heads * m.head_dim, V=m.vocab_size, t=c.mesh.tensor,
+                cb=m.compute_dtype.itemsize, C=min(c.train.logprob_chunk, setup.response_len),
+                Pd=_bytes_per_device(setup.params), Pl=_bytes_per_device(layers),
+                N1=sum(x.size for x in jax.tree.leaves(layers["layers_0"])))
 
 
-_SAVED_PER_TOKEN = {  # values kept per token per layer for the backward, by remat policy
-    "full": "E",
-    "dots": "(Q+2K)/t + 2E + 2M/t",
-    "none": "2(Q+2K)/t + 4E + 5M/t",
-}
+# Values per token per layer the backward keeps, by remat policy (compute dtype).
+_SAVED = {"full": ("E", lambda s: s["E"]),
+          "dots": ("(Q+2K)/t + 2E + 2M/t",
+                   lambda s: (s["Q"] + 2 * s["K"] + 2 * s["M"]) // s["t"] + 2 * s["E"]),
+          "none": ("2(Q+2K)/t + 4E + 5M/t",
+                   lambda s: (2 * (s["Q"] + 2 * s["K"]) + 5 * s["M"]) // s["t"] + 4 * s["E"])}
 
 
-def _activation_parts(setup: Setup, d: dict[str, int], backward: bool) -> tuple[dict, str]:
-    b, T, L, E, M, Q, K, V, t, cb, C = (d[k] for k in "b T L E M Q K V t cb C".split())
-    saved_values = {"full": E, "dots": (Q + 2 * K) // t + 2 * E + 2 * M // t,
-                    "none": 2 * (Q + 2 * K) // t + 4 * E + 5 * M // t}
-    remat = str(setup.learner.model.remat)
-    # One layer at work: its MLP (gate, up, activation, product, and their gradients in the
-    # backward) dominates; attention adds q/k/v/o and its f32 score blocks (blockwise).
-    layer = b * T * ((8 if backward else 3) * M // t + 4 * E + 3 * (Q + 2 * K) // t) * cb
-    logits = (3 if backward else 2) * b * C * (V // t) * 4
-    parts = {"activations: one layer at work": layer, "activations: logits chunk": logits}
-    formula = (f"layer = b*T*({8 if backward else 3}M/t + 4E + 3(Q+2K)/t)*cb; "
-               f"logits = {3 if backward else 2}*b*C*(V/t)*4")
-    if backward:
-        parts["activations: saved per layer"] = L * b * T * saved_values[remat] * cb
-        formula = f"saved = L*b*T*[{_SAVED_PER_TOKEN[remat]}]*cb (remat={remat}); " + formula
-    else:
-        parts["activations: hidden states"] = 2 * b * T * E * cb
-        formula = "hidden = 2*b*T*E*cb; " + formula
-    return parts, formula
+def _weights_at_work(s: dict[str, int]) -> tuple[str, str, int]:
+    # FSDP: one layer's weights and the LM head are all-gathered (in the compute dtype) while used.
+    return ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
+            (s["N1"] + s["E"] * s["V"]) // s["t"] * s["cb"])
 
 
 def learner_update(setup: Setup) -> Program:
@@ -168,16 +155,27 @@ def learner_update(setup: Setup) -> Program:
     batch = _abstract_batch(setup, setup.minibatch_rows, keys)
     fn = setup.learner.update_fn(setup.params, setup.opt_state, batch)
     lowered = fn.lower(setup.params, setup.opt_state, batch)
-    p = _param_bytes_per_device(setup.params)
-    n = setup.learner.num_micro_batches
-    d = _dims(setup, setup.micro_batch_rows)
-    parts = {"params (f32)": p, "optimizer state (Adam mu, nu)": 2 * p,
-             "gradients (f32)": (2 if n > 1 else 1) * p}
-    act, act_formula = _activation_parts(setup, d, backward=True)
-    parts.update(act)
-    formula = (f"P = parameter bytes per device; params = P, Adam = 2P, gradients = "
-               f"{'2P (accumulator + micro-batch)' if n > 1 else 'P'}; " + act_formula)
-    return Program(lowered, Estimate(parts, formula + f"; {_symbols(d)}"))
+    s = _symbols(setup, setup.micro_batch_rows)
+    b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
+    accumulate = setup.learner.num_micro_batches > 1
+    remat = str(setup.learner.model.remat)
+    saved_formula, saved_values = _SAVED[remat]
+    parts = (
+        ("params", "Pd", s["Pd"]),
+        ("optimizer state (Adam mu, nu)", "2Pd", 2 * s["Pd"]),
+        ("gradients (accumulator + micro-batch)" if accumulate else "gradients",
+         "2Pd" if accumulate else "Pd", (2 if accumulate else 1) * s["Pd"]),
+        ("stacked layer weights + their gradients", "2Pl * cb/4", 2 * s["Pl"] * cb // 4),
+        _weights_at_work(s),
+        ("LM head + embedding gradients before reduce-scatter", "2E*V/t * 4", 2 * E * V // t * 4),
+        (f"saved activations (remat={remat})", f"L*b*T*[{saved_formula}] * cb",
+         s["L"] * b * T * saved_values(s) * cb),
+        ("one layer's backward at work", "b*T*(8M/t + 4E + 3(Q+2K)/t) * cb",
+         b * T * ((8 * M + 3 * (Q + 2 * K)) // t + 4 * E) * cb),
+        ("logits chunk (logits, probabilities, gradient)", "3*b*C*V/t * 4",
+         3 * b * s["C"] * V // t * 4),
+    )
+    return Program(lowered, Estimate(parts, s))
 
 
 def learner_logprobs(setup: Setup) -> Program:
@@ -185,16 +183,21 @@ def learner_logprobs(setup: Setup) -> Program:
     keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav")
     batch = _abstract_batch(setup, setup.rollout_rows, keys)
     lowered = setup.learner.logprobs_fn(setup.params, batch).lower(setup.params, batch)
-    p = _param_bytes_per_device(setup.params)
-    d = _dims(setup, setup.learner.logprob_batch_size or setup.rollout_rows)
-    parts = {"params (f32)": p}
-    act, act_formula = _activation_parts(setup, d, backward=False)
-    parts.update(act)
-    return Program(lowered, Estimate(parts, "params = P; " + act_formula + f"; {_symbols(d)}"))
-
-
-def _symbols(d: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in d.items())
+    s = _symbols(setup, setup.learner.logprob_batch_size or setup.rollout_rows)
+    b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
+    rows_per_device = setup.rollout_rows // (setup.config.mesh.data * setup.config.mesh.fsdp)
+    parts = (
+        ("params", "Pd", s["Pd"]),
+        ("stacked layer weights", "Pl * cb/4", s["Pl"] * cb // 4),
+        _weights_at_work(s),
+        ("hidden states (residual stream in and out)", "2*b*T*E * cb", 2 * b * T * E * cb),
+        ("one layer's forward at work", "b*T*(3M/t + 2E + 2(Q+2K)/t) * cb",
+         b * T * ((3 * M + 2 * (Q + 2 * K)) // t + 2 * E) * cb),
+        ("logits chunk (logits, probabilities)", "2*b*C*V/t * 4", 2 * b * s["C"] * V // t * 4),
+        ("log-probs of the whole rollout (output)", "rows/device * G * 4",
+         rows_per_device * s["G"] * 4),
+    )
+    return Program(lowered, Estimate(parts, s))
 
 
 PROGRAMS: dict[str, Callable[[Setup], Program]] = {
@@ -277,9 +280,9 @@ def report(config: ml_collections.ConfigDict, shapes_dir: str,
                                        for k, v in figures.items())
             + f"  -> {fits} in {BUDGET_GIB:.0f} GiB")
         log(f"  estimate: {program.estimate.total / GIB:.2f}")
-        for part, value in program.estimate.parts.items():
-            log(f"    {part:34s} {value / GIB:8.2f}")
-        log(f"    formula: {program.estimate.formula}")
+        for part, formula, value in program.estimate.parts:
+            log(f"    {value / GIB:7.2f}  {part:50s} {formula}")
+        log("    with " + ", ".join(f"{k}={v}" for k, v in program.estimate.symbols.items()))
     return out
 
 
