@@ -193,7 +193,8 @@ def learner_logprobs(setup: Setup) -> Program:
         ("hidden states (residual stream in and out)", "2*b*T*E * cb", 2 * b * T * E * cb),
         ("one layer's forward at work", "b*T*(3M/t + 2E + 2(Q+2K)/t) * cb",
          b * T * ((3 * M + 2 * (Q + 2 * K)) // t + 2 * E) * cb),
-        ("logits chunk (logits, probabilities)", "2*b*C*V/t * 4", 2 * b * s["C"] * V // t * 4),
+        ("logits chunk (f32 and compute-dtype logits)", "b*C*V/t * (4 + cb)",
+         b * s["C"] * V // t * (4 + cb)),
         ("log-probs of the whole rollout (output)", "rows/device * G * 4",
          rows_per_device * s["G"] * 4),
     )
