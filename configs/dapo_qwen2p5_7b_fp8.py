@@ -49,6 +49,7 @@ def get_config():
     c.rl.num_minibatches = 16
     c.rl.num_micro_batches = 64  # 8 sequences: one per FSDP group
     c.train.remat = "full"
+    c.train.scan_layers = True
     c.optim.learning_rate = 1e-6
     c.optim.warmup_steps = 10
     c.optim.weight_decay = 0.1

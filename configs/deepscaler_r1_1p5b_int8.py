@@ -45,6 +45,7 @@ def get_config():
     c.rl.num_minibatches = 4
     c.rl.num_micro_batches = 32  # 8 sequences: one per device
     c.train.remat = "dots"
+    c.train.scan_layers = True
     c.optim.learning_rate = 1e-6
     c.optim.weight_decay = 0.01
     c.optim.grad_clip = 1.0

@@ -39,6 +39,7 @@ def get_config():
     c.rl.num_minibatches = 4
     c.rl.num_micro_batches = 8
     c.train.remat = "dots"
+    c.train.scan_layers = True
     c.optim.learning_rate = 1e-5
     c.optim.grad_clip = 1.0
     c.mesh.fsdp = 4

@@ -113,6 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.progress = True
     c.train.report_speed = False  # end of run: time the quantized vs fp32 rollout on one batch
     c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
+    c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
 
     c.eval = ml_collections.ConfigDict()

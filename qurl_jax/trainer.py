@@ -113,7 +113,7 @@ class Trainer:
         self.learner = Learner(self.model_config, self.objective, optim_from_config(c.optim),
                                self.mesh, temperature=c.rollout.temperature,
                                num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
-                               logprob_chunk=c.train.logprob_chunk,
+                               scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
                                logprob_batch_size=learner_micro_batch_size(c))
         sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),

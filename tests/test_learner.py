@@ -182,7 +182,8 @@ def test_memory_knobs_leave_the_update_unchanged(remat, attention):
     base = _one_update(_learner(mesh, adam_eps=1.0, objective=objective), params, batch)
     learner = Learner(CFG.replace(attention=attention), objective,
                       OptimConfig(learning_rate=1e-2, weight_decay=0.1, eps=1.0), mesh,
-                      temperature=0.9, remat=remat, logprob_chunk=3, logprob_batch_size=2)
+                      temperature=0.9, remat=remat, scan_layers=True, logprob_chunk=3,
+                      logprob_batch_size=2)
     knobs = _one_update(learner, params, batch)
     np.testing.assert_allclose(knobs[2], base[2], atol=1e-5)  # logp_prox, in slices of 2 rows
     for a, b in zip(jax.tree.leaves(knobs[0]), jax.tree.leaves(base[0]), strict=True):

@@ -45,7 +45,7 @@ def _temp_bytes(learner: Learner, length: int) -> dict[str, int]:
 @pytest.mark.parametrize("remat", ["full", "none"])
 def test_temp_memory_grows_linearly_with_length(remat):
     learner = Learner(CFG, ObjectiveConfig(entropy_coef=0.01), OptimConfig(), shd.make_mesh(),
-                      remat=remat, logprob_chunk=64)
+                      remat=remat, scan_layers=True, logprob_chunk=64)
     lengths = (2048, 8192)
     short, long = (_temp_bytes(learner, t) for t in lengths)
     added_positions = 3 * (lengths[1] - lengths[0]) // 4  # response positions G = 3T/4
@@ -71,6 +71,7 @@ def test_memory_report_of_a_small_config(tmp_path):
     c.data.max_prompt_len, c.rollout.max_new_tokens = 16, 24
     c.rl.num_minibatches, c.rl.num_micro_batches = 2, 2
     c.mesh.fsdp = 2
+    c.train.remat, c.train.scan_layers = "full", True
     lines = []
     figures = memory.report(c, str(tmp_path), log=lines.append)
     assert figures["devices"] == 2 and set(figures["programs"]) == set(memory.PROGRAMS)

@@ -230,7 +230,8 @@ def build_setup(config: ml_collections.ConfigDict, model_config: ModelConfig) ->
     micro = learner_micro_batch_size(c)
     learner = Learner(model_config, objective_from_config(c.rl), optim_from_config(c.optim), mesh,
                       temperature=c.rollout.temperature, num_micro_batches=c.rl.num_micro_batches,
-                      remat=c.train.remat, logprob_chunk=c.train.logprob_chunk,
+                      remat=c.train.remat, scan_layers=c.train.scan_layers,
+                      logprob_chunk=c.train.logprob_chunk,
                       logprob_batch_size=micro)
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
     params, opt_state = learner.abstract_state(shapes)

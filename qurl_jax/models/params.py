@@ -95,6 +95,9 @@ def chunked_token_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.A
     def one_chunk(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         return token_logprobs_and_entropy(head(h), t, temperature, with_entropy)
 
-    _, (logp, entropy) = jax.lax.scan(lambda carry, xs: (carry, one_chunk(*xs)), None, (hs, ts))
+    if n == 1:  # no loop: XLA:CPU fuses a single chunk with its neighbours
+        logp, entropy = jax.tree.map(lambda x: x[None], one_chunk(hs[0], ts[0]))
+    else:
+        _, (logp, entropy) = jax.lax.scan(lambda carry, xs: (carry, one_chunk(*xs)), None, (hs, ts))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :g]  # noqa: E731
     return unchunk(logp), None if entropy is None else unchunk(entropy)
