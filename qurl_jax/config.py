@@ -14,7 +14,8 @@ import os
 import ml_collections
 
 from qurl_jax.learner import OptimConfig
-from qurl_jax.models.config import SUPPORTED_MODEL_TYPES
+from qurl_jax.models.attention import Implementation as AttentionImplementation
+from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
 
@@ -41,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.source = "hf"  # 'hf': load model.path; 'tiny': build model.tiny in code (tests/demo)
     c.model.path = ""  # local Hugging Face directory (config.json + *.safetensors + tokenizer)
     c.model.dtype = "float32"  # compute dtype; master weights are always float32
+    c.model.attention = "auto"  # auto (blockwise above 1024 keys) | dense | blockwise | cudnn
     c.model.tiny = ml_collections.ConfigDict(dict(  # used when source == 'tiny'
         model_type="qwen2", hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
@@ -131,6 +133,9 @@ def base_config() -> ml_collections.ConfigDict:
     # discarded, as with learning rate 0, so an evaluation gain cannot come from the updates.
     c.train.apply_updates = True
     c.train.report_speed = False  # end of run: time the quantized vs fp32 rollout on one batch
+    c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
+    c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
+    c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -169,6 +174,11 @@ def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
                        grad_clip=o.grad_clip)
 
 
+def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
+    """Rows of one learner micro-batch: the rollout batch / (minibatches * micro-batches)."""
+    return c.data.prompts_per_step * c.rollout.n // (c.rl.num_minibatches * c.rl.num_micro_batches)
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
         raise ValueError(f"config.{field}={value!r} is not one of {choices}")
@@ -197,6 +207,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for f in c.eval.files:
         if not os.path.exists(f):
             raise ValueError(f"config.eval.files: {f!r} does not exist")
+    _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
+    _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
     _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
     _choice(c.rl.agg, AGGREGATIONS, "rl.agg")
@@ -209,6 +221,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                   "rl.num_minibatches", "rl.num_micro_batches", "optim.learning_rate",
                   "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
                   "rollout.invariant_scaling", "eval.k", "reward.timeout_s", "optim.eps",
+                  "train.logprob_chunk",
                   "mesh.data", "mesh.fsdp", "mesh.tensor"):
         section, name = field.split(".")
         _positive(c[section][name], field)

@@ -181,8 +181,10 @@ def model_config_for(c: ml_collections.ConfigDict) -> ModelConfig:
     `model.tiny`; reads no weights and writes nothing."""
     if c.model.source == "hf":
         with open(os.path.join(c.model.path, "config.json"), encoding="utf-8") as f:
-            return config_from_hf(json.load(f)).replace(dtype=c.model.dtype)
-    return tiny_model_config(c)
+            config = config_from_hf(json.load(f)).replace(dtype=c.model.dtype)
+    else:
+        config = tiny_model_config(c)
+    return config.replace(attention=c.model.attention)
 
 
 def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
@@ -211,6 +213,7 @@ def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
         tokenizer = load_tokenizer(c.model.path)
     else:
         model_config, params, tokenizer = tiny_policy(c, workdir, train)
+    model_config = model_config.replace(attention=c.model.attention)
     task = Task(tokenizer, train, eval_sets, reward=_reward_computer(c), template=template,
                 chat=c.data.chat_template, prompts_per_step=c.data.prompts_per_step,
                 max_prompt_len=c.data.max_prompt_len, seed=c.seed,

@@ -39,7 +39,8 @@ from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.config import objective_from_config, optim_from_config, validate
+from qurl_jax.config import (learner_micro_batch_size, objective_from_config, optim_from_config,
+                             validate)
 from qurl_jax.learner import Learner
 from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
@@ -173,7 +174,9 @@ class Trainer:
         self.model_config = model_config_for(c)
         self.learner = Learner(self.model_config, self.objective, optim_from_config(c.optim),
                                self.mesh, temperature=c.rollout.temperature,
-                               num_micro_batches=c.rl.num_micro_batches)
+                               num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
+                               scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
+                               logprob_batch_size=learner_micro_batch_size(c))
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
@@ -202,8 +205,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------ set-up
     def _abstract_state(self) -> dict[str, Any]:
         """Shapes and dtypes of the checkpointed state, without building or loading weights."""
-        params = jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0)))
-        return {"params": params, "opt_state": jax.eval_shape(self.learner.tx.init, params)}
+        params, opt_state = self.learner.abstract_state(
+            jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0))))
+        return {"params": params, "opt_state": opt_state}
 
     def _maybe_invariant_scaling(self, params: Any) -> Any:
         s = self.config.rollout.invariant_scaling
