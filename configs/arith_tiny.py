@@ -1,4 +1,5 @@
-"""The embedded default: RL on synthetic arithmetic with a tiny Qwen2-family model, on a CPU.
+"""The embedded default, a format-repair demo: RL on synthetic arithmetic with a tiny Qwen2-family
+model, on a CPU.
 
 Nothing is downloaded. A character-level tokenizer and a tiny Qwen2 model are built in code and
 saved in Hugging Face format under the workdir; a short supervised warm start on "a+b=" / "a-b="
@@ -7,7 +8,9 @@ to half of its (correct) answers ("19." instead of "19"), which the exact-match 
 wrong; then GRPO with an INT8 rollout actor and the ACR objective has to discover, from verifier
 rewards alone, that the clean answer is the rewarded one, and raises the sampled accuracy (Avg@4
 at temperature 1). Ends with a summary table: eval accuracy before and after RL, rollout share of
-step time, INT8 vs FP32 rollout speed and the behaviour/proximal mismatch metrics.
+step time, INT8 vs FP32 rollout speed and the behaviour/proximal mismatch metrics. The demo shows
+the machinery learning a format from verifier rewards; it does not teach arithmetic.
+`--config.train.apply_updates=False` is its control run (updates computed and discarded).
 """
 
 from qurl_jax.config import base_config
@@ -47,7 +50,7 @@ def get_config():
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
-    c.sft.steps = 2000
+    c.sft.steps = 4000
     c.sft.format_noise = 0.5
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 64

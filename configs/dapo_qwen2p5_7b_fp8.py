@@ -6,6 +6,14 @@ Point `model.path` at the local model and `data.train_files` at DAPO-Math-17k (p
 layout);
 the MATH train split is the default so the config validates from a fresh checkout.
 Evaluation: AIME 2024 Avg@32.
+
+Learner memory targets two nodes of 8 x H100-80GB (mesh fsdp=8 x tensor=2): each optimizer step's
+512 sequences of 2048 + 20480 tokens run as 64 micro-batches of one sequence per FSDP group, layers
+fully rematerialised, blockwise attention ('auto' at this length), log-probs in chunks of 512
+positions. `python -m qurl_jax.bench.memory --config=configs/dapo_qwen2p5_7b_fp8.py` compiles both
+learner programs on 16 host devices: update 31.5 GiB, log-prob recomputation 7.2 GiB peak per
+device (XLA:CPU). Qwen2.5-Math-7B's published context is 4096 positions: RoPE is applied past it
+as its config.json describes (theta 10000, no scaling); extending RoPE is not configured here.
 """
 
 from qurl_jax.config import base_config
@@ -39,7 +47,9 @@ def get_config():
     c.rl.overlong_buffer = 4096
     c.rl.overlong_factor = 1.0
     c.rl.num_minibatches = 16
-    c.rl.num_micro_batches = 64
+    c.rl.num_micro_batches = 64  # 8 sequences: one per FSDP group
+    c.train.remat = "full"
+    c.train.scan_layers = True
     c.optim.learning_rate = 1e-6
     c.optim.warmup_steps = 10
     c.optim.weight_decay = 0.1

@@ -4,6 +4,14 @@ Point `model.path` at a local copy of the model (`--config.model.path=/ckpt/R1-D
 The MATH train split and AIME 1983-2023 in third_party/math_data stand in for the DeepScaleR set (a
 DeepScaleR JSON/parquet file with problem/answer fields works the same: override data.train_files).
 Evaluation: Avg@k on AIME24, AMC, MATH-500, Minerva and OlympiadBench (the QuRL table).
+
+Learner memory targets one node of 8 x H100-80GB (mesh fsdp=8): each optimizer step's 256 sequences
+of 1024 + 8192 tokens run as 32 micro-batches of one sequence per device, decoder layers
+rematerialised with the 'dots' policy, blockwise attention ('auto' at this length), log-probs in
+chunks of 512 positions. `python -m qurl_jax.bench.memory --config=<this file>` compiles both
+learner programs on 8 host devices: update 34.2 GiB, log-prob recomputation 3.2 GiB peak per
+device (XLA:CPU's buffer assignment, which keeps the saved bf16 matmul outputs in f32; with
+`train.remat='full'` the update takes 11.5 GiB).
 """
 
 from qurl_jax.config import base_config
@@ -35,7 +43,9 @@ def get_config():
     c.rl.kl_estimator = "k3"
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 4
-    c.rl.num_micro_batches = 32
+    c.rl.num_micro_batches = 32  # 8 sequences: one per device
+    c.train.remat = "dots"
+    c.train.scan_layers = True
     c.optim.learning_rate = 1e-6
     c.optim.weight_decay = 0.01
     c.optim.grad_clip = 1.0

@@ -1,22 +1,97 @@
-"""Orbax checkpoints of the RL training state, with fallback past a corrupt latest checkpoint.
+"""Orbax checkpoints of the RL training state: resume, fallback past a corrupt checkpoint, and a
+hard stop on a checkpoint that belongs to another model or optimizer.
 
 A checkpoint holds the learner's parameters and optimizer state (one pytree, restored with the
-shardings of a template so a resumed run lands on the same mesh) and a JSON record of the step, the
-data iterator position, the PRNG seed/state and any flags the trainer needs (for example whether
-invariant scaling was already applied). Orbax writes each step into a temporary directory and
-renames it when complete, so a run killed mid-save leaves the previous checkpoint intact; a
-checkpoint that is nonetheless unreadable (truncated files, deleted arrays) is skipped with a
-warning and the next older one is restored, so a crash never loses more than one interval.
+shardings of a template, so a resumed run lands on its own mesh even when that differs from the
+mesh that saved it) and a JSON record of the step, the data iterator position and the seed. Orbax
+writes each step into a temporary directory and renames it when complete, so a run killed mid-save
+leaves the previous checkpoint intact.
+
+Restoring tells two failures apart:
+- the checkpoint does not fit this run (another tree structure, a tensor of another shape or dtype,
+  e.g. `model.tiny.intermediate_size` changed between runs): `CheckpointMismatchError`, raised
+  before anything is read or written, naming the first mismatching tensor and both shapes. The
+  checkpoints are left as they are: starting over would let keep-N delete them.
+- the checkpoint cannot be read (truncated or deleted files): skipped with a warning and the next
+  older one restored, so a crash never loses more than one interval.
 """
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensors do not match the run's state (structure, shape or dtype)."""
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _tensors(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Dotted path ('params.layers_0.mlp.up_proj.kernel', 'opt_state.1.0.mu...') -> (shape, dtype)
+    of every array leaf. Named-tuple fields and list indices are named as orbax names them in its
+    metadata, so a run's template and a checkpoint's metadata compare directly. A top-level dict
+    keeps its insertion order (parameters before optimizer state), so the first mismatch reported
+    is a parameter's when a parameter differs.
+    """
+    parts = tree.items() if isinstance(tree, Mapping) else [(None, tree)]
+    out = {}
+    for top, subtree in parts:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
+            names = ([] if top is None else [str(top)]) + [_key_name(k) for k in path]
+            out[".".join(names)] = (tuple(leaf.shape), np.dtype(leaf.dtype))
+    return out
+
+
+def _first_mismatch(saved: dict[str, tuple[tuple[int, ...], np.dtype]],
+                    wanted: dict[str, tuple[tuple[int, ...], np.dtype]]) -> str | None:
+    """A sentence naming the first tensor (in the run's order) that differs, or None."""
+    for name, (shape, dtype) in wanted.items():
+        if name not in saved:
+            return f"tensor {name!r} {shape} of this run is not in the checkpoint"
+        saved_shape, saved_dtype = saved[name]
+        if saved_shape != shape:
+            return (f"tensor {name!r} has shape {saved_shape} in the checkpoint but {shape} in "
+                    "this run")
+        if saved_dtype != dtype:
+            return (f"tensor {name!r} has dtype {saved_dtype} in the checkpoint but {dtype} in "
+                    "this run")
+    extra = [name for name in saved if name not in wanted]
+    if extra:
+        return f"tensor {extra[0]!r} {saved[extra[0]][0]} of the checkpoint is not in this run"
+    return None
+
+
+class _OrbaxAsyncNoise(std_logging.Filter):
+    """Drops the "Event loop is closed" tracebacks that orbax's background event loop logs after a
+    failed read; the failure itself is reported by `restore_latest`."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return "Event loop is closed" not in text
+
+
+def _silence_orbax_event_loop_noise() -> None:
+    noise = _OrbaxAsyncNoise()
+    for name in ("asyncio", "absl", "orbax", ""):
+        logger = std_logging.getLogger(name)
+        if not any(isinstance(f, _OrbaxAsyncNoise) for f in logger.filters):
+            logger.addFilter(noise)
 
 
 class Checkpointer:
@@ -28,13 +103,18 @@ class Checkpointer:
             raise ValueError(f"checkpoint interval must be >= 1, got {interval}")
         if keep < 1:
             raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
+        _silence_orbax_event_loop_noise()
         self.directory = os.path.abspath(directory)
         self.interval = interval
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=interval, create=True,
             enable_async_checkpointing=async_save,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Registering the item handlers lets `item_metadata` read shapes and dtypes without data.
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -52,24 +132,66 @@ class Checkpointer:
         self._manager.wait_until_finished()
         return saved
 
+    def _saved_tensors(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """The (shape, dtype) of every tensor saved at `step`; raises when unreadable."""
+        metadata = self._manager.item_metadata(step)["state"]
+        if metadata is None:
+            raise FileNotFoundError("no state metadata")
+        tree = getattr(metadata, "tree", metadata)
+        return _tensors(tree)
+
+    def _readable_steps(self) -> Iterator[tuple[int, dict[str, tuple[tuple[int, ...], np.dtype]]]]:
+        """(step, saved tensors), newest first, skipping (with a warning) unreadable metadata."""
+        for step in reversed(self.steps()):
+            try:
+                yield step, self._saved_tensors(step)
+            except Exception as e:  # noqa: BLE001 - any metadata read failure means "unreadable"
+                self._warn_unreadable(step, e)
+
+    def _warn_unreadable(self, step: int, error: Exception) -> None:
+        logging.warning("checkpoint at step %d in %s is unreadable (%s: %s); falling back to the "
+                        "previous one", step, self.directory, type(error).__name__,
+                        str(error)[:200])
+
+    def check_compatible(self, template: Any) -> None:
+        """Raises `CheckpointMismatchError` when the newest readable checkpoint does not fit
+        `template` (arrays or `jax.ShapeDtypeStruct`s); reads metadata only, writes nothing.
+
+        Lets a run check its workdir before it writes anything (a warm-start cache, metrics).
+        """
+        wanted = _tensors(template)
+        for step, saved in self._readable_steps():
+            self._raise_on_mismatch(step, saved, wanted)
+            return
+
+    def _raise_on_mismatch(self, step: int, saved: dict, wanted: dict) -> None:
+        problem = _first_mismatch(saved, wanted)
+        if problem is not None:
+            raise CheckpointMismatchError(
+                f"the checkpoint at step {step} in {self.directory} does not match this run's "
+                f"model or optimizer: {problem}. Resume with the settings it was saved with, or "
+                "start in a new workdir; the checkpoints were left untouched.")
+
     def restore_latest(self, template: Any) -> tuple[int, Any, dict[str, Any]] | None:
         """Restores the newest readable checkpoint into `template`'s structure and shardings.
 
-        Returns None when there is no checkpoint. Unreadable checkpoints are skipped with a warning.
+        Returns None when there is no checkpoint. Unreadable checkpoints are skipped with a warning;
+        one that does not match `template` raises `CheckpointMismatchError` (nothing restored).
         """
+        wanted = _tensors(template)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        for step in reversed(self.steps()):
+        for step, saved in self._readable_steps():
+            self._raise_on_mismatch(step, saved, wanted)
             try:
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                             meta=ocp.args.JsonRestore()),
                 )
-                return step, restored["state"], dict(restored["meta"])
-            except Exception as e:  # noqa: BLE001 - any read failure means "corrupt": try older.
-                logging.warning("checkpoint at step %d in %s is unreadable (%s: %s); "
-                                "falling back to the previous one", step, self.directory,
-                                type(e).__name__, str(e)[:200])
+            except Exception as e:  # noqa: BLE001 - it fits but cannot be read: corrupt data
+                self._warn_unreadable(step, e)
+                continue
+            return step, restored["state"], dict(restored["meta"])
         return None
 
     def close(self) -> None:

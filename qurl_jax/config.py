@@ -13,15 +13,24 @@ import os
 
 import ml_collections
 
-from qurl_jax.models.config import SUPPORTED_MODEL_TYPES
-from qurl_jax.rl.objectives import ObjectiveConfig
+from qurl_jax.learner import OptimConfig
+from qurl_jax.models.attention import Implementation as AttentionImplementation
+from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
+from qurl_jax.quant import RECIPES
+from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
 
-PRECISIONS = ("fp", "int8", "fp8", "fp8_block")
-LOSS_MODES = ("on_policy", "naive", "tis", "mis", "acr", "sparse_rl")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
+PRECISIONS = tuple(RECIPES)
+LOSS_MODES = tuple(m.value for m in Mode)
+AGGREGATIONS = tuple(a.value for a in Aggregation)
+KL_ESTIMATORS = tuple(k.value for k in KLEstimator)
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 MODEL_SOURCES = ("hf", "tiny")
 TASKS = ("math", "arithmetic")
+# Which log-prob of a sampled token the learner gets as pi_behav (see rollout.behav_logp).
+BEHAV_LOGPS = ("sampled", "untruncated")
+# What DAPO's dynamic sampling compares within a group (see rl.filter_metric).
+FILTER_METRICS = ("accuracy", "reward")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -33,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.source = "hf"  # 'hf': load model.path; 'tiny': build model.tiny in code (tests/demo)
     c.model.path = ""  # local Hugging Face directory (config.json + *.safetensors + tokenizer)
     c.model.dtype = "float32"  # compute dtype; master weights are always float32
+    c.model.attention = "auto"  # auto (blockwise above 1024 keys) | dense | blockwise | cudnn
     c.model.tiny = ml_collections.ConfigDict(dict(  # used when source == 'tiny'
         model_type="qwen2", hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
@@ -48,13 +58,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.arith_ops = "+-"
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.precision = "int8"  # fp | int8 | fp8 | fp8_block: the actor's weights and matmuls
+    c.rollout.precision = "int8"  # a quant.RECIPES name (fp | int8 | fp8 | fp8_block | ...)
     c.rollout.n = 8  # samples per prompt (GRPO group size)
     c.rollout.max_new_tokens = 1024
     c.rollout.temperature = 1.0
     c.rollout.top_k = 0  # 0 = off
     c.rollout.top_p = 1.0
     c.rollout.max_concurrent_rows = 0  # rows decoded at once (bounds the KV cache); 0 = all
+    # pi_behav handed to the learner: 'sampled' = the log-prob under the distribution that drew the
+    # token (truncated and renormalised by top-k/top-p), the correct importance-sampling
+    # denominator; 'untruncated' = under the full tempered softmax (too small by log Z on every
+    # kept token when top-k/top-p truncate). Identical when nothing is truncated.
+    c.rollout.behav_logp = "sampled"
     c.rollout.invariant_scaling = 1.0  # QuRL's s; 1.0 disables, 1.5 is the paper's value
     c.rollout.invariant_scaling_targets = ("qkv",)  # 'qkv' and/or 'gate_up'
 
@@ -78,7 +93,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.sparse_base = "tis"  # sparse_rl: 'acr' combines the corrections with ACR's clip bound
     c.rl.batch_normalize = False  # renormalise importance weights to batch mean 1
     c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo
-    c.rl.dynamic_sampling = False  # DAPO: drop all-equal-reward groups and refill
+    c.rl.dynamic_sampling = False  # DAPO: drop groups whose filter_metric is all equal; refill
+    # 'accuracy': the verifier's 0/1 outcome, as DAPO filters; 'reward': the shaped reward (with
+    # the format and overlong terms), which keeps an all-wrong group if one response is overlong.
+    c.rl.filter_metric = "accuracy"
     c.rl.max_gen_batches = 3  # refill attempts per step with dynamic sampling
     c.rl.overlong_buffer = 0  # DAPO overlong shaping buffer L_c in tokens; 0 disables
     c.rl.overlong_factor = 1.0
@@ -90,9 +108,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.learning_rate = 1e-6
     c.optim.warmup_steps = 0
     c.optim.decay_steps = 0  # cosine decay steps after warm-up; 0 = constant
+    c.optim.end_lr_ratio = 0.0  # learning rate at the end of the cosine decay / learning_rate
     c.optim.weight_decay = 0.01
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
     c.optim.grad_clip = 1.0
 
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
@@ -109,8 +129,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # 0 = only before and after training
     c.train.max_bad_steps = 3  # consecutive non-finite updates before the run stops
     c.train.export_hf = ""  # directory to export the final model to (Hugging Face format)
-    c.train.progress = True
+    c.train.progress = True  # a bar on a terminal; off one (or if False) a line every few steps
+    # False: the control run. Every phase runs and is logged, but the update is computed and then
+    # discarded, as with learning rate 0, so an evaluation gain cannot come from the updates.
+    c.train.apply_updates = True
     c.train.report_speed = False  # end of run: time the quantized vs fp32 rollout on one batch
+    c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
+    c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
+    c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -141,6 +167,19 @@ def objective_from_config(rl: ml_collections.ConfigDict) -> ObjectiveConfig:
     ).validate()
 
 
+def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
+    """The learner's `OptimConfig` of the `optim` config section (every field carried over)."""
+    return OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
+                       decay_steps=o.decay_steps, end_lr_ratio=o.end_lr_ratio,
+                       weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                       grad_clip=o.grad_clip)
+
+
+def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
+    """Rows of one learner micro-batch: the rollout batch / (minibatches * micro-batches)."""
+    return c.data.prompts_per_step * c.rollout.n // (c.rl.num_minibatches * c.rl.num_micro_batches)
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
         raise ValueError(f"config.{field}={value!r} is not one of {choices}")
@@ -169,23 +208,33 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for f in c.eval.files:
         if not os.path.exists(f):
             raise ValueError(f"config.eval.files: {f!r} does not exist")
+    _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
+    _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
     _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
     _choice(c.rl.agg, AGGREGATIONS, "rl.agg")
     _choice(c.rl.advantage, ADVANTAGES, "rl.advantage")
-    _choice(c.rl.kl_estimator, ("k1", "k3"), "rl.kl_estimator")
+    _choice(c.rl.kl_estimator, KL_ESTIMATORS, "rl.kl_estimator")
+    _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
+    _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
     for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
                   "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",
                   "rl.num_minibatches", "rl.num_micro_batches", "optim.learning_rate",
                   "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
-                  "rollout.invariant_scaling", "eval.k", "reward.timeout_s",
+                  "rollout.invariant_scaling", "eval.k", "reward.timeout_s", "optim.eps",
+                  "train.logprob_chunk",
                   "mesh.data", "mesh.fsdp", "mesh.tensor"):
         section, name = field.split(".")
         _positive(c[section][name], field)
     for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.weight_decay",
-                  "optim.grad_clip", "optim.warmup_steps", "sft.steps", "train.eval_every"):
+                  "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
+                  "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
         section, name = field.split(".")
         _positive(c[section][name], field, strict=False)
+    for field in ("optim.b1", "optim.b2"):
+        section, name = field.split(".")
+        if not 0.0 <= c[section][name] < 1.0:
+            raise ValueError(f"config.{field}={c[section][name]} must be in [0, 1)")
     if not 0.0 < c.rollout.top_p <= 1.0:
         raise ValueError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
     for t in c.rollout.invariant_scaling_targets:

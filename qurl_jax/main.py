@@ -3,12 +3,15 @@
 Flags are parsed by absl with `ml_collections.config_flags`, so any field can be overridden
 (`--config.rl.loss_mode=tis --config.rollout.precision=fp8`). Unknown or ill-typed overrides are
 rejected while parsing, and `qurl_jax.config.validate` checks values, all before JAX compiles
-anything. A workdir that already holds a checkpoint resumes from it.
+anything; a bad value ends the run with one line naming the field and a non-zero exit code. A
+workdir that already holds a checkpoint resumes from it; a checkpoint of another model or
+optimizer ends the run the same way, before anything is written.
 """
 
 from __future__ import annotations
 
 import logging as std_logging
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -30,13 +33,30 @@ class _QuietLibraries(std_logging.Filter):
         return record.levelno >= std_logging.WARNING or not noisy
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad `--config.*` override reported in one line, not a traceback
+    (ml_collections raises AttributeError for an unknown field, ValueError for a bad value)."""
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+        # An unknown field arrives as AttributeError(KeyError(message)); unwrap to the message.
+        cause = e.args[0] if e.args and isinstance(e.args[0], BaseException) else e
+        text = cause.args[0] if isinstance(cause, KeyError) and cause.args else cause
+        text = " ".join(str(text).split())
+        sys.exit(f"qurl_jax: bad flag: {text}")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
+    from qurl_jax.checkpoint import CheckpointMismatchError
     from qurl_jax.config import validate
 
-    config = validate(_CONFIG.value)
+    try:
+        config = validate(_CONFIG.value)
+    except ValueError as e:
+        sys.exit(f"qurl_jax: bad config: {e}")
     if _EXPORT_HF.value:
         config.unlock()
         config.train.export_hf = _EXPORT_HF.value
@@ -44,10 +64,13 @@ def main(argv: list[str]) -> None:
     from qurl_jax.metrics import format_summary
     from qurl_jax.trainer import Trainer
 
-    trainer = Trainer(config, _WORKDIR.value)
+    try:
+        trainer = Trainer(config, _WORKDIR.value)
+    except CheckpointMismatchError as e:
+        sys.exit(f"qurl_jax: cannot resume: {e}")
     summary = trainer.train()
     print(format_summary(summary), flush=True)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

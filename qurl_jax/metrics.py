@@ -1,5 +1,10 @@
 """Metric logging: one JSON line per step in `<workdir>/metrics.jsonl` plus TensorBoard event files.
 
+A resumed run redoes the steps after its checkpoint, so `MetricWriter(workdir, resume_step=k)`
+first drops the rows those steps wrote before the interruption (every row past step k; every row
+when the run starts over from step 0) and hides the same steps' TensorBoard events: each step
+appears once and end-of-run means count it once.
+
 Values are converted to Python floats on the host once per step (one device-to-host transfer of the
 whole metrics dict), never inside jitted code. `PhaseTimer` measures the wall time of the RL step's
 phases (requantize, rollout, reward, logp recompute, update) with `block_until_ready` at the phase
@@ -26,18 +31,38 @@ def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(np.asarray(v)) for k, v in host.items()}
 
 
-class MetricWriter:
-    """Appends step metrics to metrics.jsonl and (optionally) TensorBoard."""
+def _drop_rows_after(path: str, step: int) -> None:
+    """Rewrites metrics.jsonl keeping the rows of steps <= `step` (none when `step` is 0)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if step and json.loads(line)["step"] <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
-    def __init__(self, workdir: str, *, tensorboard: bool = True) -> None:
+
+class MetricWriter:
+    """Appends step metrics to metrics.jsonl and (optionally) TensorBoard.
+
+    `resume_step`: the step the run (re)starts from; rows and events of later steps are dropped.
+    """
+
+    def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True) -> None:
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
+        _drop_rows_after(self.path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                     purge_step=resume_step + 1 if resume_step else 0)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": step}

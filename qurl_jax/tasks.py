@@ -4,14 +4,15 @@
 parameters and a `Task`:
 - `model.source='hf'`: a local Hugging Face directory (`load_hf` + its tokenizer); a missing or
   incomplete checkpoint is an error, never a random initialisation.
-- `model.source='tiny'`: a tiny model of `model.tiny`'s family with the character-level tokenizer,
-  both built in code and saved in Hugging Face format under the workdir, so they are reloaded
-  through the normal path. For the arithmetic task a supervised warm start (`sft.steps`) is trained
-  once and cached in `<workdir>/sft_model`; a second run (or a resumed one) reuses it.
+- `model.source='tiny'`: the embedded default's tiny model, built in code with its supervised warm
+  start and cached under the workdir (`qurl_jax.warm_start`).
+`model_config_for(config)` gives the model configuration alone, without reading weights or writing
+anything, so a run can check its workdir's checkpoint first.
 
-A `Task` turns examples into prompt token ids, responses into rewards (math-verify in verifier
-processes for math, exact match for arithmetic, both on a thread pool), and runs the evaluation
-(Avg@k / Pass@k, and greedy accuracy) with the full-precision sampler.
+A `Task` turns examples into prompt token ids, responses into rewards and the verifier's 0/1
+accuracy (math-verify in verifier processes for math, exact match for arithmetic, both on a thread
+pool; the optional format term is added to the reward, never to the accuracy), and runs the
+evaluation (Avg@k / Pass@k, and greedy accuracy) with the full-precision sampler.
 """
 
 from __future__ import annotations
@@ -23,31 +24,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
-from qurl_jax.data.rewards import (
-    RewardComputer,
-    exact_match_reward,
-    math_format_reward,
-    math_reward,
-)
-from qurl_jax.data.tokenizer import build_char_tokenizer
-from qurl_jax.models import (
-    ModelConfig,
-    Transformer,
-    init_params,
-    positions_from_mask,
-    token_logprobs,
-)
-from qurl_jax.models.hf import load_hf, load_tokenizer, save_hf
+from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
+from qurl_jax.models import ModelConfig
+from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.sampling import Sampler
+from qurl_jax.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
 ARITH_TRAIN_SIZE = 4000
@@ -59,8 +47,11 @@ class Task:
     def __init__(self, tokenizer: Any, train: Sequence[MathExample],
                  eval_sets: dict[str, list[MathExample]], *, reward: RewardComputer,
                  template: str | None, chat: bool, prompts_per_step: int, max_prompt_len: int,
-                 seed: int) -> None:
+                 seed: int, format_weight: float = 0.0) -> None:
+        """`reward` scores correctness (0/1); `format_weight` w mixes in `format_reward`:
+        reward = (1 - w) * correct + w * format."""
         self.tokenizer = tokenizer
+        self.format_weight = format_weight
         self._template = template
         self._chat = chat
         self.reward = reward
@@ -114,8 +105,21 @@ class Task:
         return [self.tokenizer.decode(np.asarray(tokens)[i, : lengths[i]].tolist(),
                                       skip_special_tokens=True) for i in range(len(lengths))]
 
-    def rewards(self, texts: Sequence[str], answers: Sequence[Any]) -> np.ndarray:
-        return np.asarray(self.reward(list(texts), list(answers)), np.float32)
+    def rewards(self, texts: Sequence[str], answers: Sequence[Any]
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(reward f32[N], accuracy f32[N]) of N responses: accuracy is the verifier's 0/1 outcome
+        (0 when verification timed out or failed); the reward adds the format term, if any."""
+        accuracy = np.asarray(self.reward(list(texts), list(answers)), np.float32)
+        if not self.format_weight:
+            return accuracy, accuracy
+        fmt = np.array([format_reward(t) for t in texts], np.float32)
+        w = self.format_weight
+        return ((1.0 - w) * accuracy + w * fmt).astype(np.float32), accuracy
+
+    def verifier_stats(self) -> dict[str, int]:
+        """Verifier counts since the task was built: calls, timeouts, errors, crashes, and
+        worker_failures (a verifier worker could not be started; the response scored 0)."""
+        return self.reward.stats
 
     # -------------------------------------------------------------------------------- evaluation
     @property
@@ -160,137 +164,27 @@ class Task:
 
 
 # ------------------------------------------------------------------------------------ building
-def _tiny_model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    t = c.model.tiny
-    family = t.model_type
-    return ModelConfig(
-        model_type=family, vocab_size=vocab_size, hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
-        tie_word_embeddings=t.tie_word_embeddings,
-        max_position_embeddings=t.max_position_embeddings,
-        attention_bias=family == "qwen2", qk_norm=family == "qwen3", dtype=c.model.dtype,
-    ).validate()
-
-
 def _arith_config(c: ml_collections.ConfigDict) -> arith.ArithmeticConfig:
     return arith.ArithmeticConfig(max_digits=c.data.arith_digits,
                                   operators=tuple(c.data.arith_ops))
 
 
-def supervised_warm_start(model_config: ModelConfig, params: Any,
-                          pairs: Sequence[tuple[str, str]], tokenizer: Any, *, steps: int,
-                          learning_rate: float, batch_size: int, seed: int) -> Any:
-    """Teacher-forced next-token training on (prompt, completion) pairs; loss on completions only.
-
-    All pairs are packed once into one right-padded array; each step draws a random batch of rows.
-    """
-    rows = [(tokenizer.encode(p, add_special_tokens=False),
-             tokenizer.encode(a, add_special_tokens=False)) for p, a in pairs]
-    width = max(len(p) + len(a) for p, a in rows)
-    tokens = np.zeros((len(rows), width), np.int32)
-    loss_mask = np.zeros((len(rows), width), np.float32)
-    valid = np.zeros((len(rows), width), bool)
-    for i, (p, a) in enumerate(rows):
-        tokens[i, : len(p) + len(a)] = p + a
-        valid[i, : len(p) + len(a)] = True
-        loss_mask[i, len(p): len(p) + len(a)] = 1.0
-    positions = positions_from_mask(valid)
-    model = Transformer(model_config)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, max(steps // 20, 1), steps, learning_rate * 0.1), weight_decay=0.0)
-    opt_state = tx.init(params)
-
-    def loss_fn(p, tok, pos, val, lm):
-        logits, _ = model.apply({"params": p}, tok, pos, val)
-        nll = -token_logprobs(logits[:, :-1], tok[:, 1:])
-        return jnp.sum(nll * lm[:, 1:]) / jnp.maximum(jnp.sum(lm[:, 1:]), 1.0)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(p, o, idx):
-        loss, grads = jax.value_and_grad(loss_fn)(
-            p, tokens_d[idx], positions_d[idx], valid_d[idx], mask_d[idx])
-        updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, loss
-
-    tokens_d, positions_d, valid_d, mask_d = map(jnp.asarray, (tokens, positions, valid, loss_mask))
-    rng = np.random.default_rng(seed)
-    loss = jnp.nan
-    for step in range(steps):
-        idx = jnp.asarray(rng.integers(0, len(rows), batch_size))
-        params, opt_state, loss = train_step(params, opt_state, idx)
-        if (step + 1) % max(steps // 5, 1) == 0:
-            logging.info("warm start step %d/%d: loss %.4f", step + 1, steps, float(loss))
-    return params
-
-
-FORMAT_JUNK = ".?!"
-
-
-def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], format_noise: float, seed: int,
-                        eos: str) -> list[tuple[str, str]]:
-    """The (prompt, "<answer><eos>") pairs of a sloppy teacher: with probability `format_noise` a
-    completion gets a stray character before EOS ("19." instead of "19"), which an exact-match
-    verifier scores as wrong. The answers themselves stay correct.
-    """
-    rng = np.random.default_rng(seed)
-    out = []
-    for prompt, completion in pairs:
-        if rng.random() < format_noise:
-            junk = FORMAT_JUNK[int(rng.integers(len(FORMAT_JUNK)))]
-            completion = completion.removesuffix(eos) + junk + eos
-        out.append((prompt, completion))
-    return out
-
-
-def _warm_start_key(c: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Everything the cached warm start depends on; a cache with another key is rebuilt."""
-    return {"seed": c.seed, "tiny": c.model.tiny.to_dict(), "sft": c.sft.to_dict(),
-            "task": c.data.task, "digits": c.data.arith_digits, "ops": c.data.arith_ops}
-
-
-def _tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: list[MathExample]
-                 ) -> tuple[ModelConfig, Any, Any]:
-    """The tiny in-code policy: loaded from the workdir's cache, or built (and warm-started)."""
-    sft_dir = os.path.join(workdir, "sft_model")
-    key_file = os.path.join(sft_dir, "warm_start.json")
-    key = json.loads(json.dumps(_warm_start_key(c)))
-    if c.sft.steps and os.path.isfile(key_file):
-        with open(key_file, encoding="utf-8") as f:
-            cached = json.load(f)
-        if cached == key:
-            logging.info("reusing the cached warm start in %s", sft_dir)
-            model_config, params = load_hf(sft_dir)
-            return model_config.replace(dtype=c.model.dtype), params, load_tokenizer(sft_dir)
-        logging.warning("the cached warm start in %s was built with other settings; rebuilding",
-                        sft_dir)
-    tokenizer = build_char_tokenizer()
-    model_config = _tiny_model_config(c, len(tokenizer))
-    params = init_params(model_config, jax.random.key(c.seed))
-    if c.sft.steps:
-        if c.data.task == "arithmetic":
-            pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), c.sft.format_noise,
-                                        c.seed, tokenizer.eos_token)
-        else:
-            pairs = [(build_prompt(ex.problem, tokenizer),
-                      f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}") for ex in train]
-        logging.info("supervised warm start: %d steps on %d examples", c.sft.steps, len(pairs))
-        params = supervised_warm_start(model_config, params, pairs, tokenizer, steps=c.sft.steps,
-                                       learning_rate=c.sft.learning_rate,
-                                       batch_size=c.sft.batch_size, seed=c.seed)
-        params = jax.device_get(params)
-        save_hf(sft_dir, model_config, params, tokenizer=tokenizer)
-        with open(key_file, "w", encoding="utf-8") as f:
-            json.dump(key, f, sort_keys=True)
-    return model_config, params, tokenizer
-
-
 def _reward_computer(c: ml_collections.ConfigDict) -> RewardComputer:
+    """The correctness verifier (the format term is added by `Task.rewards`)."""
     if c.data.task == "arithmetic":
         return RewardComputer(exact_match_reward, num_workers=1, use_processes=False)
-    fn = math_reward if c.reward.format_weight == 0 else functools.partial(
-        math_format_reward, format_weight=c.reward.format_weight)
-    return RewardComputer(fn, num_workers=c.reward.workers, timeout_s=c.reward.timeout_s)
+    return RewardComputer(math_reward, num_workers=c.reward.workers, timeout_s=c.reward.timeout_s)
+
+
+def model_config_for(c: ml_collections.ConfigDict) -> ModelConfig:
+    """The run's model configuration, read from `model.path`'s config.json or built for
+    `model.tiny`; reads no weights and writes nothing."""
+    if c.model.source == "hf":
+        with open(os.path.join(c.model.path, "config.json"), encoding="utf-8") as f:
+            config = config_from_hf(json.load(f)).replace(dtype=c.model.dtype)
+    else:
+        config = tiny_model_config(c)
+    return config.replace(attention=c.model.attention)
 
 
 def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
@@ -318,8 +212,10 @@ def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
         model_config = model_config.replace(dtype=c.model.dtype)
         tokenizer = load_tokenizer(c.model.path)
     else:
-        model_config, params, tokenizer = _tiny_policy(c, workdir, train)
+        model_config, params, tokenizer = tiny_policy(c, workdir, train)
+    model_config = model_config.replace(attention=c.model.attention)
     task = Task(tokenizer, train, eval_sets, reward=_reward_computer(c), template=template,
                 chat=c.data.chat_template, prompts_per_step=c.data.prompts_per_step,
-                max_prompt_len=c.data.max_prompt_len, seed=c.seed)
+                max_prompt_len=c.data.max_prompt_len, seed=c.seed,
+                format_weight=c.reward.format_weight)
     return model_config, params, task

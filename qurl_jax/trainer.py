@@ -1,7 +1,8 @@
 """The RL trainer: one step reads like QuRL's algorithm.
 
     params --requantize--> rollout_params --sample(n per prompt)--> tokens, logp_behav
-           --verify--> rewards --group--> advantages (DAPO: drop all-equal groups, refill)
+           --verify--> rewards, accuracy --group--> advantages
+           (DAPO: drop groups whose accuracy is all equal, refill from more rounds)
            --learner forward (fp32)--> logp_prox (and logp_ref for the KL)
            --policy_loss(acr | tis | ...) x minibatches--> AdamW update of params
 
@@ -9,16 +10,23 @@ Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters befor
 the rollout actor is re-quantized from the full-precision learner every step. `Trainer(config,
 workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls; other JAX code can
 drive `Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
-with orbax every `train.checkpoint_every` steps and a workdir with a checkpoint resumes from it.
+with orbax every `train.checkpoint_every` steps and a workdir with a checkpoint resumes from it; a
+checkpoint of another model or optimizer stops the run before anything is written.
+
+Random streams: every key of a run comes from `stream_key(seed, purpose, step, index)`, which
+folds a distinct tag per purpose (rollout round, minibatch permutation, evaluation, speed check),
+then the step, then an index (the round or epoch) into `key(seed)`; no two purposes, steps or
+rounds share a key, and no stream of one seed is a stream of another.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import math
 import os
-import time
+import sys
 from typing import Any
 
 import jax
@@ -29,29 +37,41 @@ from absl import logging
 
 from qurl_jax import quant
 from qurl_jax import sharding as shd
+from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.config import objective_from_config, validate
-from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.config import (learner_micro_batch_size, objective_from_config, optim_from_config,
+                             validate)
+from qurl_jax.learner import Learner
 from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
-from qurl_jax.models import positions_from_mask
+from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.sampling import Sampler
-from qurl_jax.tasks import build_model_and_task
+from qurl_jax.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
 SUMMARY_KEYS = ("time/rollout_share", "time/step_s", "rollout/tokens_per_s", "rollout/reward_mean",
-                "kl_behav_prox_k1", "kl_behav_prox_k3", "logp_gap_abs_mean", "raw_is_weight_max",
-                "truncated_frac", "clipfrac_upper", "clipfrac_lower",
-                "quant/code_change_fraction", "quant/update_to_step_ratio")
+                "rollout/logp_truncation_gap", "kl_behav_prox_k1", "kl_behav_prox_k3",
+                "logp_gap_abs_mean", "raw_is_weight_max", "truncated_frac", "clipfrac_upper",
+                "clipfrac_lower", "quant/code_change_fraction", "quant/update_to_step_ratio")
 
 _ADVANTAGES = {"grpo": adv_lib.grpo_advantages, "dr_grpo": adv_lib.dr_grpo_advantages,
                "rloo": adv_lib.rloo_advantages}
 
 
-def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
-    return OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
-                       decay_steps=o.decay_steps, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
-                       grad_clip=o.grad_clip)
+class Stream(enum.IntEnum):
+    """What a random key is for; each purpose is a distinct tag folded into the run's root key."""
+
+    ROLLOUT = 1  # index: the generation round of the step (0, then DAPO refill rounds)
+    MINIBATCH = 2  # index: the PPO epoch whose minibatch permutation it draws
+    EVAL = 3  # index: unused (the evaluation folds in its own call counter)
+    SPEED = 4  # index: unused
+
+
+def stream_key(seed: int, purpose: Stream, step: int, index: int = 0) -> jax.Array:
+    """The key of `purpose` at `step` (and round/epoch `index`) of the run seeded with `seed`."""
+    root = jax.random.key(seed)
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, int(purpose)), step),
+                              index)
 
 
 @dataclasses.dataclass
@@ -59,17 +79,27 @@ class Rollout:
     """One step's experience, host-side numpy, rows grouped by prompt (n consecutive rows each).
 
     tokens i32[N, P+G] prompt (left-padded) + response; attn_mask bool[N, P+G];
-    resp_mask f32[N, G]; logp_behav f32[N, G]; lengths i32[N]; rewards f32[N], None while the
-    verifier still runs in the background (`pending`); `resolve()` waits for it.
+    resp_mask f32[N, G]; logp_behav f32[N, G] (see `rollout.behav_logp`);
+    logp_truncation_gap f32[N, G]: log-prob under the sampled (top-k/top-p truncated,
+    renormalised) distribution minus the one under the full tempered softmax, -log Z >= 0 on every
+    generated token (0 without truncation); lengths i32[N].
+    rewards f32[N] and accuracy f32[N] (the verifier's 0/1 outcome) are None while the verifier
+    still runs in the background (`pending`); `resolve()` waits for them.
     """
 
     tokens: np.ndarray
     attn_mask: np.ndarray
     resp_mask: np.ndarray
     logp_behav: np.ndarray
-    rewards: np.ndarray | None
+    logp_truncation_gap: np.ndarray
     lengths: np.ndarray
+    rewards: np.ndarray | None = None
+    accuracy: np.ndarray | None = None
     pending: concurrent.futures.Future | None = None
+
+    # Fields with one row per sample: what the DAPO refill exchanges between rollouts.
+    ROW_FIELDS = ("tokens", "attn_mask", "resp_mask", "logp_behav", "logp_truncation_gap",
+                  "lengths", "rewards", "accuracy")
 
     @property
     def size(self) -> int:
@@ -77,7 +107,9 @@ class Rollout:
 
     def resolve(self) -> Rollout:
         if self.pending is not None:
-            self.rewards = np.array(self.pending.result(), np.float32)
+            rewards, accuracy = self.pending.result()
+            self.rewards = np.array(rewards, np.float32)
+            self.accuracy = np.array(accuracy, np.float32)
             self.pending = None
         return self
 
@@ -97,21 +129,61 @@ def _left_pad_to_same_width(a: Rollout, b: Rollout) -> tuple[Rollout, Rollout]:
     return pad(a), pad(b)
 
 
+def refill_groups(r: Rollout, keep: np.ndarray, extra: Rollout, extra_keep: np.ndarray,
+                  group_size: int) -> tuple[Rollout, np.ndarray]:
+    """DAPO dynamic sampling's refill, a pure function of two resolved rollouts.
+
+    The dropped groups of `r` (keep[g] False), in order, are replaced by the kept groups of
+    `extra`, in order, as far as `extra` has them; every per-row field moves with its group. The
+    narrower rollout's prompts are left-padded first so rows of both fit one array.
+
+    Args:
+      r: the batch so far, B groups of `group_size` rows.
+      keep: bool[B], the groups of `r` worth training on.
+      extra: a further generation round (any number of groups, any prompt width).
+      extra_keep: bool[B'], the groups of `extra` worth training on.
+      group_size: rows per group (rollout.n).
+
+    Returns:
+      (a new Rollout, bool[B] groups now kept); the inputs are not modified.
+    """
+    r, extra = _left_pad_to_same_width(r, extra)
+    fields = {f: np.array(getattr(r, f)) for f in Rollout.ROW_FIELDS}
+    keep = np.array(keep, bool)
+    free = np.flatnonzero(~keep)
+    take = np.flatnonzero(extra_keep)[: len(free)]
+    for dst, src in zip(free[: len(take)], take, strict=True):
+        rows_d = slice(dst * group_size, (dst + 1) * group_size)
+        rows_s = slice(src * group_size, (src + 1) * group_size)
+        for name, array in fields.items():
+            array[rows_d] = getattr(extra, name)[rows_s]
+        keep[dst] = True
+    return dataclasses.replace(r, **fields, pending=None), keep
+
+
 class Trainer:
     """Owns the model, the actor's recipe, the sampler, the learner and the run state."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str) -> None:
         self.config = validate(config)
         self.workdir = os.path.abspath(workdir)
-        os.makedirs(self.workdir, exist_ok=True)
         c = self.config
         self.mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-        self.model_config, init_params, self.task = build_model_and_task(c, self.workdir)
         self.recipe = quant.get_recipe(c.rollout.precision)
         self.objective = objective_from_config(c.rl)
+        self.model_config = model_config_for(c)
         self.learner = Learner(self.model_config, self.objective, optim_from_config(c.optim),
                                self.mesh, temperature=c.rollout.temperature,
-                               num_micro_batches=c.rl.num_micro_batches)
+                               num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
+                               scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
+                               logprob_batch_size=learner_micro_batch_size(c))
+        self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+                                         interval=c.train.checkpoint_every,
+                                         keep=c.train.keep_checkpoints)
+        # A checkpoint of another model or optimizer stops the run here, before the warm-start
+        # cache, metrics or a new checkpoint are written.
+        self.checkpointer.check_compatible(self._abstract_state())
+        self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
         sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                               pad_id=self.task.pad_id, mesh=self.mesh,
@@ -120,21 +192,24 @@ class Trainer:
                                **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
 
-        scaled = self._maybe_invariant_scaling(init_params)
+        scaled = self._maybe_invariant_scaling(init_params_)
         self.ref_params = self.learner.shard_params(scaled) if c.rl.kl_coef else None
         self.params = self.learner.shard_params(scaled)
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
-        self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                         interval=c.train.checkpoint_every,
-                                         keep=c.train.keep_checkpoints)
         self._restore()
-        self.writer = MetricWriter(self.workdir)
+        self.writer = MetricWriter(self.workdir, resume_step=self.step_count)
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------ set-up
+    def _abstract_state(self) -> dict[str, Any]:
+        """Shapes and dtypes of the checkpointed state, without building or loading weights."""
+        params, opt_state = self.learner.abstract_state(
+            jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0))))
+        return {"params": params, "opt_state": opt_state}
+
     def _maybe_invariant_scaling(self, params: Any) -> Any:
         s = self.config.rollout.invariant_scaling
         if s == 1.0:
@@ -160,32 +235,41 @@ class Trainer:
             {"step": self.step_count, "data": self.task.state(), "seed": self.config.seed},
             force=force)
 
+    def key(self, purpose: Stream, index: int = 0) -> jax.Array:
+        """This step's key for `purpose` (see `stream_key`)."""
+        return stream_key(self.config.seed, purpose, self.step_count, index)
+
     # ------------------------------------------------------------------------------------ rollout
-    def _rollout(self, rollout_params: Any, prompts: list[list[int]], answers: list[str],
-                 key: jax.Array, timer: PhaseTimer) -> Rollout:
+    def _rollout(self, rollout_params: Any, round_: int, timer: PhaseTimer) -> Rollout:
+        """Samples the next prompts (generation round `round_` of this step); the verifier starts
+        on the reward thread, so the rewards are pending when this returns."""
         c = self.config
+        prompts, answers = self.task.next_prompts(c.data.prompts_per_step)
         with timer.phase("rollout"):
             out = self.sampler.sample(
-                rollout_params, prompts, key=key, n=c.rollout.n,
+                rollout_params, prompts, key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
                 max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
                 top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids)
             out = jax.device_get(out)
         texts = self.task.decode(out.tokens, out.mask)
-        # Verification runs on the reward thread while the learner recomputes log-probs.
         pending = self._reward_thread.submit(
             self.task.rewards, texts, [a for a in answers for _ in range(c.rollout.n)])
         resp_mask = np.asarray(out.mask, np.float32)
         tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
         attn = np.concatenate([out.prompt_mask, resp_mask > 0], axis=1)
-        # With top-k/top-p truncation the learner's policy is the untruncated tempered softmax, so
-        # importance ratios use the behaviour log-prob under that same distribution.
-        # Owned, writable copies: device_get returns read-only views, and dynamic sampling
-        # overwrites the rows of dropped groups in place.
+        # pi_behav is the distribution that drew the token: under top-k/top-p the truncated,
+        # renormalised q/Z (out.logp). The untruncated log-prob would inflate every kept token's
+        # weight pi_prox / pi_behav by 1/Z; it stays selectable for comparison.
+        logp_behav = out.logp if c.rollout.behav_logp == "sampled" else out.logp_untruncated
+        gap = (np.asarray(out.logp, np.float32) - np.asarray(out.logp_untruncated, np.float32))
+        # Owned, writable copies: device_get returns read-only views.
         return Rollout(tokens=tokens, attn_mask=attn, resp_mask=resp_mask,
-                       logp_behav=np.array(out.logp_untruncated, np.float32),
-                       rewards=None, lengths=np.array(out.lengths, np.int32), pending=pending)
+                       logp_behav=np.array(logp_behav, np.float32),
+                       logp_truncation_gap=gap * resp_mask,
+                       lengths=np.array(out.lengths, np.int32), pending=pending)
 
-    def _shape_rewards(self, r: Rollout) -> np.ndarray:
+    def _shaped_rewards(self, r: Rollout) -> np.ndarray:
+        """f32[N] rewards plus DAPO's overlong penalty (when rl.overlong_buffer > 0)."""
         c = self.config
         if c.rl.overlong_buffer <= 0:
             return r.rewards
@@ -193,68 +277,55 @@ class Trainer:
                                            c.rl.overlong_buffer, c.rl.overlong_factor)
         return r.rewards + np.asarray(penalty, np.float32)
 
-    def _advantages(self, rewards: np.ndarray) -> np.ndarray:
-        estimator = _ADVANTAGES[self.config.rl.advantage]
-        return np.asarray(estimator(jnp.asarray(rewards), group_size=self.config.rollout.n))
-
-    def _groups_to_keep(self, shaped: np.ndarray) -> np.ndarray:
+    def _groups_to_keep(self, r: Rollout) -> np.ndarray:
+        """bool[B]: groups whose `rl.filter_metric` is not all equal (a resolved rollout)."""
         n = self.config.rollout.n
-        return np.array(adv_lib.groups_to_keep(jnp.asarray(shaped), group_size=n))[::n]  # writable
+        values = r.accuracy if self.config.rl.filter_metric == "accuracy" else \
+            self._shaped_rewards(r)
+        return np.array(adv_lib.groups_to_keep(jnp.asarray(values), group_size=n))[::n]
 
-    def collect(self, rollout_params: Any, key: jax.Array, timer: PhaseTimer
-                ) -> tuple[Rollout, dict[str, float]]:
-        """Samples one batch; with DAPO dynamic sampling, replaces all-equal groups by new ones.
+    def collect(self, rollout_params: Any, timer: PhaseTimer) -> tuple[Rollout, dict[str, float]]:
+        """Samples one batch; with DAPO dynamic sampling, replaces groups whose accuracy (or
+        reward, `rl.filter_metric`) is all equal by kept groups of further rounds.
 
         Without dynamic sampling the rewards are still being verified when this returns
         (`Rollout.pending`). Groups still all-equal after `max_gen_batches` generation rounds stay
         in the batch with a zero loss mask, so shapes stay static and they add nothing.
         """
         c = self.config
-        n, want = c.rollout.n, c.data.prompts_per_step
-        prompts, answers = self.task.next_prompts(want)
-        r = self._rollout(rollout_params, prompts, answers, key, timer)
-        stats = {"rollout/response_len": float(r.lengths.mean()),
-                 "rollout/tokens": float(r.lengths.sum())}
-        if not c.rl.dynamic_sampling:
-            return r, stats
-        with timer.phase("reward"):
-            r.resolve()
-        shaped = self._shape_rewards(r)
-        keep = self._groups_to_keep(shaped)
-        rounds = 1
-        while not keep.all() and rounds < c.rl.max_gen_batches:
-            prompts, answers = self.task.next_prompts(want)
-            extra = self._rollout(rollout_params, prompts, answers,
-                                  jax.random.fold_in(key, rounds), timer)
+        n = c.rollout.n
+        r = self._rollout(rollout_params, 0, timer)
+        generated = [r]
+        keep = None
+        if c.rl.dynamic_sampling:
             with timer.phase("reward"):
-                extra.resolve()
-            extra_shaped = self._shape_rewards(extra)
-            r, extra = _left_pad_to_same_width(r, extra)
-            extra_keep = self._groups_to_keep(extra_shaped)
-            free = np.flatnonzero(~keep)
-            take = np.flatnonzero(extra_keep)[: len(free)]
-            for dst, src in zip(free[: len(take)], take, strict=True):
-                rows_d, rows_s = slice(dst * n, dst * n + n), slice(src * n, src * n + n)
-                for field in ("tokens", "attn_mask", "resp_mask", "logp_behav", "rewards",
-                              "lengths"):
-                    getattr(r, field)[rows_d] = getattr(extra, field)[rows_s]
-                shaped[rows_d] = extra_shaped[rows_s]
-                keep[dst] = True
-            rounds += 1
-        r.resp_mask *= np.repeat(keep, n)[:, None].astype(np.float32)
-        stats.update({"rollout/gen_batches": float(rounds),
-                      "rollout/kept_group_frac": float(keep.mean())})
+                r.resolve()
+            keep = self._groups_to_keep(r)
+            while not keep.all() and len(generated) < c.rl.max_gen_batches:
+                extra = self._rollout(rollout_params, len(generated), timer)
+                generated.append(extra)
+                with timer.phase("reward"):
+                    extra.resolve()
+                r, keep = refill_groups(r, keep, extra, self._groups_to_keep(extra), n)
+        sampled = sum(float(g.resp_mask.sum()) for g in generated)
+        stats = {"rollout/response_len": float(r.lengths.mean()),
+                 "rollout/tokens": float(r.lengths.sum()),
+                 "rollout/generated_tokens": float(sum(g.lengths.sum() for g in generated)),
+                 "rollout/logp_truncation_gap": sum(
+                     float(g.logp_truncation_gap.sum()) for g in generated) / max(sampled, 1.0)}
+        if keep is not None:
+            r.resp_mask = r.resp_mask * np.repeat(keep, n)[:, None].astype(np.float32)
+            stats.update({"rollout/gen_batches": float(len(generated)),
+                          "rollout/kept_group_frac": float(keep.mean())})
         return r, stats
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics (already written to metrics.jsonl)."""
-        c = self.config
         timer = PhaseTimer()
-        key = jax.random.fold_in(jax.random.key(c.seed), self.step_count)
         with timer.phase("requantize"):
             rollout_params = jax.block_until_ready(quant.requantize(self.params, self.recipe))
-        r, metrics = self.collect(rollout_params, key, timer)
+        r, metrics = self.collect(rollout_params, timer)
         batch = self._learner_batch(r)
         with timer.phase("logp_recompute"):
             batch["logp_prox"] = self.learner.logprobs(self.params, batch)
@@ -263,27 +334,38 @@ class Trainer:
             jax.block_until_ready(batch["logp_prox"])
         with timer.phase("reward"):  # only the part the recomputation did not hide
             r.resolve()
-        metrics.update({"rollout/reward_mean": float(r.rewards.mean()),
-                        "rollout/accuracy": float((r.rewards > 0.5).mean())})
-        advantages = self._advantages(self._shape_rewards(r))
+        advantages = self._advantages(self._shaped_rewards(r))
         batch.update(self.learner.shard_batch({"advantages": jnp.asarray(advantages)}))
         # The update donates the parameter buffers, so the diagnostic keeps its own copy.
         old_params = jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes else None
         with timer.phase("update"):
-            update_metrics = self._update(batch)
-        metrics.update(update_metrics)
-        capture = quant.update_capture(old_params, self.params, self.recipe) \
-            if self.recipe.quantizes else {}
-        metrics.update({f"quant/{k}": float(v) for k, v in capture.items()})
-        metrics.update(timer.metrics())
-        metrics["time/rollout_share"] = timer.seconds["rollout"] / max(
-            sum(timer.seconds.values()), 1e-9)
-        metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / max(
-            timer.seconds["rollout"], 1e-9)
+            metrics.update(self._update(batch))
+        if self.recipe.quantizes:
+            capture = quant.update_capture(old_params, self.params, self.recipe)
+            metrics.update({f"quant/{k}": float(v) for k, v in capture.items()})
+        metrics.update(self._step_metrics(r, timer, metrics))
         self.step_count += 1
         self.writer.write(self.step_count, metrics)
         self.last_metrics = metrics
         return metrics
+
+    def _step_metrics(self, r: Rollout, timer: PhaseTimer, metrics: dict[str, float]
+                      ) -> dict[str, float]:
+        out = {"rollout/reward_mean": float(r.rewards.mean()),
+               "rollout/accuracy": float(r.accuracy.mean())}
+        out.update({f"verifier/{k}": float(v) for k, v in self.task.verifier_stats().items()
+                    if k != "calls"})
+        out.update(timer.metrics())
+        out["time/rollout_share"] = timer.seconds["rollout"] / max(sum(timer.seconds.values()),
+                                                                   1e-9)
+        # Every round's tokens over every round's time (DAPO refill rounds included).
+        out["rollout/tokens_per_s"] = metrics["rollout/generated_tokens"] / max(
+            timer.seconds["rollout"], 1e-9)
+        return out
+
+    def _advantages(self, rewards: np.ndarray) -> np.ndarray:
+        estimator = _ADVANTAGES[self.config.rl.advantage]
+        return np.asarray(estimator(jnp.asarray(rewards), group_size=self.config.rollout.n))
 
     def _learner_batch(self, r: Rollout) -> dict[str, jax.Array]:
         """The learner's inputs except the advantages (those wait for the verifier)."""
@@ -293,22 +375,29 @@ class Trainer:
         return self.learner.shard_batch({k: jnp.asarray(v) for k, v in batch.items()})
 
     def _update(self, batch: dict[str, jax.Array]) -> dict[str, float]:
+        """`rl.ppo_epochs` passes of `rl.num_minibatches` optimizer steps; mean metrics.
+
+        With `train.apply_updates` False (the control run) each update is computed on copies of
+        the parameters and optimizer state and then discarded.
+        """
         c = self.config
         size = batch["tokens"].shape[0]
         mb = size // c.rl.num_minibatches
         sums: dict[str, float] = {}
         count = 0
-        perm_key = jax.random.fold_in(jax.random.key(c.seed + 1), self.step_count)
         for epoch in range(c.rl.ppo_epochs):
-            order = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), size))
+            order = np.asarray(jax.random.permutation(self.key(Stream.MINIBATCH, epoch), size))
             for i in range(c.rl.num_minibatches):
                 idx = np.sort(order[i * mb:(i + 1) * mb]) if c.rl.num_minibatches > 1 else None
                 mini = batch if idx is None else self.learner.shard_batch(
                     {k: v[idx] for k, v in batch.items()})
-                self.params, self.opt_state, m = self.learner.update(
-                    self.params, self.opt_state, mini)
-                m = to_floats(m)
-                for k, v in m.items():
+                if c.train.apply_updates:
+                    self.params, self.opt_state, m = self.learner.update(
+                        self.params, self.opt_state, mini)
+                else:
+                    _, _, m = self.learner.update(jax.tree.map(jnp.copy, self.params),
+                                                  jax.tree.map(jnp.copy, self.opt_state), mini)
+                for k, v in to_floats(m).items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         # A step is bad when any of its updates was skipped for a non-finite loss or gradient.
@@ -319,30 +408,23 @@ class Trainer:
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
         params = self.params if params is None else params
-        return self.task.evaluate(self.eval_sampler, params, self.config,
-                                  jax.random.key(self.config.seed + 2))
+        return self.task.evaluate(self.eval_sampler, params, self.config, self.key(Stream.EVAL))
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
-        """Rollout tokens/s of the quantized actor vs the fp32 actor: same prompts, same key,
-        EOS disabled so both generate the same number of tokens; compiled before timing."""
+        """Rollout tokens/s of the quantized actor vs the fp32 actor on the same prompts
+        (`qurl_jax.bench.rollout_speed`)."""
         c = self.config
         prompts, _ = self.task.sample_prompts(num_prompts or c.data.prompts_per_step)
-        key = jax.random.key(c.seed + 3)
-        result = {}
-        for name, sampler, params in (
-                ("fp", self.eval_sampler, self.params),
-                (self.recipe.name, self.sampler, quant.requantize(self.params, self.recipe))):
-            kwargs = dict(key=key, n=c.rollout.n, max_new_tokens=c.rollout.max_new_tokens,
-                          temperature=c.rollout.temperature, eos_ids=())
-            jax.block_until_ready(sampler.sample(params, prompts, **kwargs).tokens)  # compile
-            start = time.perf_counter()
-            out = jax.block_until_ready(sampler.sample(params, prompts, **kwargs))
-            result[f"{name}_tokens_per_s"] = float(np.asarray(out.lengths).sum()) / (
-                time.perf_counter() - start)
+        engines = [("fp", self.eval_sampler, self.params)]
         if self.recipe.quantizes:
-            result["speedup"] = result[f"{self.recipe.name}_tokens_per_s"] / result[
-                "fp_tokens_per_s"]
-        return result
+            engines.append((self.recipe.name, self.sampler,
+                            quant.requantize(self.params, self.recipe)))
+        return compare_rollout_speed(engines, prompts, key=self.key(Stream.SPEED), n=c.rollout.n,
+                                     max_new_tokens=c.rollout.max_new_tokens,
+                                     temperature=c.rollout.temperature)
+
+    def _write_eval(self, metrics: dict[str, float]) -> None:
+        self.writer.write(self.step_count, {f"eval/{k}": v for k, v in metrics.items()})
 
     def train(self, num_steps: int | None = None) -> dict[str, Any]:
         """Runs to `num_steps` (default train.num_steps), evaluating before and after."""
@@ -351,8 +433,8 @@ class Trainer:
         summary: dict[str, Any] = {"start_step": self.step_count}
         if self.step_count == 0 and self.task.has_eval:
             summary["eval_before"] = self.evaluate()
-            self.writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items()})
-        progress = _Progress(total, self.step_count, enabled=c.train.progress)
+            self._write_eval(summary["eval_before"])
+        progress = _Progress(total, self.step_count, bar=c.train.progress)
         stopped = None
         while self.step_count < total:
             metrics = self.step()
@@ -369,16 +451,14 @@ class Trainer:
                 self._save()
             if c.train.eval_every and self.step_count % c.train.eval_every == 0 \
                     and self.step_count < total:
-                self.writer.write(self.step_count,
-                                  {f"eval/{k}": v for k, v in self.evaluate().items()})
+                self._write_eval(self.evaluate())
         progress.close()
         if stopped is None and self.step_count not in self.checkpointer.steps():
             self._save(force=True)
         summary.update(end_step=self.step_count, stopped=stopped, last=self.last_metrics)
         if self.task.has_eval:
             summary["eval_after"] = self.evaluate()
-            self.writer.write(self.step_count,
-                              {f"eval/{k}": v for k, v in summary["eval_after"].items()})
+            self._write_eval(summary["eval_after"])
         steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r]
         summary["means"] = {k: float(np.mean([r[k] for r in steps if k in r]))
                             for k in SUMMARY_KEYS if any(k in r for r in steps)}
@@ -394,26 +474,35 @@ class Trainer:
 
 
 class _Progress:
-    """One status line per step (tqdm bar when enabled)."""
+    """A tqdm bar on a terminal; otherwise (a log file, a pod's log, or `bar=False`) one plain
+    status line every `every` steps and at the last step, so a redirected run's log holds
+    readable lines instead of hundreds of carriage-return bar frames."""
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+    def __init__(self, total: int, start: int, bar: bool, stream: Any = None) -> None:
+        stream = sys.stderr if stream is None else stream  # where tqdm draws
+        self._total = total
+        self._every = max(1, (total - start) // 20)
         self._bar = None
-        if enabled:
+        if bar and stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=start, desc="rl", dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=start, desc="rl", dynamic_ncols=True,
+                             file=stream)
 
-    def update(self, step: int, m: dict[str, float]) -> None:
-        line = (f"reward {m.get('rollout/reward_mean', math.nan):.3f} "
+    @staticmethod
+    def line(m: dict[str, float]) -> str:
+        return (f"reward {m.get('rollout/reward_mean', math.nan):.3f} "
                 f"len {m.get('rollout/response_len', math.nan):.1f} "
                 f"loss {m.get('update/loss', math.nan):+.4f} "
                 f"kl(b|p) {m.get('kl_behav_prox_k3', math.nan):.2e} "
                 f"rollout {m.get('time/rollout_share', math.nan):.0%}")
+
+    def update(self, step: int, m: dict[str, float]) -> None:
         if self._bar is not None:
-            self._bar.set_postfix_str(line)
+            self._bar.set_postfix_str(self.line(m))
             self._bar.update(step - self._bar.n)
-        else:
-            logging.info("step %d: %s", step, line)
+        elif step % self._every == 0 or step == self._total:
+            logging.info("step %d/%d: %s", step, self._total, self.line(m))
 
     def close(self) -> None:
         if self._bar is not None:

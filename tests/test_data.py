@@ -348,3 +348,19 @@ def test_char_tokenizer_round_trip(tmp_path):
     assert len(ids) == 2 + 5 + 1 + 2 + 1
     assert loaded.decode(ids, skip_special_tokens=True) == "12+7=19"
     assert loaded.encode("é", add_special_tokens=False) == [3]
+
+
+def test_noisy_teacher_keeps_answers_and_adds_stray_end_characters():
+    from qurl_jax.warm_start import FORMAT_JUNK, noisy_teacher_pairs
+
+    pairs = [(f"{a}+1=", f"{a + 1}</s>") for a in range(200)]
+    assert noisy_teacher_pairs(pairs, 0.0, seed=0, eos="</s>") == pairs
+    noisy = noisy_teacher_pairs(pairs, 0.5, seed=0, eos="</s>")
+    changed = 0
+    for (prompt, clean), (noisy_prompt, completion) in zip(pairs, noisy, strict=True):
+        assert noisy_prompt == prompt and completion.endswith("</s>")
+        body = completion.removesuffix("</s>")
+        if body != clean.removesuffix("</s>"):
+            changed += 1
+            assert body[:-1] == clean.removesuffix("</s>") and body[-1] in FORMAT_JUNK
+    assert 70 < changed < 130

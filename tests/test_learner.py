@@ -1,4 +1,5 @@
-"""The learner: sharded update == single-device, accumulation == one big batch, NaN guard."""
+"""The learner: sharded update == single-device, accumulation == one big batch, NaN guard, and the
+memory knobs (chunked response log-probs, remat, sliced recomputation) leave results unchanged."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,8 @@ import numpy as np
 import pytest
 
 from qurl_jax import sharding as shd
-from qurl_jax.learner import Learner, OptimConfig
-from qurl_jax.models import ModelConfig, init_params
+from qurl_jax.learner import Learner, OptimConfig, merge_rows, response_logprobs, split_rows
+from qurl_jax.models import ModelConfig, Transformer, init_params, token_logprobs_and_entropy
 from qurl_jax.rl.objectives import ObjectiveConfig
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -90,8 +91,8 @@ def test_micro_batch_accumulation_matches_full_batch_when_token_counts_differ(ag
     params = init_params(CFG, jax.random.key(3))
     batch = _batch(3)
     resp = np.zeros((B, G), np.float32)
-    resp[: B // 2, :G] = 1.0  # first micro-batch: every response token
-    resp[B // 2:, :1] = 1.0  # second: one token each ...
+    resp[0::2, :G] = 1.0  # first micro-batch (split_rows is strided: the even rows): every token
+    resp[1::2, :1] = 1.0  # second: one token each ...
     resp[-1] = 0.0  # ... and one sequence without any
     batch["resp_mask"] = jnp.asarray(resp)
     objective = ObjectiveConfig(agg=agg)
@@ -124,3 +125,89 @@ def test_nonfinite_loss_skips_update():
 def test_bad_micro_batch_count():
     with pytest.raises(ValueError, match="num_micro_batches"):
         _learner(shd.make_mesh(), num_micro_batches=0)
+
+
+def test_bad_memory_knobs_name_the_argument():
+    with pytest.raises(ValueError, match="remat='al'"):
+        Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), remat="al")
+    with pytest.raises(ValueError, match="logprob_chunk"):
+        Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), logprob_chunk=0)
+
+
+def test_split_rows_is_strided_and_merge_rows_inverts_it():
+    x = jnp.arange(12).reshape(6, 2)
+    parts = split_rows({"x": x}, 3)["x"]
+    np.testing.assert_array_equal(parts[1], x[1::3])
+    np.testing.assert_array_equal(merge_rows(parts), x)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_response_logprobs_match_full_logits(tied):
+    # G = 5 positions in chunks of 2 (the last one padded); values and gradients of log-probs and
+    # entropies equal those from the model's full logits.
+    config = CFG.replace(tie_word_embeddings=tied)
+    model = Transformer(config)
+    params = init_params(config, jax.random.key(4))
+    batch = _batch(4)
+    tokens, positions, mask = batch["tokens"], batch["positions"], batch["attn_mask"]
+    w = jnp.asarray(np.random.default_rng(5).normal(size=(2, B, G)), jnp.float32)
+
+    def reference(params):
+        logits, _ = model.apply({"params": params}, tokens, positions, mask)
+        return token_logprobs_and_entropy(logits[:, P - 1:-1], tokens[:, P:], 0.7, True)
+
+    def chunked(params):
+        return response_logprobs(model, params, tokens, positions, mask, G, 0.7, chunk=2,
+                                 with_entropy=True)
+
+    def objective(fn):
+        return jax.jit(jax.value_and_grad(lambda p: jnp.sum(jnp.stack(fn(p)) * w)))
+
+    (ref_logp, ref_ent), (logp, ent) = jax.jit(reference)(params), jax.jit(chunked)(params)
+    np.testing.assert_allclose(logp, ref_logp, atol=1e-5)
+    np.testing.assert_allclose(ent, ref_ent, atol=1e-5)
+    ref_val, ref_grad = objective(reference)(params)
+    val, grad = objective(chunked)(params)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat,attention", [("full", "dense"), ("dots", "blockwise")])
+def test_memory_knobs_leave_the_update_unchanged(remat, attention):
+    params = init_params(CFG, jax.random.key(6))
+    batch = _batch(6)
+    mesh = shd.make_mesh()
+    objective = ObjectiveConfig(entropy_coef=0.01)  # the entropy goes through the chunks too
+    base = _one_update(_learner(mesh, adam_eps=1.0, objective=objective), params, batch)
+    learner = Learner(CFG.replace(attention=attention), objective,
+                      OptimConfig(learning_rate=1e-2, weight_decay=0.1, eps=1.0), mesh,
+                      temperature=0.9, remat=remat, scan_layers=True, logprob_chunk=3,
+                      logprob_batch_size=2)
+    knobs = _one_update(learner, params, batch)
+    np.testing.assert_allclose(knobs[2], base[2], atol=1e-5)  # logp_prox, in slices of 2 rows
+    for a, b in zip(jax.tree.leaves(knobs[0]), jax.tree.leaves(base[0]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_layers_match_the_unrolled_model(remat):
+    # The learner's model scans its layers over stacked parameters; same logits and gradients as
+    # the unrolled loop the sampler runs, with the parameters still named layers_{i}.
+    config = CFG.replace(num_layers=3)
+    params = init_params(config, jax.random.key(7))
+    batch = _batch(7)
+    args = (batch["tokens"], batch["positions"], batch["attn_mask"])
+
+    def loss(model, params):
+        logits, _ = model.apply({"params": params}, *args)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    grad = lambda model: jax.jit(jax.grad(loss, argnums=1, has_aux=True),  # noqa: E731
+                                 static_argnums=0)(model, params)
+    ref_grad, ref_logits = grad(Transformer(config))
+    scan_grad, scan_logits = grad(Transformer(config, remat=remat, scan_layers=True))
+    np.testing.assert_allclose(scan_logits, ref_logits, atol=1e-5)
+    assert set(scan_grad) == set(params) and "layers_2" in scan_grad
+    for a, b in zip(jax.tree.leaves(scan_grad), jax.tree.leaves(ref_grad), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -3,6 +3,10 @@
 import concurrent.futures
 import operator
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -149,7 +153,8 @@ def test_pool_matches_serial(computer):
     assert isinstance(future, concurrent.futures.Future)
     pooled = future.result(timeout=60)
     assert pooled == serial + [0.0]
-    expected_stats = {"calls": 2 * len(serial) + 1, "timeouts": 1, "errors": 0, "crashes": 0}
+    expected_stats = {"calls": 2 * len(serial) + 1, "timeouts": 1, "errors": 0, "crashes": 0,
+                      "worker_failures": 0}
     assert computer.stats == expected_stats
 
 
@@ -165,3 +170,63 @@ def test_reward_computer_in_threads_and_errors():
         RewardComputer(lambda r, a: 1.0)
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         RewardComputer(exact_match_reward, use_processes=False).submit(["a", "b"], ["a"])
+
+
+FLAKY_INIT = """
+import os
+
+def check():
+    if os.path.exists(os.environ["QURL_TEST_FAIL_MARKER"]):
+        raise RuntimeError("worker start-up failed (test)")
+"""
+
+
+def test_failed_worker_start_scores_zero_and_the_pool_recovers(tmp_path, monkeypatch):
+    (tmp_path / "flaky_init.py").write_text(FLAKY_INIT)
+    marker = tmp_path / "fail"
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit the import path
+    monkeypatch.setenv("QURL_TEST_FAIL_MARKER", str(marker))
+    with VerifierPool(num_workers=1, timeout_s=5.0, preload=("flaky_init:check",)) as pool:
+        assert pool.call(operator.add, 1, 2) == ("ok", 3)
+        marker.touch()  # from now on no replacement worker can start
+        assert pool.call(os._exit, 3)[0] == "crash"
+        status, reason = pool.call(operator.add, 1, 2)
+        assert status == "unavailable" and reason
+        rc = RewardComputer(exact_match_reward, num_workers=1)
+        rc._pool.close()
+        rc._pool = pool
+        assert rc(["19", "7"], ["19", "7"]) == [0.0, 0.0]  # scored 0, the batch is not lost
+        assert rc.stats["worker_failures"] == 2
+        marker.unlink()  # start-up works again: the next call gets a fresh worker
+        assert pool.call(operator.add, 2, 2) == ("ok", 4)
+
+
+ORPHAN_PARENT = """
+import os, signal, sys
+from qurl_jax.data import VerifierPool
+pool = VerifierPool(num_workers=2, timeout_s=60.0, preload=())
+pids = {pool.call(os.getpid)[1] for _ in range(8)}
+print(" ".join(map(str, sorted(pids))), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            return "\tZ" not in f.read().split("State:")[1][:4]
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
+def test_workers_die_with_a_killed_parent():
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(ORPHAN_PARENT)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert pids
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)

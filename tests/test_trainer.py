@@ -1,8 +1,13 @@
-"""The RL trainer end to end on tiny models: every loss mode and rollout precision, resume after
-SIGKILL, the large configs with their model swapped for a tiny one, bad overrides, NaN handling."""
+"""The RL trainer end to end on tiny models: every loss mode and rollout precision, the behaviour
+log-prob under top-p, the PRNG streams, DAPO filtering and refill, resume after SIGKILL and with a
+mismatching model, the large configs with their model swapped for a tiny one, bad overrides, NaN
+handling and the plain progress line."""
 
+import dataclasses
 import importlib.util
+import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -10,13 +15,31 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qurl_jax.config import LOSS_MODES, PRECISIONS, base_config, objective_from_config, validate
-from qurl_jax.learner import Learner
-from qurl_jax.metrics import read_metrics
-from qurl_jax.trainer import Trainer, optim_from_config
+from qurl_jax import quant
+from qurl_jax.checkpoint import CheckpointMismatchError
+from qurl_jax.config import (
+    LOSS_MODES,
+    PRECISIONS,
+    base_config,
+    objective_from_config,
+    optim_from_config,
+    validate,
+)
+from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.metrics import PhaseTimer, read_metrics
+from qurl_jax.rl.objectives import policy_loss
+from qurl_jax.trainer import (
+    Rollout,
+    Stream,
+    Trainer,
+    _Progress,
+    refill_groups,
+    stream_key,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,9 +79,41 @@ def _finite_metrics(m: dict) -> None:
     assert not bad, bad
 
 
+def _scripted(*batches):
+    """A `Task.rewards` replacement returning the given 0/1 rewards (= accuracy), call by call."""
+    it = iter(batches)
+
+    def rewards(texts, answers):
+        r = np.asarray(next(it), np.float32)
+        return r, r
+
+    return rewards
+
+
+def _params_changed(before, after) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(before), jax.tree.leaves(jax.device_get(after)), strict=True))
+
+
 @pytest.fixture(scope="module")
 def int8_trainer(tmp_path_factory):
     return Trainer(tiny_config(**{"rollout.precision": "int8"}), str(tmp_path_factory.mktemp("t")))
+
+
+def _truncated_batch(t: Trainer, n_rows: int = 8, width: int = 12, resp: int = 4) -> dict:
+    """A learner batch where every token is truncated (w = pi_prox / pi_behav = 10 > C = 2), the
+    ratio R = pi_theta / pi_prox = e^0.5 lies above 1 + eps_high, and advantages are positive: TIS
+    clips every token at 1 + eps_high, ACR's upper bound (1 + eps_high) / r = 6 clips none."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 20, (n_rows, width)).astype(np.int32)
+    mask = np.ones((n_rows, width), bool)
+    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(width), tokens.shape),
+             "attn_mask": mask, "resp_mask": np.ones((n_rows, resp), np.float32)}
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    logp = t.learner.logprobs(t.params, t.learner.shard_batch(batch))
+    batch.update(logp_prox=logp - 0.5, logp_behav=logp - 0.5 - np.log(10.0),
+                 advantages=jnp.ones((n_rows,), jnp.float32))
+    return t.learner.shard_batch(batch)
 
 
 @pytest.mark.parametrize("mode", LOSS_MODES)
@@ -71,15 +126,28 @@ def test_one_step_each_loss_mode(int8_trainer, mode):
     t.learner = Learner(t.model_config, objective_from_config(c.rl), optim_from_config(c.optim),
                         t.mesh, temperature=c.rollout.temperature)
     before = jax.device_get(t.params)
+    # The learner's loss on a batch with truncated weights is the objective of `mode`.
+    batch = _truncated_batch(t)
+    _, m_loss = t.learner.loss(t.params, batch)
+    logp = t.learner.logprobs(t.params, batch)
+    assert t.learner.objective.mode == mode
+    _, expected = policy_loss(logp, batch["logp_prox"], batch["logp_behav"],
+                              batch["advantages"], batch["resp_mask"], objective_from_config(c.rl))
+    for k in ("clipfrac_upper", "truncated_frac", "upper_bound_mean"):
+        assert float(m_loss[k]) == pytest.approx(float(expected[k]), abs=1e-6), k
+    if mode == "tis":
+        assert float(m_loss["clipfrac_upper"]) == 1.0
+    if mode == "acr":
+        assert float(m_loss["clipfrac_upper"]) == 0.0
+        assert float(m_loss["upper_bound_mean"]) == pytest.approx(1.2 / 0.2, rel=1e-4)
+
+    t.task.rewards = _scripted([1, 0, 0, 1, 0, 1, 1, 0])
     m = t.step()
     _finite_metrics(m)
-    assert m["rollout/tokens"] > 0 and m["quant/code_change_fraction"] >= 0
     assert m["update/skipped"] == 0
     # behaviour (int8) and proximal (fp32) policies differ a little, never wildly
     assert 0 < m["logp_gap_abs_mean"] < 0.5
-    changed = [np.abs(a - b).max() for a, b in zip(
-        jax.tree.leaves(before), jax.tree.leaves(jax.device_get(t.params)), strict=True)]
-    assert max(changed) > 0
+    assert _params_changed(before, t.params) > 0
 
 
 @pytest.mark.parametrize("precision", [p for p in PRECISIONS if p != "int8"])
@@ -139,6 +207,10 @@ def test_resume_after_sigkill_reproduces_metrics(tmp_path):
     resumed = _main(killed_dir, steps, every)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-3000:]
+    # The steps redone after the resume are in metrics.jsonl once (the killed run's step 3 row
+    # was dropped), so end-of-run means count every step once.
+    steps = [r["step"] for r in read_metrics(killed_dir) if "rollout/reward_mean" in r]
+    assert steps == [1, 2, 3, 4, 5]
     a, b = _last_rows(str(tmp_path / "full")), _last_rows(killed_dir)
     for step in (3, 4, 5):
         assert a[step].keys() == b[step].keys()
@@ -157,6 +229,8 @@ def test_bad_override_fails_before_compiling(tmp_path, override, message):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert message in out
+    assert "Traceback" not in out, out
+    assert len([line for line in out.splitlines() if line.startswith("qurl_jax: bad")]) == 1
     assert not os.path.exists(tmp_path / "checkpoints")
 
 
@@ -201,11 +275,19 @@ def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     os.chdir(REPO)
     try:
         t = Trainer(c, str(tmp_path))
-        m = t.step()
+        # Mixed outcomes in every group, so the advantages and the policy gradient are non-zero
+        # (DAPO's filter keeps both groups in the first round). Two steps: a linear warm-up (the
+        # DAPO config's) gives the first optimizer step a learning rate of exactly 0.
+        t.task.rewards = _scripted([1, 0, 0, 1], [0, 1, 1, 0])
+        before = jax.device_get(t.params)
+        metrics = [t.step(), t.step()]
     finally:
         os.chdir(cwd)
-    _finite_metrics(m)
-    assert m["rollout/tokens"] > 0
+    for m in metrics:
+        _finite_metrics(m)
+        assert m["rollout/tokens"] > 0 and m["update/skipped"] == 0
+        assert m["update/grad_norm"] > 0
+    assert _params_changed(before, t.params) > 0
 
 
 def test_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
@@ -226,36 +308,211 @@ def test_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
     json.dumps(summary["last"])
 
 
-def test_dynamic_sampling_refills_all_equal_groups(tmp_path):
-    from qurl_jax import quant
-    from qurl_jax.metrics import PhaseTimer
+def _rollout(width: int, groups: int, n: int, base: float, accuracy) -> Rollout:
+    """A resolved host-side rollout whose every per-row field holds `base` + the row index."""
+    rows = groups * n
+    vals = base + np.arange(rows, dtype=np.float32)
+    acc = np.asarray(accuracy, np.float32)
+    return Rollout(tokens=np.repeat(vals[:, None], width + 3, 1).astype(np.int32),
+                   attn_mask=np.ones((rows, width + 3), bool),
+                   resp_mask=np.repeat(vals[:, None], 3, 1),
+                   logp_behav=-np.repeat(vals[:, None], 3, 1),
+                   logp_truncation_gap=np.repeat(vals[:, None], 3, 1) / 10,
+                   lengths=vals.astype(np.int32), rewards=acc + vals / 1000, accuracy=acc)
 
+
+@pytest.mark.parametrize("first_width, extra_width", [(5, 9), (9, 5)])
+def test_refill_groups_moves_every_field_from_the_extra_round(first_width, extra_width):
+    n = 2
+    # First round: groups 0 and 2 all-equal (dropped); extra round: groups 1 and 2 kept.
+    r = _rollout(first_width, 3, n, 100.0, [0, 1, 0, 0, 1, 1])
+    extra = _rollout(extra_width, 3, n, 500.0, [0, 0, 1, 0, 0, 1])
+    keep, extra_keep = np.array([False, True, False]), np.array([False, True, True])
+    snapshot = {f: np.copy(getattr(r, f)) for f in Rollout.ROW_FIELDS}
+    out, new_keep = refill_groups(r, keep, extra, extra_keep, n)
+    np.testing.assert_array_equal(new_keep, [True, True, True])
+    for f, v in snapshot.items():  # pure: the input is untouched
+        np.testing.assert_array_equal(getattr(r, f), v)
+    width = max(first_width, extra_width) + 3
+    assert out.tokens.shape == out.attn_mask.shape == (6, width)
+    pad_first = width - (first_width + 3)
+    # group 0 <- extra group 1 (rows 2, 3); group 1 stays; group 2 <- extra group 2 (rows 4, 5)
+    source = {0: (extra, 2), 1: (extra, 3), 2: (r, 2), 3: (r, 3), 4: (extra, 4), 5: (extra, 5)}
+    for dst, (src, row) in source.items():
+        for f in ("resp_mask", "logp_behav", "logp_truncation_gap", "lengths", "rewards",
+                  "accuracy"):
+            np.testing.assert_array_equal(getattr(out, f)[dst], getattr(src, f)[row], f)
+        pad = width - src.tokens.shape[1]
+        np.testing.assert_array_equal(out.tokens[dst, pad:], src.tokens[row], "tokens")
+        assert not out.attn_mask[dst, :pad].any() and out.attn_mask[dst, pad:].all()
+        assert (out.tokens[dst, :pad] == 0).all()
+    assert pad_first == 0 or not out.attn_mask[2, :pad_first].any()
+
+
+def _recording_sampler(t: Trainer):
+    keys, lengths = [], []
+    sample = t.sampler.sample
+
+    def wrapped(params, prompts, **kw):
+        keys.append(np.asarray(jax.random.key_data(kw["key"])))
+        out = sample(params, prompts, **kw)
+        lengths.append(int(np.asarray(out.lengths).sum()))
+        return out
+
+    t.sampler.sample = wrapped
+    return keys, lengths
+
+
+def test_dynamic_sampling_refills_all_equal_groups(tmp_path):
     c = tiny_config(**{"rl.dynamic_sampling": True, "rl.max_gen_batches": 3})
     t = Trainer(c, str(tmp_path))
     n = c.rollout.n
+    keys, lengths = _recording_sampler(t)
     # Call 1: group 0 mixed, group 1 all zero. Call 2: group 0 all zero, group 1 mixed.
-    scripted = iter([[1, 0, 0, 0] + [0] * n, [0] * n + [0, 1, 1, 0]])
-    t.task.rewards = lambda texts, answers: np.asarray(next(scripted), np.float32)
+    t.task.rewards = _scripted([1, 0, 0, 0] + [0] * n, [0] * n + [0, 1, 1, 0])
     params = quant.requantize(t.params, t.recipe)
-    r, stats = t.collect(params, jax.random.key(0), PhaseTimer())
+    r, stats = t.collect(params, PhaseTimer())
     assert stats["rollout/gen_batches"] == 2 and stats["rollout/kept_group_frac"] == 1.0
     np.testing.assert_array_equal(r.rewards, [1, 0, 0, 0, 0, 1, 1, 0])
     assert r.resp_mask.sum() > 0
+    # Each round draws from its own stream: round 0 and the refill round 1 of step 0.
+    assert len(keys) == 2 and not np.array_equal(keys[0], keys[1])
+    for i, k in enumerate(keys):
+        np.testing.assert_array_equal(k, jax.random.key_data(stream_key(0, Stream.ROLLOUT, 0, i)))
+    assert stats["rollout/generated_tokens"] == sum(lengths)
+
+    # A whole step with three rounds: tokens/s is every round's tokens over every round's time.
+    del lengths[:]
+    t.task.rewards = _scripted([0] * 8, [0] * 8, [1, 0, 0, 0, 0, 1, 1, 0])
+    m = t.step()
+    assert len(lengths) == 3 and m["rollout/gen_batches"] == 3
+    assert m["rollout/generated_tokens"] == sum(lengths) > m["rollout/tokens"]
+    assert m["rollout/tokens_per_s"] == pytest.approx(
+        sum(lengths) / m["time/rollout_s"], rel=1e-6)
 
 
 def test_dynamic_sampling_masks_groups_it_cannot_refill(tmp_path):
-    from qurl_jax import quant
-    from qurl_jax.metrics import PhaseTimer
-
     c = tiny_config(**{"rl.dynamic_sampling": True, "rl.max_gen_batches": 2})
     t = Trainer(c, str(tmp_path))
     n = c.rollout.n
-    scripted = iter([[1, 0, 1, 0] + [0] * n, [0] * 2 * n])  # the refill round finds nothing
-    t.task.rewards = lambda texts, answers: np.asarray(next(scripted), np.float32)
+    t.task.rewards = _scripted([1, 0, 1, 0] + [0] * n, [0] * 2 * n)  # the refill finds nothing
     params = quant.requantize(t.params, t.recipe)
-    r, stats = t.collect(params, jax.random.key(0), PhaseTimer())
+    r, stats = t.collect(params, PhaseTimer())
     assert stats["rollout/kept_group_frac"] == 0.5
     assert r.resp_mask[n:].sum() == 0 and r.resp_mask[:n].sum() > 0
+
+
+@pytest.mark.parametrize("metric, kept", [("accuracy", [False, True]), ("reward", [True, True])])
+def test_dapo_filters_on_accuracy_not_the_shaped_reward(int8_trainer, metric, kept):
+    t = int8_trainer
+    c = t.config
+    c.unlock()
+    c.rl.filter_metric, c.rl.overlong_buffer = metric, 2
+    c.lock()
+    try:
+        # Group 0 is all wrong, one response overlong (penalised); group 1 is mixed.
+        acc = np.array([0, 0, 0, 0, 1, 0, 1, 0], np.float32)
+        lengths = np.array([c.rollout.max_new_tokens, 1, 1, 1, 1, 1, 1, 1], np.int32)
+        r = Rollout(tokens=None, attn_mask=None, resp_mask=None, logp_behav=None,
+                    logp_truncation_gap=None, lengths=lengths, rewards=acc, accuracy=acc)
+        assert t._shaped_rewards(r)[0] < 0  # the shaped rewards of group 0 are not all equal
+        np.testing.assert_array_equal(t._groups_to_keep(r), kept)
+    finally:
+        c.unlock()
+        c.rl.filter_metric, c.rl.overlong_buffer = "accuracy", 0
+        c.lock()
+
+
+def test_streams_are_distinct_per_purpose_step_round_and_seed():
+    keys = {}
+    for seed in (0, 1):
+        for step in range(4):
+            for purpose, indices in ((Stream.ROLLOUT, range(4)), (Stream.MINIBATCH, range(2)),
+                                     (Stream.EVAL, [0]), (Stream.SPEED, [0])):
+                for i in indices:
+                    keys[(seed, step, purpose, i)] = bytes(np.asarray(
+                        jax.random.key_data(stream_key(seed, purpose, step, i))))
+    assert len(set(keys.values())) == len(keys)
+    # The old scheme's collisions: a refill round r of step s vs round 0 of step s + r, and the
+    # evaluation of seed s vs seed s + 2.
+    assert keys[(0, 0, Stream.ROLLOUT, 1)] != keys[(0, 1, Stream.ROLLOUT, 0)]
+    assert keys[(0, 0, Stream.EVAL, 0)] != keys[(1, 0, Stream.ROLLOUT, 0)]
+
+
+def test_behaviour_logp_is_the_truncated_distribution_under_top_p(tmp_path):
+    c = tiny_config(**{"rollout.precision": "fp", "rollout.top_p": 0.5,
+                       "rollout.temperature": 1.0, "rollout.max_new_tokens": 6})
+    t = Trainer(c, str(tmp_path))
+    t.task.rewards = _scripted([1, 0, 0, 1, 0, 1, 1, 0])
+    r, stats = t.collect(t.params, PhaseTimer())
+    batch = t._learner_batch(r)
+    logp_prox = np.asarray(t.learner.logprobs(t.params, batch))
+    weight_seen = np.exp(logp_prox - np.asarray(batch["logp_behav"]))  # what policy_loss gets
+
+    # Independently in numpy: the nucleus {j : mass of tokens strictly more likely < top_p}.
+    logits, _ = t.learner.model.apply({"params": jax.device_get(t.params)}, r.tokens,
+                                      np.asarray(batch["positions"]), r.attn_mask)
+    g = r.resp_mask.shape[1]
+    logits = np.asarray(logits, np.float64)[:, -g - 1:-1]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    above = np.array([[[q[q > x].sum() for x in q] for q in row] for row in p])
+    z = np.where(above < 0.5, p, 0.0).sum(-1)
+    p_tok = np.take_along_axis(p, r.tokens[:, -g:, None], -1)[..., 0]
+    weight_numpy = np.exp(logp_prox) / (p_tok / z)
+    valid = r.resp_mask > 0
+    np.testing.assert_allclose(weight_seen[valid], weight_numpy[valid], rtol=2e-4)
+    assert (z[valid] < 0.99).mean() > 0.5  # truncation happened: the untruncated weight is ~1
+    np.testing.assert_allclose(stats["rollout/logp_truncation_gap"], -np.log(z[valid]).mean(),
+                               rtol=1e-3)
+
+    # The untruncated log-prob stays selectable: then pi_behav is the learner's own softmax.
+    c.unlock()
+    c.rollout.behav_logp = "untruncated"
+    c.lock()
+    t.task.rewards = _scripted([1, 0, 0, 1, 0, 1, 1, 0])
+    r, _ = t.collect(t.params, PhaseTimer())
+    logp_prox = np.asarray(t.learner.logprobs(t.params, t._learner_batch(r)))
+    valid = r.resp_mask > 0
+    np.testing.assert_allclose(r.logp_behav[valid], logp_prox[valid], atol=1e-4)
+
+
+def test_resume_with_another_model_stops_and_keeps_the_checkpoints(tmp_path):
+    t = Trainer(tiny_config(), str(tmp_path))
+    t.train(num_steps=2)
+    ckpt_dir = tmp_path / "checkpoints"
+    before = {p: os.stat(os.path.join(d, p)).st_mtime_ns
+              for d, _, files in os.walk(ckpt_dir) for p in files}
+    metrics_before = (tmp_path / "metrics.jsonl").read_text()
+    other = tiny_config(**{"train.keep_checkpoints": 1})
+    other.model.tiny.intermediate_size = 48
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"tensor 'params\.\S+_proj\.kernel' has shape \((64, 32|32, 64)\) in "
+                             r"the checkpoint but \((48, 32|32, 48)\) in this run"):
+        Trainer(other, str(tmp_path))
+    after = {p: os.stat(os.path.join(d, p)).st_mtime_ns
+             for d, _, files in os.walk(ckpt_dir) for p in files}
+    assert after == before and sorted(os.listdir(ckpt_dir)) == ["1", "2"]
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics_before
+    # From the command line: one line naming the tensor, a non-zero exit, nothing written.
+    proc = _main(str(tmp_path), "--config.model.tiny.intermediate_size=48")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "cannot resume" in out and "has shape" in out and "Traceback" not in out, out[-3000:]
+    assert "Event loop is closed" not in out
+    assert sorted(os.listdir(ckpt_dir)) == ["1", "2"]
+
+
+def test_plain_status_lines_when_not_on_a_terminal(caplog):
+    stream = io.StringIO()
+    progress = _Progress(total=40, start=0, bar=True, stream=stream)
+    with caplog.at_level(logging.INFO):
+        for step in range(1, 41):
+            progress.update(step, {"rollout/reward_mean": 0.5})
+    progress.close()
+    assert stream.getvalue() == ""  # no bar frames
+    lines = [r.getMessage() for r in caplog.records if "reward 0.500" in r.getMessage()]
+    assert len(lines) == 20 and lines[-1].startswith("step 40/40")
 
 
 def test_export_hf_at_the_end_loads_in_transformers(tmp_path):
@@ -274,3 +531,13 @@ def test_export_hf_at_the_end_loads_in_transformers(tmp_path):
     ours, _ = t.learner.model.apply({"params": jax.device_get(t.params)}, ids.numpy(),
                                     np.arange(ids.shape[1])[None])
     np.testing.assert_allclose(np.asarray(ours), hf_logits, atol=1e-4)
+
+
+def test_optim_from_config_carries_every_optimiser_field():
+    o = base_config().optim
+    fields = {f.name for f in dataclasses.fields(OptimConfig)}
+    assert fields == set(o.keys())
+    for i, name in enumerate(sorted(fields)):
+        o[name] = i + 1 if isinstance(o[name], int) else 0.5 + i / 100  # distinct values
+    optim = optim_from_config(o)
+    assert {name: getattr(optim, name) for name in fields} == {name: o[name] for name in fields}

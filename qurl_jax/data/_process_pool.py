@@ -1,185 +1,91 @@
-"""Private: worker subprocesses that run picklable functions under a hard per-call wall-clock limit.
+"""Private: verifier worker processes with a hard per-call time limit, on pebble's ProcessPool.
 
 Verifying a model's answer with sympy can run for hours (an exponent tower, a huge factorial) inside
-C code that no signal interrupts, and `math_verify`'s own signal-based timeout only works in a
-main thread. Each worker here is a fresh interpreter (`python -m qurl_jax.data._verifier_worker`,
-not a fork of the JAX-threaded parent) that reads `(fn, args)` messages from its stdin and writes
-results to a private copy of its stdout. A call that is not answered within its limit gets the
-worker killed (SIGKILL) and a replacement started in the background; a worker that dies (e.g. hits
-its address-space limit) is replaced the same way. Messages are length-prefixed pickles.
+C code that no signal handler interrupts, and `math_verify`'s own signal-based timeout only works
+in a main thread. `VerifierPool` runs each call in a worker process of a `pebble.ProcessPool`:
+pebble kills a worker whose call outlives its limit and starts a replacement, and reports a worker
+that died. Workers are fresh interpreters (the "spawn" start method, never a fork of the
+JAX-threaded parent); each one, before taking work, asks the kernel to kill it when the parent
+dies (Linux; no orphans even when the parent is SIGKILLed), caps its address space, and warms
+math_verify up so the first call does not pay for the imports.
+
+When workers cannot be started at all (pebble then reports a broken pool), the call is answered
+"unavailable" and the next call builds a new pool, so the pool keeps trying to restore its size
+while the caller scores the response as a failure and goes on.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
+import logging
+import multiprocessing
 import os
-import pickle
-import queue
-import select
-import struct
-import subprocess
+import resource
+import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
 
-Status = Literal["ok", "error", "timeout", "crash"]
+import pebble
+
+Status = Literal["ok", "error", "timeout", "crash", "unavailable"]
 
 # Set in every worker's environment; code can test it to know it already runs isolated.
 WORKER_ENV = "QURL_JAX_VERIFIER_WORKER"
 
-_HEADER = struct.Struct("<I")
-READY = "ready"
-_STARTUP_TIMEOUT_S = 120.0
-_WORKER_MODULE = "qurl_jax.data._verifier_worker"
+# pebble's ProcessPool starts its first workers from the thread that first uses it, and Linux sends
+# a worker its parent-death signal when that *thread* exits; one long-lived thread starts them all.
+_starter: concurrent.futures.ThreadPoolExecutor | None = None
+_starter_lock = threading.Lock()
 
 
-def write_message(fd: int, obj: Any) -> None:
-    """Writes obj to fd as a length-prefixed pickle."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_HEADER.pack(len(data)) + data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
+def _start_from_long_lived_thread(pool: pebble.ProcessPool) -> None:
+    global _starter
+    with _starter_lock:
+        if _starter is None:
+            _starter = concurrent.futures.ThreadPoolExecutor(1, "verifier-starter")
+    _starter.submit(pool.schedule, os.getpid).result()
 
 
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
-    """n bytes from fd; TimeoutError past monotonic `deadline`, EOFError when the pipe closes."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise TimeoutError
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return bytes(buf)
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when its parent dies, even mid-computation."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def read_payload(fd: int, deadline: float | None) -> bytes:
-    """One length-prefixed message's pickled bytes (see `_read_exact` for the errors)."""
-    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
-    return _read_exact(fd, size, deadline)
+def init_worker(memory_limit_mb: int | None, preload: Sequence[str]) -> None:
+    """Runs in each worker before it takes work (pebble's `initializer`).
 
-
-def _read_message(fd: int, deadline: float | None) -> Any:
-    return pickle.loads(read_payload(fd, deadline))
-
-
-def _child_env() -> dict[str, str]:
-    """The parent's environment plus its import path, so pickled functions resolve in the child."""
-    env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])
-    paths = [package_root] + [p or os.getcwd() for p in sys.path]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env[WORKER_ENV] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-_spawner: concurrent.futures.ThreadPoolExecutor | None = None
-_spawner_lock = threading.Lock()
-
-
-def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
-    """Starts a worker process from one long-lived thread.
-
-    Linux delivers a child's parent-death signal (which workers request) when the *thread* that
-    started it exits, so a worker started from a short-lived caller thread would die with it.
+    pebble stops a timed-out worker with SIGTERM; its Python-level handler would wait for sympy's C
+    code to return, the default action ends the process at once.
     """
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = concurrent.futures.ThreadPoolExecutor(1, "verifier-spawner")
-    future = _spawner.submit(
-        subprocess.Popen,
-        args,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=_child_env(),
-        bufsize=0,
-    )
-    return future.result()
-
-
-class _Worker:
-    """Parent-side handle of one worker process; used by one thread at a time."""
-
-    def __init__(self, memory_limit_mb: int | None, preload: Sequence[str]) -> None:
-        self._memory_limit_mb = memory_limit_mb
-        self._preload = tuple(preload)
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._ready = False
-        self._start()
-
-    def _start(self) -> None:
-        limit = str(self._memory_limit_mb or 0)
-        args = [sys.executable, "-m", _WORKER_MODULE, limit, *self._preload]
-        self._proc = _spawn(args)
-        self._ready = False
-
-    def _wait_ready(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        try:
-            deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-            message = _read_message(self._proc.stdout.fileno(), deadline)
-        except (EOFError, TimeoutError) as e:
-            code = self._proc.poll()
-            self.close()
-            raise RuntimeError(f"verifier worker did not start (exit code {code})") from e
-        if message != READY:
-            self.close()
-            raise RuntimeError(f"verifier worker sent {message!r} instead of {READY!r}")
-        self._ready = True
-
-    def close(self) -> None:
-        """Kills the worker (it holds no state), reaps it and closes its pipes."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait()
-        for pipe in (self._proc.stdin, self._proc.stdout):
-            if pipe is not None:
-                pipe.close()
-        self._proc = None
-
-    def restart(self) -> None:
-        self.close()
-        self._start()
-
-    def call(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float
-    ) -> tuple[Status, Any]:
-        """Runs fn(*args) in the worker; the limit counts from the moment the request is sent."""
-        if self._proc is None or self._proc.poll() is not None:
-            self.restart()  # it died while idle (or a previous start failed)
-        if not self._ready:
-            self._wait_ready()
-        assert self._proc is not None and self._proc.stdin is not None
-        assert self._proc.stdout is not None
-        try:
-            write_message(self._proc.stdin.fileno(), (fn, args))
-            ok, value = _read_message(self._proc.stdout.fileno(), time.monotonic() + timeout_s)
-        except TimeoutError:
-            self.restart()
-            return "timeout", None
-        except (EOFError, BrokenPipeError):
-            code = self._proc.wait()
-            self.restart()
-            return "crash", f"verifier worker exited with code {code}"
-        return ("ok" if ok else "error"), value
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ[WORKER_ENV] = "1"
+    if memory_limit_mb:
+        limit = memory_limit_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # math_verify warns once that its signal-based timeouts are off; the hard limit is the pool's.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    for entry in preload:
+        module, _, function = entry.partition(":")
+        imported = importlib.import_module(module)
+        if function:
+            getattr(imported, function)()
 
 
 class VerifierPool:
-    """A fixed set of worker processes running picklable functions with a hard per-call timeout.
+    """Worker processes running picklable functions with a hard per-call timeout.
 
-    `call` is thread-safe: each call borrows an idle worker (blocking while all are busy), so up to
-    `num_workers` calls run at once from as many threads. Functions and their arguments travel by
+    `call` is thread-safe; up to `num_workers` calls run at once, more wait for a free worker (the
+    limit counts from the moment a worker starts the call). Functions and their arguments travel by
     pickle, so a function must be importable by module and name (no lambdas, nothing from
     `__main__`).
     """
@@ -197,8 +103,8 @@ class VerifierPool:
           num_workers: number of processes (> 0).
           timeout_s: default wall-clock limit of one call in seconds (> 0).
           memory_limit_mb: address-space limit (RLIMIT_AS) of each worker; None for no limit.
-          preload: what each worker does before it reports ready, so it does not count against
-            the first call's limit: "module" imports it, "module:function" also calls function().
+          preload: what each worker does before it takes work: "module" imports it,
+            "module:function" also calls function().
         """
         if num_workers <= 0:
             raise ValueError(f"VerifierPool: num_workers must be positive, got {num_workers}")
@@ -206,11 +112,27 @@ class VerifierPool:
             raise ValueError(f"VerifierPool: timeout_s must be positive, got {timeout_s}")
         self.num_workers = num_workers
         self.timeout_s = timeout_s
-        self._workers = [_Worker(memory_limit_mb, preload) for _ in range(num_workers)]
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        for worker in self._workers:
-            self._idle.put(worker)
+        self._initargs = (memory_limit_mb, tuple(preload))
+        self._lock = threading.Lock()
         self._closed = False
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> pebble.ProcessPool:
+        pool = pebble.ProcessPool(self.num_workers, initializer=init_worker,
+                                  initargs=self._initargs,
+                                  context=multiprocessing.get_context("spawn"))
+        _start_from_long_lived_thread(pool)
+        return pool
+
+    def _schedule(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float
+                  ) -> concurrent.futures.Future:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("VerifierPool.call after close()")
+            if not self._pool.active:  # broken: its workers could not be (re)started
+                self._pool.stop()
+                self._pool = self._new_pool()
+            return self._pool.schedule(fn, args, timeout=timeout_s)
 
     def call(
         self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None
@@ -220,23 +142,30 @@ class VerifierPool:
         Returns:
           ("ok", result); ("error", "<type>: <message>") when fn raised; ("timeout", None) when it
           ran past `timeout_s` (default: the pool's) and the worker was replaced; ("crash", reason)
-          when the worker died.
+          when the worker died; ("unavailable", reason) when no worker could be started.
         """
-        if self._closed:
-            raise RuntimeError("VerifierPool.call after close()")
-        worker = self._idle.get()
         try:
-            return worker.call(fn, args, self.timeout_s if timeout_s is None else timeout_s)
-        finally:
-            self._idle.put(worker)
+            future = self._schedule(fn, args, self.timeout_s if timeout_s is None else timeout_s)
+            return "ok", future.result()
+        except Exception as e:  # noqa: BLE001 - sorted below; anything else is re-raised
+            if hasattr(e, "traceback"):  # raised by fn in the worker; pebble attaches its trace
+                return "error", f"{type(e).__name__}: {e}"
+            if isinstance(e, pebble.ProcessExpired):
+                return "crash", f"verifier worker exited with code {e.exitcode}"
+            if isinstance(e, TimeoutError):
+                return "timeout", None
+            if isinstance(e, BrokenProcessPool | RuntimeError) and not self._closed:
+                return "unavailable", f"{type(e).__name__}: {e}"
+            raise
 
     def close(self) -> None:
         """Stops all workers; the pool cannot be used afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        for worker in self._workers:
-            worker.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._pool.stop()
+            self._pool.join()
 
     def __enter__(self) -> VerifierPool:
         return self

@@ -4,7 +4,8 @@
 with the reference answer (or any accepted alternative) using `math_verify`; 1.0 or 0.0. Sympy can
 hang on adversarial answers (an exponent tower) inside C code that signals do not interrupt, and
 `math_verify`'s signal timeout only works in a main thread, so every verification runs in a worker
-subprocess with a hard wall-clock limit (`VerifierPool`); a timed-out or crashed check scores 0.
+subprocess with a hard wall-clock limit (`VerifierPool`, on pebble's process pool); a timed-out or
+crashed check, or one for which no worker could be started, scores 0 and is counted.
 `RewardComputer` scores a batch on a pool of such workers from a thread pool and returns a
 `concurrent.futures.Future`, so the CPU-bound checking overlaps the accelerator's work.
 """
@@ -162,11 +163,13 @@ class RewardComputer:
     """Scores batches of responses on a thread pool, optionally through verifier subprocesses.
 
     With `use_processes=True` each (response, answer) pair runs `reward_fn` in one of `num_workers`
-    `VerifierPool` processes under a hard `timeout_s` limit; a timeout, an exception or a crash
-    scores `failure_reward` and is counted in `stats`. With `use_processes=False` the function runs
-    in `num_workers` threads of this process with no time limit (for cheap pure-Python rewards
-    such as `exact_match_reward`). `submit` returns a `concurrent.futures.Future[list[float]]`
-    immediately; `__call__` waits for it. Batches submitted one after another complete in order.
+    `VerifierPool` processes under a hard `timeout_s` limit; a timeout, an exception, a crash or a
+    worker that could not be started scores `failure_reward` and is counted in `stats` (the pool
+    keeps trying to restore its workers; the batch goes on). With `use_processes=False` the
+    function runs in `num_workers` threads of this process with no time limit (for cheap
+    pure-Python rewards such as `exact_match_reward`). `submit` returns a
+    `concurrent.futures.Future[list[float]]` immediately; `__call__` waits for it. Batches
+    submitted one after another complete in order.
     """
 
     def __init__(
@@ -204,11 +207,13 @@ class RewardComputer:
         self._items = concurrent.futures.ThreadPoolExecutor(num_workers, "reward-item")
         self._batches = concurrent.futures.ThreadPoolExecutor(1, "reward-batch")
         self._stats_lock = threading.Lock()
-        self._stats = {"calls": 0, "timeouts": 0, "errors": 0, "crashes": 0}
+        self._stats = {"calls": 0, "timeouts": 0, "errors": 0, "crashes": 0,
+                       "worker_failures": 0}
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counts so far: calls, timeouts, errors (the function raised), crashes (worker died)."""
+        """Counts so far: calls, timeouts, errors (the function raised), crashes (worker died),
+        worker_failures (no worker could be started for the call)."""
         with self._stats_lock:
             return dict(self._stats)
 
@@ -227,7 +232,8 @@ class RewardComputer:
         status, value = self._pool.call(self.reward_fn, response, answer)
         if status == "ok":
             return float(value)
-        self._count({"timeout": "timeouts", "error": "errors", "crash": "crashes"}[status])
+        self._count({"timeout": "timeouts", "error": "errors", "crash": "crashes",
+                     "unavailable": "worker_failures"}[status])
         return self.failure_reward
 
     def _score_batch(self, responses: list[str], answers: list[Answer]) -> list[float]:

@@ -1,21 +1,41 @@
 """Decoder-only transformer models (Llama, Mistral, Qwen2, Qwen3) and their checkpoint formats.
 
-Public API: `ModelConfig`, `Transformer`, `KVCache`, `init_params`, `param_logical_axes`, and the
+Public API: `ModelConfig`, `Transformer` (with `Remat` and `AttentionImplementation` switches),
+`KVCache`, `init_params`, `param_logical_axes`, the log-prob helpers (`token_logprobs`,
+`token_logprobs_and_entropy`, `chunked_token_logprobs` over `lm_head_logits`), and the
 checkpoint readers/writers in `qurl_jax.models.hf` and `qurl_jax.models.llama2c`.
 """
 
-from qurl_jax.models.config import ModelConfig, RopeScaling
-from qurl_jax.models.params import init_params, param_logical_axes, token_logprobs
-from qurl_jax.models.transformer import KVCache, Transformer, cast_floats, positions_from_mask
+from qurl_jax.models.attention import Implementation as AttentionImplementation
+from qurl_jax.models.config import ModelConfig, Remat, RopeScaling
+from qurl_jax.models.params import (
+    chunked_token_logprobs,
+    init_params,
+    param_logical_axes,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
+from qurl_jax.models.transformer import (
+    KVCache,
+    Transformer,
+    cast_floats,
+    lm_head_logits,
+    positions_from_mask,
+)
 
 __all__ = [
+    "AttentionImplementation",
     "KVCache",
     "ModelConfig",
+    "Remat",
     "RopeScaling",
     "Transformer",
     "cast_floats",
+    "chunked_token_logprobs",
     "init_params",
+    "lm_head_logits",
     "param_logical_axes",
     "positions_from_mask",
     "token_logprobs",
+    "token_logprobs_and_entropy",
 ]

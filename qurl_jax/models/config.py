@@ -10,12 +10,29 @@ with a shape error deep inside a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax.numpy as jnp
 
+from qurl_jax.models.attention import Implementation
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class Remat(enum.StrEnum):
+    """What the learner's backward pass keeps of each decoder layer's forward (`Transformer.remat`).
+
+    NONE keeps every intermediate the backward uses; DOTS keeps the outputs of the weight matmuls
+    (per token: the q/k/v/o, gate/up and down projections, H*D + 2*Hkv*D + 2*E + 2*M values) and
+    recomputes the rest (norms, RoPE, attention, activations); FULL keeps only the layer's input
+    (E values per token) and recomputes the whole layer.
+    """
+
+    NONE = "none"
+    DOTS = "dots"  # jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    FULL = "full"  # jax.checkpoint_policies.nothing_saveable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +52,7 @@ class ModelConfig:
 
     `dtype` is the compute dtype (float32 on CPU, bfloat16 on TPU/GPU); master parameters are always
     `param_dtype` (float32) so that tiny RL updates are not lost to bf16 rounding in the learner.
+    `attention` picks the attention implementation ('auto' | 'dense' | 'blockwise' | 'cudnn').
     """
 
     model_type: str = "llama"
@@ -54,6 +72,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Attention implementation (`attention.Implementation`): a property of how this process runs
+    # the model, not of the checkpoint, so `hf.py` neither writes nor reads it.
+    attention: str = "auto"
 
     @property
     def compute_dtype(self) -> Any:
@@ -91,6 +112,9 @@ class ModelConfig:
                 f"ModelConfig.rope_scaling.rope_type={rs.rope_type!r} is not "
                 f"supported; expected one of {SUPPORTED_ROPE_TYPES}"
             )
+        if self.attention not in tuple(Implementation):
+            raise ValueError(f"ModelConfig.attention={self.attention!r} is not supported; "
+                             f"expected one of {tuple(str(i) for i in Implementation)}")
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))

@@ -31,9 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax.models import attention as attn_lib
-from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.config import ModelConfig, Remat
 
 DotGeneral = Callable[..., jax.Array]
+# (activation, its logical axis names) -> the activation pinned to a sharding. The learner passes
+# one built from `qurl_jax.sharding`'s rules so the partitioner keeps activations split over the
+# batch (FSDP: gather weights, not activations); None leaves the partitioner free.
+ShardActivation = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+# Logical axes of the residual stream f[B, T, E].
+RESIDUAL_AXES = ("batch", "length", "embed")
 # (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
 # f[B, Hkv, G, D]: attention of one query position per row to the slots of [0, length) that
 # key_mask marks (every cached key is in the query's past, so no position test is needed).
@@ -278,7 +284,7 @@ class Attention(nn.Module):
                                         jnp.max(write_slots) + 1)
             out = attn_lib.ungroup_queries(out, t)
         else:
-            out = attn_lib.dot_product_attention(q, keys, values, q_pos, k_pos, k_valid)
+            out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention)
         out = out.reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache
@@ -318,6 +324,10 @@ class DecoderLayer(nn.Module):
         return x, new_cache
 
 
+_REMAT_POLICIES = {Remat.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                   Remat.FULL: jax.checkpoint_policies.nothing_saveable}
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. `__call__` returns (float32 logits, updated cache or None).
 
@@ -330,11 +340,26 @@ class Transformer(nn.Module):
         moves one past the last real position. The queries attend to every cached key at or
         before their own position. For a decode step pass positions = cache.next_pos[:, None].
       last_only: return logits for the last position only ([B, 1, V]); what prefill needs.
+      return_hidden: return the final normed hidden states f[B, T, E] (compute dtype) instead of
+        logits; `lm_head_logits` turns any slice of them into logits (the learner's response-only,
+        chunked log-probs).
+
+    `remat` rematerialises each decoder layer in the backward pass (`Remat`). `scan_layers` runs
+    the layers of a call without a cache as one `lax.scan` over their stacked parameters (the
+    learner's option for large models): XLA compiles one layer body instead of L copies, and the
+    scan orders the backward layer by layer, so remat's recomputation cannot be scheduled early
+    (1.5B learner update, full remat, XLA:CPU on a loaded machine: lower + compile 239 s -> 104 s,
+    temp memory 55.5 -> 9.0 GiB per device). Neither changes the parameters (still
+    `layers_{i}/...`: the Hugging Face mapping, quantization and the per-layer KV cache rely on
+    them) nor the results.
     """
 
     config: ModelConfig
     dot_general: DotGeneral = jax.lax.dot_general
     decode_attention: DecodeAttention | None = None
+    remat: Remat | str = Remat.NONE
+    shard_activation: ShardActivation | None = None
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(
@@ -344,42 +369,90 @@ class Transformer(nn.Module):
         mask: jax.Array | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        return_hidden: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         b, t = tokens.shape
         if mask is None:
             mask = jnp.ones((b, t), jnp.bool_)
+        pin = self.shard_activation or (lambda a, _: a)
         embed = Embed(cfg, name="embed_tokens")
-        x = embed(tokens)
+        x = pin(embed(tokens), RESIDUAL_AXES)
 
         cache_pos = write_slots = None
         if cache is not None:
             write_slots = cache.n_used
             cache_pos = write_rows(cache.pos, jnp.where(mask, positions, -1), write_slots, 0)
         new_kv = []
-        for i in range(cfg.num_layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = DecoderLayer(cfg, self.dot_general, self.decode_attention,
-                                 name=f"layers_{i}")(
-                x, positions, mask, kv, cache_pos, write_slots
-            )
-            new_kv.append(kv)
+        if self.scan_layers and cache is None and not self.is_initializing():
+            x = self._scanned_layers(x, positions, mask, pin)
+        else:
+            remat = Remat(self.remat)
+            layer = DecoderLayer if remat is Remat.NONE else nn.remat(
+                DecoderLayer, policy=_REMAT_POLICIES[remat])
+            for i in range(cfg.num_layers):
+                kv = None if cache is None else (cache.k[i], cache.v[i])
+                x, kv = layer(cfg, self.dot_general, self.decode_attention, name=f"layers_{i}")(
+                    x, positions, mask, kv, cache_pos, write_slots
+                )
+                x = pin(x, RESIDUAL_AXES)
+                new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
         if last_only:
             x = x[:, -1:]
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x, self.dot_general)
+        if return_hidden:
+            out = x
+        elif cfg.tie_word_embeddings:
+            out = embed.attend(x, self.dot_general).astype(jnp.float32)
         else:
-            logits = Linear(cfg.vocab_size, ("embed", "vocab"), self.dot_general, dt, pdt,
-                            name="lm_head")(x)
+            out = Linear(cfg.vocab_size, ("embed", "vocab"), self.dot_general, dt, pdt,
+                         name="lm_head")(x).astype(jnp.float32)
         new_cache = None
         if cache is not None:
             last = jnp.max(jnp.where(mask, positions + 1, 0), axis=1)
             new_cache = KVCache(k=tuple(kv[0] for kv in new_kv), v=tuple(kv[1] for kv in new_kv),
                                 pos=cache_pos, n_used=cache.n_used + t,
                                 next_pos=jnp.maximum(cache.next_pos, last))
-        return logits.astype(jnp.float32), new_cache
+        return out, new_cache
+
+    def _scanned_layers(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+                        pin: ShardActivation) -> jax.Array:
+        """The decoder layers as one `lax.scan` over their parameters stacked along a new leading
+        axis (in the compute dtype: the layers cast them to it anyway, so values and gradients are
+        those of the unrolled loop). x: f[B, T, E] -> f[B, T, E]."""
+        cfg = self.config
+        per_layer = [cast_floats(self.variables["params"][f"layers_{i}"], cfg.compute_dtype)
+                     for i in range(cfg.num_layers)]
+        stacked = jax.tree.map(lambda *p: jnp.stack(p), *per_layer)
+        layer = DecoderLayer(cfg, self.dot_general, self.decode_attention, parent=None)
+
+        def body(x: jax.Array, params: Any) -> tuple[jax.Array, None]:
+            x, _ = layer.apply({"params": params}, x, positions, mask, None, None, None)
+            return pin(x, RESIDUAL_AXES), None
+
+        remat = Remat(self.remat)
+        if remat is not Remat.NONE:
+            # prevent_cse=False: the scan already keeps XLA from merging the recomputation.
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+        return jax.lax.scan(body, x, stacked)[0]
+
+
+def lm_head_logits(config: ModelConfig, params: Any, hidden: jax.Array,
+                   dot_general: DotGeneral = jax.lax.dot_general) -> jax.Array:
+    """f32[..., V] logits of final hidden states f[..., E] (from `return_hidden=True`).
+
+    The same product as the model's own head (`Embed.attend` when tied, the `lm_head` Linear
+    otherwise): compute dtype in and out, then float32.
+    """
+    dt = config.compute_dtype
+    if config.tie_word_embeddings:
+        weight, contract = params["embed_tokens"]["embedding"], 1  # [V, E]
+    else:
+        weight, contract = params["lm_head"]["kernel"], 0  # [E, V]
+    logits = dot_general(hidden.astype(dt), cast_floats(weight, dt),
+                         (((hidden.ndim - 1,), (contract,)), ((), ())))
+    return logits.astype(dt).astype(jnp.float32)
 
 
 class Embed(nn.Module):

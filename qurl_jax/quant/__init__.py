@@ -7,11 +7,24 @@ into frozen low-precision rollout parameters, and the rollout model runs them th
 before training; `update_capture` and `quantization_error` are the per-step diagnostics. On a CPU
 with AVX512-VNNI the int8 product runs on a custom kernel (`_cpu_kernel`); a decode loop stores
 its int8 kernels in that kernel's layout once per rollout with `pack_for_decode`.
+
+The learner side of Jet-RL's unified FP8 flow (`train.precision = "fp8_block"`) runs the same
+quantizer and block product in all three GEMMs of its linear layers: `bind_train_precision(model,
+params, recipe, token_mask)` inside the jitted loss marks the recipe's kernels (`TrainKernel`) and
+binds the custom-VJP hook `train_dot_general` (`fp8_block_linear` on plain arrays).
 """
 
 from qurl_jax.quant._cpu_kernel import pack_for_decode
 from qurl_jax.quant._diagnostics import quantization_error, quantization_step, update_capture
 from qurl_jax.quant._dot_general import aqt_serving_config, make_dot_general, rollout_dot_general
+from qurl_jax.quant._fp8_train import (
+    TrainKernel,
+    bind_train_precision,
+    fp8_block_linear,
+    make_train_dot_general,
+    mark_train_kernels,
+    train_dot_general,
+)
 from qurl_jax.quant._invariant_scaling import invariant_scaling
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel
 from qurl_jax.quant._recipes import LINEAR_LAYERS, RECIPES, QuantFormat, Recipe, get_recipe
@@ -35,6 +48,13 @@ __all__ = [
     "invariant_scaling",
     "quantized_kernel_paths",
     "requantize",
+    # FP8 training (Jet-RL's unified precision flow, learner side)
+    "TrainKernel",
+    "bind_train_precision",
+    "fp8_block_linear",
+    "make_train_dot_general",
+    "mark_train_kernels",
+    "train_dot_general",
     # Diagnostics
     "quantization_error",
     "quantization_step",

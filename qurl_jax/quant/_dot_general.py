@@ -31,7 +31,6 @@ embedding [V, E]. Both are handled; anything else raises.
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -41,7 +40,7 @@ from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.numerics import utils as aqt_numerics
 
 from qurl_jax.quant._cpu_kernel import int8_dot_general, packed_int8_dot_general
-from qurl_jax.quant._qtensor import QuantizedTensor, quantize_groups
+from qurl_jax.quant._qtensor import QuantizedTensor, quantize_row_groups
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
 
 DotDimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
@@ -87,32 +86,56 @@ def _per_channel_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int) ->
     return out[:rows].reshape(*lead, out.shape[-1])
 
 
-def _block_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int) -> jax.Array:
-    """x[..., K] times a block-scaled kernel, activations quantized in groups of block[K] features.
+def block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Array,
+                        b_scale: jax.Array, block_n: int) -> jax.Array:
+    """a @ b for block-scaled low-precision operands, accumulated in float32 (int32 for int8).
 
-    Partial products of each group run in low precision (int32 or f32 accumulation) and are
-    rescaled by s_x[token, group] * s_w[group, out_block] before the float32 sum over groups.
+    a_codes: [M, G * g] codes, a_scale: f32[M, G]  one scale per row and group of g columns.
+    b_codes: [G * g, N] codes, b_scale: f32[G, ceil(N / block_n)]  one scale per g x block_n block.
+    Returns f32[M, N] = sum_G a_scale[m, G] * b_scale[G, n // block_n] * (a_G @ b_G)[m, n].
+
+    This is the one GEMM of every block-scaled product: the rollout's `fp8_block` forward and the
+    learner's forward, input-gradient and weight-gradient products (`_fp8_train`) all run here, so
+    a fast block-scaled kernel (cuBLASLt blockwise modes, Pallas/Triton) replaces only this
+    function. The emulation runs one low-precision partial product per group (a batched
+    `dot_general` over the groups) and rescales and sums the partials in float32, as DeepSeek-V3
+    style kernels do.
     """
+    m, kp = a_codes.shape
+    ng = a_scale.shape[1]
+    g, n = kp // ng, b_codes.shape[1]
+    acc = jnp.int32 if b_codes.dtype == jnp.int8 else jnp.float32
+    partial = jax.lax.dot_general(  # [G, M, N]: batch over groups, contract within a group
+        a_codes.reshape(m, ng, g), b_codes.reshape(ng, g, n), (((2,), (1,)), ((1,), (0,))),
+        preferred_element_type=acc,
+    ).astype(jnp.float32)
+    b_scale = jnp.repeat(b_scale, block_n, axis=1)[:, :n]  # [G, N]
+    return jnp.einsum("gmn,mg,gn->mn", partial, a_scale, b_scale)
+
+
+def block_product(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[int, int],
+                  act_format: QuantFormat) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x[M, K] times a block-scaled kernel [K, N], activations quantized in 1 x block[0] groups.
+
+    codes: [K, N] kernel codes; scale: f32[ceil(K / block[0]), ceil(N / block[1])].
+    Returns (f32[M, N] product, activation codes [M, G * block[0]], f32 scales [M, G]); the
+    learner keeps the activation codes for its backward pass (`_fp8_train`).
+    """
+    x_codes, x_scale = quantize_row_groups(x, act_format, block[0])
+    pad = x_codes.shape[1] - codes.shape[0]
+    if pad:
+        codes = jnp.pad(codes, ((0, pad), (0, 0)))
+    return block_scaled_matmul(x_codes, x_scale, codes, scale, block[1]), x_codes, x_scale
+
+
+def _block_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int) -> jax.Array:
+    """x[..., K] times a block-scaled kernel (`block_product`). Output f32[..., N]."""
     codes, scale, block = rhs.qvalue, rhs.scale, rhs.block
     if rhs_axis == 1:  # tied head: embedding [V, E] contracts E; view it as a kernel [E, V]
         codes, scale, block = codes.T, scale.T, block[::-1]
-    k, n = codes.shape
-    g, bn = block
-    ng = math.ceil(k / g)
-    lead = lhs.shape[:-1]
-    x = lhs.reshape(-1, k).astype(jnp.float32)
-    if ng * g != k:
-        x = jnp.pad(x, ((0, 0), (0, ng * g - k)))
-        codes = jnp.pad(codes, ((0, ng * g - k), (0, 0)))
-    x_codes, x_scale = quantize_groups(x.reshape(x.shape[0], ng, g), rhs.act_format, (2,))
-    acc = jnp.int32 if rhs.format is QuantFormat.INT8 else jnp.float32
-    partial = jax.lax.dot_general(  # [G, M, N]: batch over groups, contract within a group
-        x_codes, codes.reshape(ng, g, n), (((2,), (1,)), ((1,), (0,))),
-        preferred_element_type=acc,
-    ).astype(jnp.float32)
-    w_scale = jnp.repeat(scale, bn, axis=1)[:, :n]  # [G, N]
-    out = jnp.einsum("gmn,mg,gn->mn", partial, x_scale[..., 0], w_scale)
-    return out.reshape(*lead, n)
+    lead, k = lhs.shape[:-1], lhs.shape[-1]
+    out, _, _ = block_product(lhs.reshape(-1, k), codes, scale, block, rhs.act_format)
+    return out.reshape(*lead, out.shape[-1])
 
 
 def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,

@@ -41,6 +41,23 @@ def quantize_groups(x: jax.Array, fmt: QuantFormat,
     return qt.qvalue, qt.scale[0]
 
 
+def quantize_row_groups(x: jax.Array, fmt: QuantFormat,
+                        group: int) -> tuple[jax.Array, jax.Array]:
+    """Quantizes each row of x[M, K] in groups of `group` consecutive columns (1 x group blocks).
+
+    K is zero-padded to a multiple of `group`; zeros change neither a group's max |x| nor any
+    product. An all-zero group gets codes 0 (AQT calibrates it with max |x| = 1), never NaN.
+    Returns (codes [M, G * group] in fmt.dtype, f32 scales [M, G]), G = ceil(K / group).
+    """
+    m, k = x.shape
+    ng = math.ceil(k / group)
+    x = x.astype(jnp.float32)
+    if ng * group != k:
+        x = jnp.pad(x, ((0, 0), (0, ng * group - k)))
+    codes, scale = quantize_groups(x.reshape(m, ng, group), fmt, (2,))
+    return codes.reshape(m, ng * group), scale[..., 0]
+
+
 @flax.struct.dataclass
 class QuantizedTensor:
     """A frozen low-precision kernel for the rollout model.

@@ -1,0 +1,157 @@
+"""The embedded default's demo code: the tiny in-code policy and its supervised warm start.
+
+`tiny_policy` builds (or reloads from `<workdir>/sft_model`) the tiny model of `model.tiny` with the
+character-level tokenizer, both saved in Hugging Face format so they are reloaded through the
+normal path. With `sft.steps > 0` it first trains a supervised warm start; for the arithmetic task
+on the completions of a *noisy teacher* (`noisy_teacher_pairs`): correct answers, a share of them
+with a stray end character that the exact-match verifier rejects, so that RL has a format to repair.
+The cache is keyed on every setting it depends on and rebuilt when one changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+from qurl_jax.data import arithmetic as arith
+from qurl_jax.data.datasets import MathExample, build_prompt
+from qurl_jax.data.tokenizer import build_char_tokenizer
+from qurl_jax.models import (
+    ModelConfig,
+    Transformer,
+    init_params,
+    positions_from_mask,
+    token_logprobs,
+)
+from qurl_jax.models.hf import load_hf, load_tokenizer, save_hf
+
+
+def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+    """The `ModelConfig` of `model.tiny` with the character tokenizer's vocabulary."""
+    t = c.model.tiny
+    family = t.model_type
+    return ModelConfig(
+        model_type=family, vocab_size=len(build_char_tokenizer()), hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+        tie_word_embeddings=t.tie_word_embeddings,
+        max_position_embeddings=t.max_position_embeddings,
+        attention_bias=family == "qwen2", qk_norm=family == "qwen3", dtype=c.model.dtype,
+    ).validate()
+
+
+def supervised_warm_start(model_config: ModelConfig, params: Any,
+                          pairs: Sequence[tuple[str, str]], tokenizer: Any, *, steps: int,
+                          learning_rate: float, batch_size: int, seed: int) -> Any:
+    """Teacher-forced next-token training on (prompt, completion) pairs; loss on completions only.
+
+    All pairs are packed once into one right-padded array; each step draws a random batch of rows.
+    """
+    rows = [(tokenizer.encode(p, add_special_tokens=False),
+             tokenizer.encode(a, add_special_tokens=False)) for p, a in pairs]
+    width = max(len(p) + len(a) for p, a in rows)
+    tokens = np.zeros((len(rows), width), np.int32)
+    loss_mask = np.zeros((len(rows), width), np.float32)
+    valid = np.zeros((len(rows), width), bool)
+    for i, (p, a) in enumerate(rows):
+        tokens[i, : len(p) + len(a)] = p + a
+        valid[i, : len(p) + len(a)] = True
+        loss_mask[i, len(p): len(p) + len(a)] = 1.0
+    positions = positions_from_mask(valid)
+    model = Transformer(model_config)
+    tx = optax.adamw(optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, max(steps // 20, 1), steps, learning_rate * 0.1), weight_decay=0.0)
+    opt_state = tx.init(params)
+
+    def loss_fn(p, tok, pos, val, lm):
+        logits, _ = model.apply({"params": p}, tok, pos, val)
+        nll = -token_logprobs(logits[:, :-1], tok[:, 1:])
+        return jnp.sum(nll * lm[:, 1:]) / jnp.maximum(jnp.sum(lm[:, 1:]), 1.0)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(p, o, idx):
+        loss, grads = jax.value_and_grad(loss_fn)(
+            p, tokens_d[idx], positions_d[idx], valid_d[idx], mask_d[idx])
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    tokens_d, positions_d, valid_d, mask_d = map(jnp.asarray, (tokens, positions, valid, loss_mask))
+    rng = np.random.default_rng(seed)
+    loss = jnp.nan
+    for step in range(steps):
+        idx = jnp.asarray(rng.integers(0, len(rows), batch_size))
+        params, opt_state, loss = train_step(params, opt_state, idx)
+        if (step + 1) % max(steps // 5, 1) == 0:
+            logging.info("warm start step %d/%d: loss %.4f", step + 1, steps, float(loss))
+    return params
+
+
+FORMAT_JUNK = ".?!"
+
+
+def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], format_noise: float, seed: int,
+                        eos: str) -> list[tuple[str, str]]:
+    """The (prompt, "<answer><eos>") pairs of a sloppy teacher: with probability `format_noise` a
+    completion gets a stray character before EOS ("19." instead of "19"), which an exact-match
+    verifier scores as wrong. The answers themselves stay correct.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for prompt, completion in pairs:
+        if rng.random() < format_noise:
+            junk = FORMAT_JUNK[int(rng.integers(len(FORMAT_JUNK)))]
+            completion = completion.removesuffix(eos) + junk + eos
+        out.append((prompt, completion))
+    return out
+
+
+def _warm_start_key(c: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Everything the cached warm start depends on; a cache with another key is rebuilt."""
+    return {"seed": c.seed, "tiny": c.model.tiny.to_dict(), "sft": c.sft.to_dict(),
+            "task": c.data.task, "digits": c.data.arith_digits, "ops": c.data.arith_ops}
+
+
+def tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: Sequence[MathExample]
+                ) -> tuple[ModelConfig, Any, Any]:
+    """The tiny in-code policy: loaded from the workdir's cache, or built (and warm-started)."""
+    sft_dir = os.path.join(workdir, "sft_model")
+    key_file = os.path.join(sft_dir, "warm_start.json")
+    key = json.loads(json.dumps(_warm_start_key(c)))
+    if c.sft.steps and os.path.isfile(key_file):
+        with open(key_file, encoding="utf-8") as f:
+            cached = json.load(f)
+        if cached == key:
+            logging.info("reusing the cached warm start in %s", sft_dir)
+            model_config, params = load_hf(sft_dir)
+            return model_config.replace(dtype=c.model.dtype), params, load_tokenizer(sft_dir)
+        logging.warning("the cached warm start in %s was built with other settings; rebuilding",
+                        sft_dir)
+    tokenizer = build_char_tokenizer()
+    model_config = tiny_model_config(c)
+    params = init_params(model_config, jax.random.key(c.seed))
+    if c.sft.steps:
+        if c.data.task == "arithmetic":
+            pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), c.sft.format_noise,
+                                        c.seed, tokenizer.eos_token)
+        else:
+            pairs = [(build_prompt(ex.problem, tokenizer),
+                      f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}") for ex in train]
+        logging.info("supervised warm start: %d steps on %d examples", c.sft.steps, len(pairs))
+        params = supervised_warm_start(model_config, params, pairs, tokenizer, steps=c.sft.steps,
+                                       learning_rate=c.sft.learning_rate,
+                                       batch_size=c.sft.batch_size, seed=c.seed)
+        params = jax.device_get(params)
+        save_hf(sft_dir, model_config, params, tokenizer=tokenizer)
+        with open(key_file, "w", encoding="utf-8") as f:
+            json.dump(key, f, sort_keys=True)
+    return model_config, params, tokenizer

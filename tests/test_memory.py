@@ -1,0 +1,81 @@
+"""Learner memory grows linearly with the sequence: a regression to materialised [T, T] attention
+scores or whole [tokens, vocab] logits fails here. Programs are compiled, never run."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from qurl_jax import sharding as shd
+from qurl_jax.bench import memory
+from qurl_jax.config import base_config
+from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.models import ModelConfig, hf, init_params
+from qurl_jax.rl.objectives import ObjectiveConfig
+
+# A vocabulary 512x the model width, as in real LMs (152K / 1.5K-3.5K), so whole logits would
+# stand out against activations.
+CFG = ModelConfig(model_type="qwen2", vocab_size=32768, hidden_size=64, intermediate_size=128,
+                  num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
+ROWS = 2
+
+
+def _temp_bytes(learner: Learner, length: int) -> dict[str, int]:
+    """Compiled temp bytes of the update and the log-prob recomputation at T = length."""
+    params, opt_state = learner.abstract_state(
+        jax.eval_shape(lambda: init_params(CFG, jax.random.key(0))))
+    g = 3 * length // 4
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype,
+                                    sharding=shd.batch_sharding(learner.mesh, len(shape)))
+
+    batch = {"tokens": spec((ROWS, length), jnp.int32),
+             "positions": spec((ROWS, length), jnp.int32),
+             "attn_mask": spec((ROWS, length), jnp.bool_),
+             "resp_mask": spec((ROWS, g), jnp.float32), "logp_behav": spec((ROWS, g), jnp.float32)}
+    logprobs = learner.logprobs_fn(params, batch).lower(params, batch).compile()
+    batch.update(logp_prox=spec((ROWS, g), jnp.float32), advantages=spec((ROWS,), jnp.float32))
+    update = learner.update_fn(params, opt_state, batch).lower(params, opt_state, batch).compile()
+    return {"update": memory.compiled_memory(update)["temp_bytes"],
+            "logprobs": memory.compiled_memory(logprobs)["temp_bytes"]}
+
+
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_temp_memory_grows_linearly_with_length(remat):
+    learner = Learner(CFG, ObjectiveConfig(entropy_coef=0.01), OptimConfig(), shd.make_mesh(),
+                      remat=remat, scan_layers=True, logprob_chunk=64)
+    lengths = (2048, 8192)
+    short, long = (_temp_bytes(learner, t) for t in lengths)
+    added_positions = 3 * (lengths[1] - lengths[0]) // 4  # response positions G = 3T/4
+    for program in ("update", "logprobs"):
+        # 4x the length: linear growth is at most 4x; materialised [T, T] attention scores would
+        # grow 16x (2 GB of f32 scores per layer at T = 8192 against ~0.1 GB here).
+        growth = long[program] / short[program]
+        assert growth < 5.0, f"{program}: temp grew {growth:.1f}x for 4x the length: {short} {long}"
+        # Whole f32 logits would add ROWS * V * 4 = 262 KB per response position (per array);
+        # chunked, only activations O(E + M) per token grow.
+        per_position = (long[program] - short[program]) / added_positions
+        assert per_position < ROWS * CFG.vocab_size * 4 / 4, (program, per_position)
+
+
+def test_memory_report_of_a_small_config(tmp_path):
+    # The report end to end on a tiny model shape (a config.json beside the config, as under
+    # configs/shapes/), on a 2-way FSDP mesh: every program compiles and reports its bytes.
+    with open(tmp_path / "tiny.json", "w") as f:
+        json.dump(hf.config_to_hf(CFG.replace(vocab_size=512)), f)
+    c = base_config()
+    c.model.path = "checkpoints/tiny"
+    c.data.prompts_per_step, c.rollout.n = 4, 2
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 16, 24
+    c.rl.num_minibatches, c.rl.num_micro_batches = 2, 2
+    c.mesh.fsdp = 2
+    c.train.remat, c.train.scan_layers = "full", True
+    lines = []
+    figures = memory.report(c, str(tmp_path), log=lines.append)
+    assert figures["devices"] == 2 and set(figures["programs"]) == set(memory.PROGRAMS)
+    for program in figures["programs"].values():
+        assert program["peak_bytes"] >= program["temp_bytes"] > 0
+        assert set(program) == {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"}
+    assert any("estimate" in line for line in lines)
