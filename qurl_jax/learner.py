@@ -1,4 +1,4 @@
-"""The full-precision learner: log-prob recomputation and the policy update, jitted and sharded.
+"""The learner: log-prob recomputation and the policy update, jitted and sharded.
 
 Both functions are compiled once with explicit `NamedSharding`s over the mesh
 `(data, fsdp, tensor)`: parameters and optimizer state follow the logical-axis rules of
@@ -16,6 +16,11 @@ gradient), clips the global norm, and applies AdamW. Memory is bounded by a few 
 `Learner`): micro-batches, per-layer rematerialisation, response-only log-probs computed in chunks
 of positions, and the model's attention implementation (blockwise above a length threshold);
 `python -m qurl_jax.bench.memory` compiles both programs for a config and reports their memory.
+The training precision (`Learner(precision=...)`, `train.precision`) is bound inside both
+programs, per (micro-)batch: 'fp' runs float matmuls; 'fp8_block' runs every linear layer of the
+recipe in block-scaled FP8 in the forward and backward (`quant.bind_train_precision`), the same
+quantization the sampler's 'fp8_block' rollout applies, so pi_prox and pi_behav come from the same
+quantized policy (Jet-RL). It composes with remat, the layer scan, micro-batches and the mesh.
 A non-finite loss or gradient leaves parameters and optimizer state unchanged and is reported in
 the metrics (`update/skipped`), so the trainer can count bad steps without losing the last good
 state.
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.models import (
     ModelConfig,
@@ -56,16 +62,25 @@ BATCH_KEYS = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "lo
 
 def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positions: jax.Array,
                       attn_mask: jax.Array, response_len: int, temperature: float, *,
-                      chunk: int, with_entropy: bool = False
+                      chunk: int, with_entropy: bool = False,
+                      precision: str | quant.Recipe = "fp"
                       ) -> tuple[jax.Array, jax.Array | None]:
     """f32[B, G] log-probs of the response tokens (and f32[B, G] entropies if asked).
 
     Only the G positions that predict response tokens reach the LM head, in chunks of `chunk`
     positions (`chunked_token_logprobs`): the f32 [B, G, V] logits never exist whole.
+    `precision` is the training precision (`quant.bind_train_precision`): with `fp8_block` every
+    linear layer the recipe quantizes runs its forward and backward products in block-scaled FP8,
+    quantizing the same float32 values the sampler's `requantize` does; padding tokens stay out
+    of every scale.
     """
+    model, params = quant.bind_train_precision(model, params, precision, token_mask=attn_mask)
     hidden, _ = model.apply({"params": params}, tokens, positions, attn_mask, return_hidden=True)
     hidden = hidden[:, -response_len - 1:-1]  # [B, G, E]: position P - 1 + t predicts token t
-    head = lambda h: lm_head_logits(model.config, params, h, model.dot_general)  # noqa: E731
+    # The head runs on chunks of response positions, so it gets the unmasked hook: the same
+    # product for an unquantized head (a plain array), FP8 only if the recipe quantizes it.
+    head_dot = quant.make_train_dot_general(precision)
+    head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     return chunked_token_logprobs(head, hidden, tokens[:, -response_len:], temperature,
                                   chunk=chunk, with_entropy=with_entropy)
 
@@ -169,13 +184,22 @@ class Learner:
       logprob_batch_size: rows per forward pass in `logprobs` (a scan over slices of the batch);
         0 = the whole batch at once. The trainer passes the update's micro-batch size.
     The attention implementation is `model_config.attention`.
+
+    precision: the training precision, a `quant` recipe name or `Recipe` (`train.precision`):
+      'fp' runs plain matmuls; 'fp8_block' runs the recipe's linear layers in block-scaled FP8 in
+      the forward and backward of both `logprobs` (pi_prox, pi_ref) and `update` (Jet-RL's
+      unified flow when the rollout runs 'fp8_block' too). Master weights, optimizer state,
+      attention, norms and the LM head stay in float. Other recipes raise ValueError.
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
                  mesh: Mesh, *, temperature: float = 1.0, num_micro_batches: int = 1,
                  remat: Remat | str = Remat.NONE, scan_layers: bool = False,
-                 logprob_chunk: int = 512, logprob_batch_size: int = 0) -> None:
+                 logprob_chunk: int = 512, logprob_batch_size: int = 0,
+                 precision: str | quant.Recipe = "fp") -> None:
         objective.validate()
+        quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
+        self.precision = quant.get_recipe(precision)
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
         if logprob_chunk < 1:
@@ -279,7 +303,7 @@ class Learner:
             rows = self._constrain_rows(rows)
             logp, _ = response_logprobs(self.model, params, rows["tokens"], rows["positions"],
                                         rows["attn_mask"], response_len, self.temperature,
-                                        chunk=self.logprob_chunk)
+                                        chunk=self.logprob_chunk, precision=self.precision)
             return logp
 
         rows = {k: batch[k] for k in ("tokens", "positions", "attn_mask")}
@@ -299,7 +323,7 @@ class Learner:
         logp, entropy = response_logprobs(self.model, params, batch["tokens"],
                                           batch["positions"], batch["attn_mask"], response_len,
                                           self.temperature, chunk=self.logprob_chunk,
-                                          with_entropy=need_entropy)
+                                          with_entropy=need_entropy, precision=self.precision)
         return policy_loss(
             logp, batch["logp_prox"], batch["logp_behav"], batch["advantages"],
             batch["resp_mask"], self.objective,
