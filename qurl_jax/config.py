@@ -107,7 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.num_micro_batches = 1  # gradient accumulation inside one optimizer step
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.learning_rate = 1e-6
+    c.optim.learning_rate = 1e-6  # 0 = a control run (see train.apply_updates)
     c.optim.warmup_steps = 0
     c.optim.decay_steps = 0  # cosine decay steps after warm-up; 0 = constant
     c.optim.end_lr_ratio = 0.0  # learning rate at the end of the cosine decay / learning_rate
@@ -226,16 +226,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
     for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
                   "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",
-                  "rl.num_minibatches", "rl.num_micro_batches", "optim.learning_rate",
+                  "rl.num_minibatches", "rl.num_micro_batches",
                   "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
                   "rollout.invariant_scaling", "eval.k", "reward.timeout_s", "optim.eps",
                   "train.logprob_chunk",
                   "mesh.data", "mesh.fsdp", "mesh.tensor"):
         section, name = field.split(".")
         _positive(c[section][name], field)
-    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.weight_decay",
-                  "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
-                  "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
+    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.learning_rate",
+                  "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
+                  "optim.decay_steps", "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
         section, name = field.split(".")
         _positive(c[section][name], field, strict=False)
     for field in ("optim.b1", "optim.b2"):

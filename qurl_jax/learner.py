@@ -152,20 +152,35 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """lr at optimizer step 0, 1, ...: a linear warm-up lr * (step + 1) / warmup_steps (the first
+    step already moves; it reaches lr at step warmup_steps - 1), then cosine decay to
+    lr * end_lr_ratio over decay_steps or constant. lr 0 is allowed (a control run)."""
+    lr, warmup, decay = cfg.learning_rate, cfg.warmup_steps, cfg.decay_steps
+    end = lr * cfg.end_lr_ratio
+
+    def schedule(count: jax.Array) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32)
+        out = jnp.asarray(lr, jnp.float32)
+        if decay > 0:
+            frac = jnp.clip((step - warmup) / decay, 0.0, 1.0)
+            out = end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+        if warmup > 0:
+            out = jnp.where(step < warmup, lr * (step + 1.0) / warmup, out)
+        return out
+
+    return schedule
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    if cfg.learning_rate <= 0:
-        raise ValueError(f"optim.learning_rate must be > 0, got {cfg.learning_rate}")
-    if cfg.decay_steps > 0:
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0 if cfg.warmup_steps else cfg.learning_rate, cfg.learning_rate,
-            max(cfg.warmup_steps, 0), cfg.warmup_steps + cfg.decay_steps,
-            cfg.learning_rate * cfg.end_lr_ratio)
-    elif cfg.warmup_steps > 0:
-        schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-    else:
-        schedule = optax.constant_schedule(cfg.learning_rate)
+    if cfg.learning_rate < 0:
+        raise ValueError(f"optim.learning_rate must be >= 0, got {cfg.learning_rate}")
+    if cfg.warmup_steps < 0 or cfg.decay_steps < 0:
+        raise ValueError(f"optim.warmup_steps={cfg.warmup_steps} and optim.decay_steps="
+                         f"{cfg.decay_steps} must be >= 0")
     chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    chain.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+    # AdamW scales the decoupled weight decay by the learning rate too: lr 0 changes nothing.
+    chain.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                              weight_decay=cfg.weight_decay))
     return optax.chain(*chain)
 

@@ -276,8 +276,8 @@ def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     try:
         t = Trainer(c, str(tmp_path))
         # Mixed outcomes in every group, so the advantages and the policy gradient are non-zero
-        # (DAPO's filter keeps both groups in the first round). Two steps: a linear warm-up (the
-        # DAPO config's) gives the first optimizer step a learning rate of exactly 0.
+        # (DAPO's filter keeps both groups in the first round). Two steps, so the second runs
+        # with an optimizer state that has seen one update.
         t.task.rewards = _scripted([1, 0, 0, 1], [0, 1, 1, 0])
         before = jax.device_get(t.params)
         metrics = [t.step(), t.step()]
