@@ -245,6 +245,9 @@ def test_bad_override_fails_before_compiling(tmp_path, override, message):
                              "rollout.invariant_scaling": 1.5, "rl.cap": 5.0}),
     ("gsm8k_qwen2p5_0p5b_int8", {"rollout.precision": "int8", "rollout.invariant_scaling": 1.0,
                                  "optim.learning_rate": 1e-5, "rl.cap": 2.0}),
+    ("jetrl_r1_1p5b_fp8_block", {"rollout.precision": "fp8_block", "train.precision": "fp8_block",
+                                 "rl.loss_mode": "on_policy", "rollout.invariant_scaling": 1.0,
+                                 "train.scan_layers": True}),
 ])
 def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     c = _load_config(name)
