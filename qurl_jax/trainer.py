@@ -176,7 +176,8 @@ class Trainer:
                                self.mesh, temperature=c.rollout.temperature,
                                num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
                                scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
-                               logprob_batch_size=learner_micro_batch_size(c))
+                               logprob_batch_size=learner_micro_batch_size(c),
+                               precision=c.train.precision)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
