@@ -124,11 +124,13 @@ def test_insert_prefill_is_batched_and_bounded(qwen) -> None:
         out = refill.sample(params, prompts, length_limits=limits, **kw)
         np.testing.assert_array_equal(np.asarray(out.lengths), limits)
         run = refill.last_run
-        # 64 rows, prefills in batches: at least refill_min rows per insert but the last ones.
+        # 64 rows, admitted in batches: at least refill_min rows per insert but the last ones;
+        # each of the 16 prompts prefilled once, though its 4 rows enter at different times.
         assert run.inserts <= 64 // 3 + 2
+        assert run.prefilled == 16
     inserts = [k for k in refill._refill_programs if k[0] == "insert"]
-    # (K rows, P distinct prompts) power-of-two buckets, P <= K <= 8: at most 4 + 3 + 2 + 1.
-    assert refill.num_insert_programs == len(inserts) <= 10
+    # K rows a power of two <= 8, P new prompts 0 or a power of two <= K: at most 2 + 3 + 4 + 5.
+    assert refill.num_insert_programs == len(inserts) <= 14
     # The first insert fills all 8 slots with two groups of 4: two prompts prefilled, not 8.
     assert any(k[-3:] == (8, 2, 16) for k in inserts)
     before = refill.num_programs

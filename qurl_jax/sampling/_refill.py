@@ -6,10 +6,13 @@ length distributions (median around a quarter of the limit) most of the chunk co
 most of the time. `RefillSampler` keeps R = `max_concurrent_rows` slots busy instead:
 
     host loop (no host round-trip per token):
-      insert   - one jitted program per (rows K, distinct prompts P) bucket: prefills the P distinct
-                 prompts of the K rows admitted now (a GRPO group's rows admitted together share
-                 one prefill), samples each row's first token, and scatters the rows' caches and
-                 per-row state into the K freed slots (padding entries target slot R: dropped).
+      insert   - one jitted program per (rows K, new prompts P) bucket: prefills the P prompts of
+                 the K rows admitted now that were not prefilled before, samples each row's first
+                 token, and scatters the rows' caches and per-row state into the K freed slots
+                 (padding entries target slot R: dropped). Each prompt is prefilled once: a
+                 group's rows admitted together share a prefill, and the prefill of the prompt at
+                 the head of each shard's queue (a group partly admitted) is held in the state
+                 for its later rows.
       decode   - one jitted `lax.while_loop`: every step feeds each live slot's last token through
                  the model and samples its next one; it returns when `need` refillable slots have
                  finished, when every slot is idle, or after `max_steps_per_call` steps.
@@ -77,6 +80,9 @@ class RefillState:
     limit: i32[R]      its occupant's response length limit.
     tokens: i32[N, G]; logp, logp_untruncated: f32[N, G]; mask: bool[N, G] - `SampleOutput`'s
                        per-token fields, written in place as tokens are sampled.
+    held: KVCache of H = batch shards rows, p_len slots; held_logits: f32[H, V] - the prefill
+                       (cache and last-position logits) of a prompt with rows still waiting, one
+                       per shard, so its later rows are admitted without prefilling it again.
 
     A compressed-KV policy would add its per-row state here (e.g. the query window), reset by the
     insert like the cache row.
@@ -92,6 +98,8 @@ class RefillState:
     logp: jax.Array
     logp_untruncated: jax.Array
     mask: jax.Array
+    held: KVCache
+    held_logits: jax.Array
 
 
 @dataclasses.dataclass
@@ -99,6 +107,7 @@ class RefillRun:
     """What the last `RefillSampler.sample` call did (for tests and benchmarks).
 
     decode_calls / inserts: programs run; decode_steps: decode loop iterations, summed over calls;
+    prefilled: prompts prefilled (each prompt once, whatever its rows' slots and times);
     slot_rows: per slot, the rows it held, in order; occupancy: generated tokens / (decode_steps *
     slots), the fraction of slot-steps that produced a token (first tokens come from the insert).
     """
@@ -106,6 +115,7 @@ class RefillRun:
     decode_calls: int = 0
     inserts: int = 0
     decode_steps: int = 0
+    prefilled: int = 0
     slot_rows: list[list[int]] = dataclasses.field(default_factory=list)
     occupancy: float = 0.0
 
@@ -126,7 +136,8 @@ class RefillSampler(Sampler):
       **kwargs: the rest of `Sampler`'s arguments.
 
     Compiled programs: one decode program per (slots, rows, buckets, sampling mode) and at most one
-    insert per (K, P) pair of power-of-two buckets with P <= K <= R and per prompt bucket.
+    insert per (K, P) pair of buckets, K a power of two <= R and P 0 or a power of two <= K, per
+    prompt bucket and sampling mode.
     """
 
     def __init__(self, config: ModelConfig, dot_general: DotGeneral = jax.lax.dot_general, *,
@@ -208,7 +219,8 @@ class RefillSampler(Sampler):
                   for d in range(shards)]
         free = [list(range(d * per_shard, (d + 1) * per_shard)) for d in range(shards)]
         run = RefillRun(slot_rows=[[] for _ in range(slots)])
-        state = self._program("init", slots, rows, cache_len, g_len)()
+        state = self._program("init", slots, rows, cache_len, g_len, shards, p_len)()
+        held = [-1] * shards  # the prompt whose prefill each shard holds
         decode = self._program("decode", slots, rows, cache_len, g_len, mode, eos_arr.size)
         live = np.zeros((slots,), np.bool_)
         while True:
@@ -216,9 +228,10 @@ class RefillSampler(Sampler):
             for d in range(shards):
                 while free[d] and queues[d]:
                     admit.append((free[d].pop(0), queues[d].popleft()))
-            for start in range(0, len(admit), slots):
-                state = self._insert(params, state, admit[start: start + slots], tokens, mask,
-                                     limits, n, cache_len, g_len, mode, settings)
+            if admit:
+                state, run.prefilled = self._insert(
+                    params, state, admit, held, queues, tokens, mask, limits, n, mode, settings,
+                    run.prefilled)
                 run.inserts += 1
             for slot, row in admit:
                 run.slot_rows[slot].append(row)
@@ -269,15 +282,21 @@ class RefillSampler(Sampler):
     # Host side of an insert.
 
     def _insert(self, params: Params, state: RefillState, admit: list[tuple[int, int]],
-                tokens: np.ndarray, mask: np.ndarray, limits: np.ndarray, n: int, cache_len: int,
-                g_len: int, mode: SamplingMode, settings: tuple) -> RefillState:
-        """Admits rows into slots (`admit`: (slot, row) pairs, at most R): their distinct prompts
-        are prefilled once, padded to power-of-two buckets of rows K and prompts P."""
+                held: list[int], queues: list[collections.deque], tokens: np.ndarray,
+                mask: np.ndarray, limits: np.ndarray, n: int, mode: SamplingMode,
+                settings: tuple, prefilled: int) -> tuple[RefillState, int]:
+        """Admits rows into slots (`admit`: (slot, row) pairs, at most R) and updates `held` (each
+        shard's held prompt) in place. Prompts neither held nor seen in this insert are
+        prefilled, padded to buckets of rows K and new prompts P. Returns the state and the
+        count of prompts prefilled so far."""
         slots, rows = state.live.shape[0], state.tokens.shape[0]
+        shards = len(held)
         k = _bucket(len(admit), _power_of_two_buckets(1, slots))
-        prompt_ids = sorted({row // n for _, row in admit})
-        p = _bucket(len(prompt_ids), _power_of_two_buckets(1, k))
-        index = {pid: i for i, pid in enumerate(prompt_ids)}
+        new_ids = sorted({row // n for _, row in admit} - set(held))
+        p = _bucket(len(new_ids), (0, *_power_of_two_buckets(1, k))) if new_ids else 0
+        # Sources: the H held prefills, then the P new ones.
+        index = {pid: shards + i for i, pid in enumerate(new_ids)}
+        index.update({pid: d for d, pid in enumerate(held) if pid >= 0})
         # Padding entries: slot R and row N are out of range, so their scatters are dropped.
         slot_arr = np.full((k,), slots, np.int32)
         row_arr = np.full((k,), rows, np.int32)
@@ -285,15 +304,24 @@ class RefillSampler(Sampler):
         lim = np.ones((k,), np.int32)
         for i, (slot, row) in enumerate(admit):
             slot_arr[i], row_arr[i], src[i], lim[i] = slot, row, index[row // n], limits[row]
+        # Each shard now holds the prefill of its next waiting row's prompt, if it has one.
+        hold_src = np.arange(shards, dtype=np.int32)
+        for d, queue in enumerate(queues):
+            nxt = queue[0] // n if queue else -1
+            if nxt in index:
+                hold_src[d], held[d] = index[nxt], nxt
+            else:
+                held[d] = -1
         new_tokens = np.full((p, tokens.shape[1]), self.pad_id, np.int32)
         new_mask = np.zeros((p, tokens.shape[1]), np.bool_)
-        new_tokens[: len(prompt_ids)] = tokens[prompt_ids]
-        new_mask[: len(prompt_ids)] = mask[prompt_ids]
-        insert = self._program("insert", slots, rows, cache_len, g_len, mode, settings[-1].size,
-                               k, p, tokens.shape[1])
+        new_tokens[: len(new_ids)] = tokens[new_ids]
+        new_mask[: len(new_ids)] = mask[new_ids]
+        insert = self._program("insert", slots, rows, state.cache.length, state.tokens.shape[1],
+                               mode, settings[-1].size, k, p, tokens.shape[1])
         put = self._put_replicated
-        return insert(params, state, put(new_tokens), put(new_mask), put(src), put(slot_arr),
-                      put(row_arr), put(lim), *settings)
+        state = insert(params, state, put(new_tokens), put(new_mask), put(src), put(slot_arr),
+                       put(row_arr), put(lim), put(hold_src), *settings)
+        return state, prefilled + len(new_ids)
 
     def _put_replicated(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:
@@ -310,7 +338,8 @@ class RefillSampler(Sampler):
         if key not in self._refill_programs:
             if kind == "init":
                 fn = jax.jit(functools.partial(self._init_state, slots=slots, rows=rows,
-                                               cache_len=cache_len, g_len=g_len))
+                                               cache_len=cache_len, g_len=g_len,
+                                               held=static[0], p_len=static[1]))
             elif kind == "decode":
                 fn = jax.jit(functools.partial(self._decode_steps, mode=static[0]),
                              donate_argnums=(1,))
@@ -332,10 +361,12 @@ class RefillSampler(Sampler):
             row=c(state.row, _ROW_AXES), limit=c(state.limit, _ROW_AXES),
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES),
+            held=state.held, held_logits=state.held_logits,
         )
 
-    def _init_state(self, *, slots: int, rows: int, cache_len: int, g_len: int) -> RefillState:
-        """Every slot idle (row N: out of range), outputs empty."""
+    def _init_state(self, *, slots: int, rows: int, cache_len: int, g_len: int, held: int,
+                    p_len: int) -> RefillState:
+        """Every slot idle (row N: out of range), outputs empty, nothing held."""
         i32 = jnp.int32
         return self._constrain_state(RefillState(
             cache=KVCache.zeros(self.config, slots, cache_len),
@@ -346,6 +377,8 @@ class RefillSampler(Sampler):
             logp=jnp.zeros((rows, g_len), jnp.float32),
             logp_untruncated=jnp.zeros((rows, g_len), jnp.float32),
             mask=jnp.zeros((rows, g_len), jnp.bool_),
+            held=KVCache.zeros(self.config, held, p_len),
+            held_logits=jnp.zeros((held, self.config.vocab_size), jnp.float32),
         ))
 
     @staticmethod
@@ -369,6 +402,7 @@ class RefillSampler(Sampler):
         slots: jax.Array,
         rows: jax.Array,
         limits: jax.Array,
+        hold_src: jax.Array,
         key: jax.Array,
         temperature: jax.Array,
         top_p: jax.Array,
@@ -376,20 +410,26 @@ class RefillSampler(Sampler):
         *,
         mode: SamplingMode,
     ) -> RefillState:
-        """Prefills P prompts (prompt_tokens i32[P, p_len], prompt_mask bool[P, p_len]) and
-        admits K rows: row rows[i] (prompt src[i], limit limits[i]) goes to slot slots[i] with
-        its first token sampled. Every field of an admitted slot is overwritten: all S cache slots
-        (the prompt in [0, p_len), the rest empty), positions, counters and the token state."""
+        """Prefills P new prompts (prompt_tokens i32[P, p_len], prompt_mask bool[P, p_len]; P may
+        be 0) and admits K rows: row rows[i] (limit limits[i]) goes to slot slots[i] with its
+        first token sampled, its prompt's prefill taken from source src[i] of the H held
+        prefills followed by the P new ones. Every field of an admitted slot is overwritten: all S
+        cache slots (the prompt in [0, p_len), the rest empty), positions, counters and the token
+        state. The held prefills become sources hold_src i32[H]."""
         p, p_len = prompt_tokens.shape
         cache_len = state.cache.length
-        logits, cache = self.model.apply(
-            {"params": params}, prompt_tokens, positions_from_mask(prompt_mask), prompt_mask,
-            cache=KVCache.zeros(self.config, p, p_len), last_only=True,
-        )
-        cache = cache.repeat(1, cache_len)
+        held, held_logits = state.held, state.held_logits
+        if p:
+            logits, new = self.model.apply(
+                {"params": params}, prompt_tokens, positions_from_mask(prompt_mask), prompt_mask,
+                cache=KVCache.zeros(self.config, p, p_len), last_only=True,
+            )
+            held = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]), held, new)
+            held_logits = jnp.concatenate([held_logits, logits[:, 0]])
+        cache = jax.tree.map(lambda x: jnp.take(x, src, axis=0), held).repeat(1, cache_len)
 
         def admit(buf: jax.Array, new: jax.Array) -> jax.Array:
-            return buf.at[slots].set(jnp.take(new, src, axis=0).astype(buf.dtype), mode="drop")
+            return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
 
         new_cache = KVCache(
             k=tuple(map(admit, state.cache.k, cache.k)),
@@ -401,7 +441,7 @@ class RefillSampler(Sampler):
         # The first token, from the prefill logits: column 0 of each row's stream.
         row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0)
-        tok, lp, lp_full = sample_tokens(jnp.take(logits[:, 0], src, axis=0), step_keys,
+        tok, lp, lp_full = sample_tokens(jnp.take(held_logits, src, axis=0), step_keys,
                                          temperature, top_p, mode)
         state = self._record(state, rows, jnp.zeros_like(rows), tok, lp, lp_full)
         ended = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1) | (limits <= 1)
@@ -413,6 +453,8 @@ class RefillSampler(Sampler):
             cache=new_cache, tok=put(state.tok, tok), step=put(state.step, jnp.ones_like(rows)),
             live=put(state.live, ~ended), row=put(state.row, rows),
             limit=put(state.limit, limits),
+            held=jax.tree.map(lambda x: jnp.take(x, hold_src, axis=0), held),
+            held_logits=jnp.take(held_logits, hold_src, axis=0),
         ))
 
     def _decode_steps(
