@@ -179,3 +179,22 @@ def test_bad_arguments_raise(qwen) -> None:
     with pytest.raises(ValueError, match="length_limits"):
         refill.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=4,
                       length_limits=[1, 5, 2])
+
+
+def test_trainer_switch() -> None:
+    from qurl_jax.config import base_config, refill_enabled, validate
+
+    c = base_config()
+    c.data.prompts_per_step, c.rollout.n = 8, 8
+    assert c.rollout.refill == "off" and not refill_enabled(c)
+    c.rollout.refill = "on"
+    assert refill_enabled(c)
+    c.rollout.refill = "auto"
+    for rows, enabled in ((16, True), (0, False), (64, False)):
+        c.rollout.max_concurrent_rows = rows
+        assert refill_enabled(c) == enabled, rows
+    c.model.source, c.data.task, c.eval.files = "tiny", "arithmetic", []
+    validate(c)
+    c.rollout.refill = "sometimes"
+    with pytest.raises(ValueError, match="rollout.refill"):
+        validate(c)
