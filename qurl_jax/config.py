@@ -31,6 +31,8 @@ MODEL_SOURCES = ("hf", "tiny")
 TASKS = ("math", "arithmetic")
 # Which log-prob of a sampled token the learner gets as pi_behav (see rollout.behav_logp).
 BEHAV_LOGPS = ("sampled", "untruncated")
+# Continuous batching of the rollout (see rollout.refill and `refill_enabled`).
+REFILL = ("auto", "on", "off")
 # What DAPO's dynamic sampling compares within a group (see rl.filter_metric).
 FILTER_METRICS = ("accuracy", "reward")
 
@@ -67,6 +69,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0  # 0 = off
     c.rollout.top_p = 1.0
     c.rollout.max_concurrent_rows = 0  # rows decoded at once (bounds the KV cache); 0 = all
+    # Refill finished rows' slots with waiting rows (sampling.RefillSampler, continuous batching):
+    # 'on', 'off' (the static chunked Sampler) or 'auto' = on when rows wait, i.e. when
+    # max_concurrent_rows > 0 holds fewer rows than prompts_per_step * n.
+    c.rollout.refill = "off"
     # pi_behav handed to the learner: 'sampled' = the log-prob under the distribution that drew the
     # token (truncated and renormalised by top-k/top-p), the correct importance-sampling
     # denominator; 'untruncated' = under the full tempered softmax (too small by log Z on every
@@ -186,6 +192,15 @@ def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
     return c.data.prompts_per_step * c.rollout.n // (c.rl.num_minibatches * c.rl.num_micro_batches)
 
 
+def refill_enabled(c: ml_collections.ConfigDict) -> bool:
+    """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
+    a slot, the only case where refilling can help)."""
+    if c.rollout.refill == "auto":
+        rows = c.data.prompts_per_step * c.rollout.n
+        return 0 < c.rollout.max_concurrent_rows < rows
+    return c.rollout.refill == "on"
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
         raise ValueError(f"config.{field}={value!r} is not one of {choices}")
@@ -223,6 +238,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rl.advantage, ADVANTAGES, "rl.advantage")
     _choice(c.rl.kl_estimator, KL_ESTIMATORS, "rl.kl_estimator")
     _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
+    _choice(c.rollout.refill, REFILL, "rollout.refill")
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
     for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
                   "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",

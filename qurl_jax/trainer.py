@@ -39,13 +39,18 @@ from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.config import (learner_micro_batch_size, objective_from_config, optim_from_config,
-                             validate)
+from qurl_jax.config import (
+    learner_micro_batch_size,
+    objective_from_config,
+    optim_from_config,
+    refill_enabled,
+    validate,
+)
 from qurl_jax.learner import Learner
 from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import RefillSampler, Sampler
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
@@ -189,8 +194,9 @@ class Trainer:
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                               pad_id=self.task.pad_id, mesh=self.mesh,
                               max_concurrent_rows=c.rollout.max_concurrent_rows)
-        self.sampler = Sampler(self.model_config, quant.make_dot_general(self.recipe),
-                               **sampler_kwargs)
+        rollout_sampler = RefillSampler if refill_enabled(c) else Sampler
+        self.sampler = rollout_sampler(self.model_config, quant.make_dot_general(self.recipe),
+                                       **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)
