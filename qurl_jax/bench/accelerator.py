@@ -114,18 +114,22 @@ def _timer(sampler: Sampler, params: Any, prompts: list[list[int]]) -> Callable[
     return run
 
 
-def actor(config: ModelConfig, params: Any, precision: str) -> tuple[Any, Any]:
-    """(rollout parameters, dot_general) of a precision: 'fp' is the bf16 model itself."""
+def actor(config: ModelConfig, precision: str) -> tuple[Any, Any]:
+    """(rollout parameters, dot_general) of a precision: 'fp' is the bf16 model itself. The bf16
+    weights a quantized actor is made from are freed before it runs (a 7B model's bf16 copy beside
+    its int8 copy and a batch-256 KV cache does not fit in 80 GB)."""
+    params = random_params(config, config.compute_dtype)
     if precision == "fp":
         return params, jax.lax.dot_general
     recipe = quant.get_recipe(precision)
-    return (jax.block_until_ready(quant.requantize(params, recipe, config.compute_dtype)),
-            quant.make_dot_general(recipe))
+    quantized = jax.block_until_ready(quant.requantize(params, recipe, config.compute_dtype))
+    jax.tree.map(lambda x: x.delete(), params)
+    return quantized, quant.make_dot_general(recipe)
 
 
-def rollout(config: ModelConfig, params: Any, precision: str, batch: int) -> dict[str, Any]:
+def rollout(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
     p_len, new = ARGS.prompt_len, ARGS.new_tokens
-    rollout_params, dot_general = actor(config, params, precision)
+    rollout_params, dot_general = actor(config, precision)
     sampler = Sampler(config, dot_general, prompt_buckets=(p_len,), gen_buckets=(new,))
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, config.vocab_size, (batch, p_len)).tolist()
@@ -175,9 +179,9 @@ def matmul_lowering(hlo: str) -> dict[str, int]:
     return dict(counts.most_common())
 
 
-def lowering(config: ModelConfig, params: Any, precision: str, batch: int) -> dict[str, Any]:
+def lowering(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
     p_len, new = ARGS.prompt_len, ARGS.new_tokens
-    rollout_params, dot_general = actor(config, params, precision)
+    rollout_params, dot_general = actor(config, precision)
     sampler = Sampler(config, dot_general, prompt_buckets=(p_len,), gen_buckets=(new,))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rollout_params)
     compiled = sampler.lower_programs(abstract, batch, p_len, new)["decode"].compile()
@@ -256,12 +260,11 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(out, f, indent=1)
     for name in ARGS.models if parts & {"rollout", "lowering"} else ():
         config = model_config(name)
-        params = random_params(config, config.compute_dtype)
         print(f"\n{name}: {config.num_params / 1e9:.2f}B params", flush=True)
         for batch in ARGS.batches:
             for precision in ARGS.precisions:
                 if "rollout" in parts:
-                    row = {"model": name, **rollout(config, params, precision, batch)}
+                    row = {"model": name, **rollout(config, precision, batch)}
                     out["rollout"].append(row)
                     save()
                     print(f"  rollout {precision:5s} B={batch:4d}: "
@@ -269,11 +272,10 @@ def main(argv: list[str] | None = None) -> None:
                           f"{row['decode_step_ms']:.2f} ms, reads {row['bytes_read_per_step_gib']:.1f}"
                           f" GiB/step = {row['achieved_gb_per_s']:.0f} GB/s", flush=True)
                 if "lowering" in parts and batch == ARGS.batches[0]:
-                    row = {"model": name, **lowering(config, params, precision, batch)}
+                    row = {"model": name, **lowering(config, precision, batch)}
                     out["lowering"].append(row)
                     save()
                     print(f"  decode matmuls {precision}: {row['decode_matmuls']}", flush=True)
-        del params
     for precision in ARGS.precisions if "learner" in parts else ():
         row = learner(precision)
         out["learner"].append(row)
