@@ -149,6 +149,11 @@ def base_config() -> ml_collections.ConfigDict:
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
     c.train.precision = "fp"
+    # Before the first step, compile every program and stop if one needs more memory per device
+    # than the device has (naming the knob to change): 'auto' on an accelerator backend only,
+    # 'on' also on the CPU (then memory_limit_gib must be set), 'off'.
+    c.train.preflight = "auto"
+    c.train.memory_limit_gib = 0.0  # per device; 0 = the device's own limit
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -240,6 +245,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
     _choice(c.rollout.refill, REFILL, "rollout.refill")
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
+    _choice(c.train.preflight, ("auto", "on", "off"), "train.preflight")
+    _positive(c.train.memory_limit_gib, "train.memory_limit_gib", strict=False)
     for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
                   "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",
                   "rl.num_minibatches", "rl.num_micro_batches",

@@ -37,6 +37,7 @@ from absl import logging
 
 from qurl_jax import quant
 from qurl_jax import sharding as shd
+from qurl_jax.bench import memory
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
@@ -189,6 +190,7 @@ class Trainer:
         # A checkpoint of another model or optimizer stops the run here, before the warm-start
         # cache, metrics or a new checkpoint are written.
         self.checkpointer.check_compatible(self._abstract_state())
+        self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
         sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
@@ -216,6 +218,22 @@ class Trainer:
         params, opt_state = self.learner.abstract_state(
             jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0))))
         return {"params": params, "opt_state": opt_state}
+
+    def _preflight(self) -> None:
+        """Compiles the run's programs and stops (`memory.MemoryPlanError`, naming the knobs)
+        if one needs more memory per device than the device has; before anything is written."""
+        c = self.config
+        if c.train.preflight == "off" or (c.train.preflight == "auto"
+                                          and jax.default_backend() == "cpu"):
+            return
+        limit = int(c.train.memory_limit_gib * memory.GIB)
+        if not limit:
+            limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+        if not limit:
+            raise ValueError("config.train.memory_limit_gib: the device reports no memory limit; "
+                             "set one for train.preflight")
+        memory.preflight(memory.setup_for(c, self.model_config, self.mesh, self.learner), limit,
+                         log=logging.info)
 
     def _maybe_invariant_scaling(self, params: Any) -> Any:
         s = self.config.rollout.invariant_scaling

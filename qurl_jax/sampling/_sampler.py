@@ -396,6 +396,11 @@ class Sampler:
                 raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {v})")
         return eos
 
+    def rows_per_chunk(self, num_prompts: int, n: int) -> int:
+        """Rows one rollout chunk of `num_prompts` prompts with `n` samples each decodes at once
+        (batch padding included): the rows `lower_programs` needs for the program `sample` runs."""
+        return self._prompts_per_chunk(num_prompts, n) * n
+
     def _prompts_per_chunk(self, num_prompts: int, n: int) -> int:
         """Prompts per chunk: a multiple of the batch shards, as many as `max_concurrent_rows`
         allows (but no more than the padded batch)."""
