@@ -38,8 +38,10 @@ HEARTBEAT_S = 5
 RUN_TIMEOUT_S = 900  # one child's wall-clock limit (a loaded 2-core machine compiles slowly)
 
 # A tiny config over 8 devices: FSDP 4 x tensor 2, so the FSDP axis spans both processes and the
-# batch (8 prompts x 4 samples) has 4 shards, 2 per process. The entropy bonus gives every step a
-# gradient even when the untrained policy earns no reward.
+# batch (8 prompts x 4 samples) has 4 shards, 2 per process. Rollouts run in two chunks of 16 rows
+# (a chunk of the two-process run holds other prompts than the one-process run's: each row must
+# keep its key). The entropy bonus gives every step a gradient even when the untrained policy
+# earns no reward.
 TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
         "--config.model.tiny.hidden_size=32", "--config.model.tiny.intermediate_size=64",
         "--config.model.tiny.head_dim=16", "--config.data.prompts_per_step=8",
@@ -47,7 +49,8 @@ TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
         "--config.eval.max_examples=4", "--config.eval.max_new_tokens=4", "--config.eval.k=2",
         "--config.train.progress=False", "--config.train.report_speed=False",
         "--config.rl.entropy_coef=0.05", "--config.optim.learning_rate=3e-3",
-        "--config.optim.warmup_steps=0", "--config.train.checkpoint_every=1")
+        "--config.optim.warmup_steps=0", "--config.train.checkpoint_every=1",
+        "--config.rollout.max_concurrent_rows=16")
 MESH = ("--config.mesh.fsdp=4", "--config.mesh.tensor=2")
 
 
