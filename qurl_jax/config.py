@@ -21,6 +21,8 @@ from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConf
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
+# Training precisions: the recipes the learner can run (`Learner(precision=...)`).
+TRAIN_PRECISIONS = ("fp", "fp8_block")
 LOSS_MODES = tuple(m.value for m in Mode)
 AGGREGATIONS = tuple(a.value for a in Aggregation)
 KL_ESTIMATORS = tuple(k.value for k in KLEstimator)
@@ -29,6 +31,8 @@ MODEL_SOURCES = ("hf", "tiny")
 TASKS = ("math", "arithmetic")
 # Which log-prob of a sampled token the learner gets as pi_behav (see rollout.behav_logp).
 BEHAV_LOGPS = ("sampled", "untruncated")
+# Continuous batching of the rollout (see rollout.refill and `refill_enabled`).
+REFILL = ("auto", "on", "off")
 # What DAPO's dynamic sampling compares within a group (see rl.filter_metric).
 FILTER_METRICS = ("accuracy", "reward")
 
@@ -65,6 +69,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0  # 0 = off
     c.rollout.top_p = 1.0
     c.rollout.max_concurrent_rows = 0  # rows decoded at once (bounds the KV cache); 0 = all
+    # Refill finished rows' slots with waiting rows (sampling.RefillSampler, continuous batching):
+    # 'on', 'off' (the static chunked Sampler) or 'auto' = on when rows wait, i.e. when
+    # max_concurrent_rows > 0 holds fewer rows than prompts_per_step * n.
+    c.rollout.refill = "off"
     # pi_behav handed to the learner: 'sampled' = the log-prob under the distribution that drew the
     # token (truncated and renormalised by top-k/top-p), the correct importance-sampling
     # denominator; 'untruncated' = under the full tempered softmax (too small by log Z on every
@@ -105,7 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.num_micro_batches = 1  # gradient accumulation inside one optimizer step
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.learning_rate = 1e-6
+    c.optim.learning_rate = 1e-6  # 0 = a control run (see train.apply_updates)
     c.optim.warmup_steps = 0
     c.optim.decay_steps = 0  # cosine decay steps after warm-up; 0 = constant
     c.optim.end_lr_ratio = 0.0  # learning rate at the end of the cosine decay / learning_rate
@@ -137,6 +145,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
     c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
+    # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
+    # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
+    # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
+    c.train.precision = "fp"
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -180,6 +192,15 @@ def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
     return c.data.prompts_per_step * c.rollout.n // (c.rl.num_minibatches * c.rl.num_micro_batches)
 
 
+def refill_enabled(c: ml_collections.ConfigDict) -> bool:
+    """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
+    a slot, the only case where refilling can help)."""
+    if c.rollout.refill == "auto":
+        rows = c.data.prompts_per_step * c.rollout.n
+        return 0 < c.rollout.max_concurrent_rows < rows
+    return c.rollout.refill == "on"
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
         raise ValueError(f"config.{field}={value!r} is not one of {choices}")
@@ -211,24 +232,26 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
+    _choice(c.train.precision, TRAIN_PRECISIONS, "train.precision")
     _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
     _choice(c.rl.agg, AGGREGATIONS, "rl.agg")
     _choice(c.rl.advantage, ADVANTAGES, "rl.advantage")
     _choice(c.rl.kl_estimator, KL_ESTIMATORS, "rl.kl_estimator")
     _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
+    _choice(c.rollout.refill, REFILL, "rollout.refill")
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
     for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
                   "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",
-                  "rl.num_minibatches", "rl.num_micro_batches", "optim.learning_rate",
+                  "rl.num_minibatches", "rl.num_micro_batches",
                   "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
                   "rollout.invariant_scaling", "eval.k", "reward.timeout_s", "optim.eps",
                   "train.logprob_chunk",
                   "mesh.data", "mesh.fsdp", "mesh.tensor"):
         section, name = field.split(".")
         _positive(c[section][name], field)
-    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.weight_decay",
-                  "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
-                  "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
+    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.learning_rate",
+                  "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
+                  "optim.decay_steps", "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
         section, name = field.split(".")
         _positive(c[section][name], field, strict=False)
     for field in ("optim.b1", "optim.b2"):

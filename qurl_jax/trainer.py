@@ -40,13 +40,18 @@ from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.config import (learner_micro_batch_size, objective_from_config, optim_from_config,
-                             validate)
+from qurl_jax.config import (
+    learner_micro_batch_size,
+    objective_from_config,
+    optim_from_config,
+    refill_enabled,
+    validate,
+)
 from qurl_jax.learner import Learner
 from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import RefillSampler, Sampler
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
@@ -183,7 +188,8 @@ class Trainer:
                                self.mesh, temperature=c.rollout.temperature,
                                num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
                                scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
-                               logprob_batch_size=learner_micro_batch_size(c))
+                               logprob_batch_size=learner_micro_batch_size(c),
+                               precision=c.train.precision)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
@@ -195,8 +201,15 @@ class Trainer:
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                               pad_id=self.task.pad_id, mesh=self.mesh,
                               max_concurrent_rows=c.rollout.max_concurrent_rows)
-        self.sampler = Sampler(self.model_config, quant.make_dot_general(self.recipe),
-                               **sampler_kwargs)
+        # The refilling sampler has no process-local mode yet: a multi-process run samples with
+        # the chunked one.
+        refill = refill_enabled(c) and jax.process_count() == 1
+        if refill_enabled(c) and not refill:
+            logging.warning("rollout.refill is not supported across processes yet; sampling "
+                            "in chunks of rollout.max_concurrent_rows rows instead")
+        rollout_sampler = RefillSampler if refill else Sampler
+        self.sampler = rollout_sampler(self.model_config, quant.make_dot_general(self.recipe),
+                                       **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)
@@ -259,7 +272,7 @@ class Trainer:
                 rollout_params, prompts, key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
                 max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
                 top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids,
-                process_local=True)
+                **({"process_local": True} if self._blocks > 1 else {}))
             out = jax.device_get(out)
         texts = self.task.decode(out.tokens, out.mask)
         pending = self._reward_thread.submit(

@@ -232,7 +232,7 @@ def build_setup(config: ml_collections.ConfigDict, model_config: ModelConfig) ->
                       temperature=c.rollout.temperature, num_micro_batches=c.rl.num_micro_batches,
                       remat=c.train.remat, scan_layers=c.train.scan_layers,
                       logprob_chunk=c.train.logprob_chunk,
-                      logprob_batch_size=micro)
+                      logprob_batch_size=micro, precision=c.train.precision)
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
     params, opt_state = learner.abstract_state(shapes)
     rows = c.data.prompts_per_step * c.rollout.n
