@@ -32,6 +32,7 @@ from qurl_jax.data import arithmetic as arith
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
+from qurl_jax.distributed import to_host
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.sampling import Sampler
@@ -81,11 +82,19 @@ class Task:
     def encode(self, problem: str) -> list[int]:
         return list(self.tokenizer.encode(self.prompt_text(problem), add_special_tokens=False))
 
-    def next_prompts(self, n: int) -> tuple[list[list[int]], list[Any]]:
-        """The next training prompts (token ids) and reference answers; advances the stream."""
+    def next_prompts(self, n: int, shard: tuple[int, int] = (0, 1)
+                     ) -> tuple[list[list[int]], list[Any]]:
+        """The next training prompts (token ids) and reference answers; advances the stream.
+
+        `shard=(i, k)`: only the i-th of k equal contiguous slices of the batch of n is encoded
+        and returned (process i's block in a multi-process run); the stream advances by all n, so
+        every process stays at the same position."""
         if n != self.iterator.batch_size:
             raise ValueError(f"next_prompts({n}): the iterator yields {self.iterator.batch_size}")
-        batch = next(self.iterator)
+        index, count = shard
+        if n % count or not 0 <= index < count:
+            raise ValueError(f"next_prompts({n}, shard={shard}): not a slice of the batch")
+        batch = next(self.iterator)[index * (n // count):(index + 1) * (n // count)]
         return [self.encode(ex.problem) for ex in batch], [ex.gold_answers for ex in batch]
 
     def sample_prompts(self, n: int) -> tuple[list[list[int]], list[Any]]:
@@ -137,7 +146,7 @@ class Task:
             out = sampler.sample(params, ids, key=jax.random.fold_in(key, next(calls)), n=n,
                                  max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                                  greedy=greedy, eos_ids=self.eos_ids)
-            out = jax.device_get(out)
+            out = to_host(out)  # the whole batch, also from other processes' devices
             texts = self.decode(out.tokens, out.mask)
             return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 

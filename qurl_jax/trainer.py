@@ -35,6 +35,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from qurl_jax import distributed as dist
 from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.bench import memory
@@ -48,7 +49,7 @@ from qurl_jax.config import (
     validate,
 )
 from qurl_jax.learner import Learner
-from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
+from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.sampling import RefillSampler, Sampler
@@ -172,9 +173,15 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str) -> None:
         self.config = validate(config)
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = local_abspath(workdir)
         c = self.config
         self.mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+        # Multi-process runs: this process reads, samples and verifies block `_block` of
+        # `_blocks` of every step's prompts (`qurl_jax.distributed`); GRPO groups stay whole.
+        self._block, self._blocks = dist.row_block(self.mesh)
+        if c.data.prompts_per_step % self._blocks:
+            raise ValueError(f"data.prompts_per_step={c.data.prompts_per_step} must be divisible "
+                             f"by the {self._blocks} processes' blocks of the batch")
         self.recipe = quant.get_recipe(c.rollout.precision)
         self.objective = objective_from_config(c.rl)
         self.model_config = model_config_for(c)
@@ -196,7 +203,13 @@ class Trainer:
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                               pad_id=self.task.pad_id, mesh=self.mesh,
                               max_concurrent_rows=c.rollout.max_concurrent_rows)
-        rollout_sampler = RefillSampler if refill_enabled(c) else Sampler
+        # The refilling sampler has no process-local mode yet: a multi-process run samples with
+        # the chunked one.
+        refill = refill_enabled(c) and jax.process_count() == 1
+        if refill_enabled(c) and not refill:
+            logging.warning("rollout.refill is not supported across processes yet; sampling "
+                            "in chunks of rollout.max_concurrent_rows rows instead")
+        rollout_sampler = RefillSampler if refill else Sampler
         self.sampler = rollout_sampler(self.model_config, quant.make_dot_general(self.recipe),
                                        **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
@@ -207,7 +220,8 @@ class Trainer:
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
         self._restore()
-        self.writer = MetricWriter(self.workdir, resume_step=self.step_count)
+        self.writer = MetricWriter(self.workdir, resume_step=self.step_count,
+                                   enabled=dist.is_primary())
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
@@ -269,12 +283,14 @@ class Trainer:
         """Samples the next prompts (generation round `round_` of this step); the verifier starts
         on the reward thread, so the rewards are pending when this returns."""
         c = self.config
-        prompts, answers = self.task.next_prompts(c.data.prompts_per_step)
+        prompts, answers = self.task.next_prompts(c.data.prompts_per_step,
+                                                  shard=(self._block, self._blocks))
         with timer.phase("rollout"):
             out = self.sampler.sample(
                 rollout_params, prompts, key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
                 max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
-                top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids)
+                top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids,
+                **({"process_local": True} if self._blocks > 1 else {}))
             out = jax.device_get(out)
         texts = self.task.decode(out.tokens, out.mask)
         pending = self._reward_thread.submit(
@@ -316,6 +332,10 @@ class Trainer:
         Without dynamic sampling the rewards are still being verified when this returns
         (`Rollout.pending`). Groups still all-equal after `max_gen_batches` generation rounds stay
         in the batch with a zero loss mask, so shapes stay static and they add nothing.
+
+        In a multi-process run each process refills its own groups, and every process runs as
+        many rounds as the one that needs the most (the rounds are collective); the statistics
+        are over all processes' rows.
         """
         c = self.config
         n = c.rollout.n
@@ -326,22 +346,27 @@ class Trainer:
             with timer.phase("reward"):
                 r.resolve()
             keep = self._groups_to_keep(r)
-            while not keep.all() and len(generated) < c.rl.max_gen_batches:
+            while len(generated) < c.rl.max_gen_batches and \
+                    dist.host_sums({"dropped": float((~keep).sum())})["dropped"]:
                 extra = self._rollout(rollout_params, len(generated), timer)
                 generated.append(extra)
                 with timer.phase("reward"):
                     extra.resolve()
                 r, keep = refill_groups(r, keep, extra, self._groups_to_keep(extra), n)
-        sampled = sum(float(g.resp_mask.sum()) for g in generated)
-        stats = {"rollout/response_len": float(r.lengths.mean()),
-                 "rollout/tokens": float(r.lengths.sum()),
-                 "rollout/generated_tokens": float(sum(g.lengths.sum() for g in generated)),
-                 "rollout/logp_truncation_gap": sum(
-                     float(g.logp_truncation_gap.sum()) for g in generated) / max(sampled, 1.0)}
+        sums = dist.host_sums({
+            "rows": float(r.size), "tokens": float(r.lengths.sum()),
+            "generated": float(sum(g.lengths.sum() for g in generated)),
+            "sampled": sum(float(g.resp_mask.sum()) for g in generated),
+            "gap": sum(float(g.logp_truncation_gap.sum()) for g in generated),
+            "groups": float(r.size // n), "kept": float(0 if keep is None else keep.sum())})
+        stats = {"rollout/response_len": sums["tokens"] / sums["rows"],
+                 "rollout/tokens": sums["tokens"],
+                 "rollout/generated_tokens": sums["generated"],
+                 "rollout/logp_truncation_gap": sums["gap"] / max(sums["sampled"], 1.0)}
         if keep is not None:
             r.resp_mask = r.resp_mask * np.repeat(keep, n)[:, None].astype(np.float32)
             stats.update({"rollout/gen_batches": float(len(generated)),
-                          "rollout/kept_group_frac": float(keep.mean())})
+                          "rollout/kept_group_frac": sums["kept"] / sums["groups"]})
         return r, stats
 
     # --------------------------------------------------------------------------------------- step
@@ -360,7 +385,7 @@ class Trainer:
         with timer.phase("reward"):  # only the part the recomputation did not hide
             r.resolve()
         advantages = self._advantages(self._shaped_rewards(r))
-        batch.update(self.learner.shard_batch({"advantages": jnp.asarray(advantages)}))
+        batch.update(dist.global_batch(self.mesh, {"advantages": advantages}))
         # The update donates the parameter buffers, so the diagnostic keeps its own copy.
         old_params = jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes else None
         with timer.phase("update"):
@@ -376,10 +401,14 @@ class Trainer:
 
     def _step_metrics(self, r: Rollout, timer: PhaseTimer, metrics: dict[str, float]
                       ) -> dict[str, float]:
-        out = {"rollout/reward_mean": float(r.rewards.mean()),
-               "rollout/accuracy": float(r.accuracy.mean())}
-        out.update({f"verifier/{k}": float(v) for k, v in self.task.verifier_stats().items()
-                    if k != "calls"})
+        # Over every process's rows (and verifier).
+        verifier = {f"verifier/{k}": float(v) for k, v in self.task.verifier_stats().items()
+                    if k != "calls"}
+        sums = dist.host_sums({"rows": float(r.size), "reward": float(r.rewards.sum()),
+                               "accuracy": float(r.accuracy.sum()), **verifier})
+        out = {"rollout/reward_mean": sums["reward"] / sums["rows"],
+               "rollout/accuracy": sums["accuracy"] / sums["rows"]}
+        out.update({k: sums[k] for k in verifier})
         out.update(timer.metrics())
         out["time/rollout_share"] = timer.seconds["rollout"] / max(sum(timer.seconds.values()),
                                                                    1e-9)
@@ -397,7 +426,8 @@ class Trainer:
         positions = positions_from_mask(r.attn_mask)
         batch = {"tokens": r.tokens, "positions": positions, "attn_mask": r.attn_mask,
                  "resp_mask": r.resp_mask, "logp_behav": r.logp_behav}
-        return self.learner.shard_batch({k: jnp.asarray(v) for k, v in batch.items()})
+        # This process's rows; the global batch is every process's rows in block order.
+        return dist.global_batch(self.mesh, batch)
 
     def _update(self, batch: dict[str, jax.Array]) -> dict[str, float]:
         """`rl.ppo_epochs` passes of `rl.num_minibatches` optimizer steps; mean metrics.
@@ -459,7 +489,7 @@ class Trainer:
         if self.step_count == 0 and self.task.has_eval:
             summary["eval_before"] = self.evaluate()
             self._write_eval(summary["eval_before"])
-        progress = _Progress(total, self.step_count, bar=c.train.progress)
+        progress = _Progress(total, self.step_count, bar=c.train.progress and dist.is_primary())
         stopped = None
         while self.step_count < total:
             metrics = self.step()
@@ -484,13 +514,16 @@ class Trainer:
         if self.task.has_eval:
             summary["eval_after"] = self.evaluate()
             self._write_eval(summary["eval_after"])
-        steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r]
+        steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r] \
+            if dist.is_primary() else []
         summary["means"] = {k: float(np.mean([r[k] for r in steps if k in r]))
                             for k in SUMMARY_KEYS if any(k in r for r in steps)}
         if c.train.report_speed:
             summary["rollout_speed"] = self.rollout_speed()
         if c.train.export_hf and stopped is None:
-            self.task.export(c.train.export_hf, self.model_config, jax.device_get(self.params))
+            params = dist.to_host(self.params)  # gathered from every process (a collective)
+            if dist.is_primary():
+                self.task.export(c.train.export_hf, self.model_config, params)
         self.checkpointer.close()
         self.writer.close()
         self._reward_thread.shutdown()

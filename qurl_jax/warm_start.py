@@ -151,7 +151,8 @@ def tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: Sequence[Math
                                        learning_rate=c.sft.learning_rate,
                                        batch_size=c.sft.batch_size, seed=c.seed)
         params = jax.device_get(params)
-        save_hf(sft_dir, model_config, params, tokenizer=tokenizer)
-        with open(key_file, "w", encoding="utf-8") as f:
-            json.dump(key, f, sort_keys=True)
+        if jax.process_index() == 0:  # every process trains the same warm start; one saves it
+            save_hf(sft_dir, model_config, params, tokenizer=tokenizer)
+            with open(key_file, "w", encoding="utf-8") as f:
+                json.dump(key, f, sort_keys=True)
     return model_config, params, tokenizer
