@@ -13,6 +13,7 @@ import os
 
 import ml_collections
 
+from qurl_jax.data.chains import ChainConfig
 from qurl_jax.learner import OptimConfig
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
@@ -28,7 +29,7 @@ AGGREGATIONS = tuple(a.value for a in Aggregation)
 KL_ESTIMATORS = tuple(k.value for k in KLEstimator)
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 MODEL_SOURCES = ("hf", "tiny")
-TASKS = ("math", "arithmetic")
+TASKS = ("math", "arithmetic", "chain")
 # Which log-prob of a sampled token the learner gets as pi_behav (see rollout.behav_logp).
 BEHAV_LOGPS = ("sampled", "untruncated")
 # Continuous batching of the rollout (see rollout.refill and `refill_enabled`).
@@ -41,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     """Every field with its default and meaning."""
     c = ml_collections.ConfigDict()
     c.seed = 0
+    chain = ChainConfig()  # the chain task's problem-shape defaults live there
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "hf"  # 'hf': load model.path; 'tiny': build model.tiny in code (tests/demo)
@@ -53,13 +55,18 @@ def base_config() -> ml_collections.ConfigDict:
         max_position_embeddings=256))
 
     c.data = ml_collections.ConfigDict()
-    c.data.task = "math"  # 'math' (files + math-verify) or 'arithmetic' (synthetic, exact match)
+    # 'math' (files + math-verify), 'arithmetic' (synthetic, exact match) or 'chain' (synthetic
+    # running sums written step by step, checked on the final answer; qurl_jax.data.chains)
+    c.data.task = "math"
     c.data.train_files = ("third_party/math_data/train_math.json",)
     c.data.prompts_per_step = 8  # distinct prompts per RL step (each sampled rollout.n times)
     c.data.max_prompt_len = 512  # prompts longer than this (in tokens) are skipped and counted
     c.data.chat_template = True
     c.data.arith_digits = 2
     c.data.arith_ops = "+-"
+    c.data.chain_min_steps = chain.min_steps  # chain: one-digit steps per problem
+    c.data.chain_max_steps = chain.max_steps
+    c.data.chain_carry10_share = chain.carry10_share  # chain: share drawn with a carry-10 step
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.precision = "int8"  # a quant.RECIPES name (fp | int8 | fp8 | fp8_block | ...)
@@ -168,6 +175,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 64
     c.sft.format_noise = 0.0  # arithmetic: share of warm-start answers with a stray end character
+    # chain: probability that the teacher forgets the carry of an addition whose units digits sum
+    # to exactly ten (each time it meets one)
+    c.sft.bug_rate = 0.0
     c.lock()
     return c
 
@@ -206,6 +216,12 @@ def refill_enabled(c: ml_collections.ConfigDict) -> bool:
     return c.rollout.refill == "on"
 
 
+def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
+    """The `ChainConfig` of the `data` section's chain_* fields (not validated)."""
+    return ChainConfig(min_steps=data.chain_min_steps, max_steps=data.chain_max_steps,
+                       carry10_share=data.chain_carry10_share)
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
         raise ValueError(f"config.{field}={value!r} is not one of {choices}")
@@ -231,6 +247,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         for f in c.data.train_files:
             if not os.path.exists(f):
                 raise ValueError(f"config.data.train_files: {f!r} does not exist")
+    if c.data.task == "chain":
+        chain_config(c.data).validate(prefix="config.data.chain_")
+    if not 0.0 <= c.sft.bug_rate <= 1.0:
+        raise ValueError(f"config.sft.bug_rate={c.sft.bug_rate} must be in [0, 1]")
     for f in c.eval.files:
         if not os.path.exists(f):
             raise ValueError(f"config.eval.files: {f!r} does not exist")

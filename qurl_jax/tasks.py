@@ -10,9 +10,12 @@ parameters and a `Task`:
 anything, so a run can check its workdir's checkpoint first.
 
 A `Task` turns examples into prompt token ids, responses into rewards and the verifier's 0/1
-accuracy (math-verify in verifier processes for math, exact match for arithmetic, both on a thread
-pool; the optional format term is added to the reward, never to the accuracy), and runs the
-evaluation (Avg@k / Pass@k, and greedy accuracy) with the full-precision sampler.
+accuracy (math-verify in verifier processes for math, exact match for arithmetic, the final answer
+for chains, all on a thread pool; the optional format term is added to the reward, never to the
+accuracy), and runs the evaluation (Avg@k / Pass@k, and greedy accuracy) with the full-precision
+sampler, per evaluation set. The synthetic tasks build their own held-out set: "arith" for
+arithmetic; "chain" and its carry-10 sub-case "chain_carry10" (the same problems, filtered) for
+chains.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from qurl_jax.config import chain_config
 from qurl_jax.data import arithmetic as arith
+from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
@@ -40,6 +45,8 @@ from qurl_jax.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
 ARITH_TRAIN_SIZE = 4000
+CHAIN_EVAL_SIZE = 256
+CHAIN_TRAIN_SIZE = 4000
 
 
 class Task:
@@ -182,6 +189,8 @@ def _reward_computer(c: ml_collections.ConfigDict) -> RewardComputer:
     """The correctness verifier (the format term is added by `Task.rewards`)."""
     if c.data.task == "arithmetic":
         return RewardComputer(exact_match_reward, num_workers=1, use_processes=False)
+    if c.data.task == "chain":
+        return RewardComputer(chains.chain_reward, num_workers=1, use_processes=False)
     return RewardComputer(math_reward, num_workers=c.reward.workers, timeout_s=c.reward.timeout_s)
 
 
@@ -205,6 +214,12 @@ def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
                                                   config=_arith_config(c))
         eval_sets["arith"] = held_out
         template = arith.ARITHMETIC_TEMPLATE
+    elif c.data.task == "chain":
+        train, held_out = chains.chain_splits(CHAIN_TRAIN_SIZE, CHAIN_EVAL_SIZE, seed=c.seed,
+                                              config=chain_config(c.data))
+        eval_sets["chain"] = held_out
+        eval_sets["chain_carry10"] = chains.carry10_subset(held_out)
+        template = chains.CHAIN_TEMPLATE
     else:
         train = []
         for path in c.data.train_files:

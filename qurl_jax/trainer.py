@@ -8,8 +8,9 @@
 
 Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters before the first step;
 the rollout actor is re-quantized from the full-precision learner every step. `Trainer(config,
-workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls; other JAX code can
-drive `Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
+workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls (it ends by writing
+the run's plots to `<workdir>/plots/`, `qurl_jax.report`); other JAX code can drive
+`Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
 with orbax every `train.checkpoint_every` steps and a workdir with a checkpoint resumes from it; a
 checkpoint of another model or optimizer stops the run before anything is written.
 
@@ -36,7 +37,7 @@ import numpy as np
 from absl import logging
 
 from qurl_jax import distributed as dist
-from qurl_jax import quant
+from qurl_jax import quant, report
 from qurl_jax import sharding as shd
 from qurl_jax.bench import memory
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
@@ -528,7 +529,22 @@ class Trainer:
         self.writer.close()
         self._reward_thread.shutdown()
         self.task.close()  # verifier worker processes
+        if dist.is_primary():
+            summary["plots"] = self._write_plots()
         return summary
+
+    def _write_plots(self) -> list[str]:
+        """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.report`); none, with a warning,
+        when matplotlib is not installed, since the run itself has finished."""
+        try:
+            paths = report.write_plots(self.workdir)
+        except (ImportError, OSError) as e:  # no matplotlib, or a workdir that is a URL
+            logging.warning("no plots written (%s); install matplotlib, then run "
+                            "python -m qurl_jax.report --workdir=%s", e, self.workdir)
+            return []
+        logging.info("wrote %d plots to %s", len(paths),
+                     os.path.join(self.workdir, report.PLOTS_DIR))
+        return paths
 
 
 class _Progress:
