@@ -60,15 +60,21 @@ def test_temp_memory_grows_linearly_with_length(remat):
         assert per_position < ROWS * CFG.vocab_size * 4 / 4, (program, per_position)
 
 
-def test_memory_report_of_a_small_config(tmp_path):
-    # The report end to end on a tiny model shape (a config.json beside the config, as under
-    # configs/shapes/), on a 2-way FSDP mesh: every program compiles and reports its bytes.
+def _shape_config(tmp_path, prompts: int, prompt_len: int, new_tokens: int):
+    """A run config on a tiny model shape (a config.json in tmp_path, as under configs/shapes/)."""
     with open(tmp_path / "tiny.json", "w") as f:
         json.dump(hf.config_to_hf(CFG.replace(vocab_size=512)), f)
     c = base_config()
     c.model.path = "checkpoints/tiny"
-    c.data.prompts_per_step, c.rollout.n = 4, 2
-    c.data.max_prompt_len, c.rollout.max_new_tokens = 16, 24
+    c.data.prompts_per_step, c.rollout.n = prompts, 2
+    c.data.max_prompt_len, c.rollout.max_new_tokens = prompt_len, new_tokens
+    return c
+
+
+def test_memory_report_of_a_small_config(tmp_path):
+    # The report end to end on a tiny model shape on a 2-way FSDP mesh: every program compiles and
+    # reports its bytes.
+    c = _shape_config(tmp_path, 4, 16, 24)
     c.rl.num_minibatches, c.rl.num_micro_batches = 2, 2
     c.mesh.fsdp = 2
     c.train.remat, c.train.scan_layers = "full", True
@@ -84,12 +90,7 @@ def test_memory_report_of_a_small_config(tmp_path):
 def test_rollout_chunk_bounds_decode_memory(tmp_path):
     # The sampler's decode program holds one chunk's KV cache: half the rows, about half the
     # cache (the actor's parameters are the same).
-    with open(tmp_path / "tiny.json", "w") as f:
-        json.dump(hf.config_to_hf(CFG.replace(vocab_size=512)), f)
-    c = base_config()
-    c.model.path = "checkpoints/tiny"
-    c.data.prompts_per_step, c.rollout.n = 8, 2
-    c.data.max_prompt_len, c.rollout.max_new_tokens = 64, 448
+    c = _shape_config(tmp_path, 8, 64, 448)
     c.mesh.fsdp = 2
     setup = memory.build_setup(c, CFG.replace(vocab_size=512))
     kv_row = 2 * CFG.num_layers * 512 * CFG.num_kv_heads * CFG.head_dim * 4  # f32, T = 512

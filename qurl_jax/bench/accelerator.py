@@ -36,7 +36,6 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,6 +44,7 @@ import numpy as np
 
 from qurl_jax import quant
 from qurl_jax.bench.memory import GIB, build_setup, compiled_memory
+from qurl_jax.bench.sampler import sampler_timer
 from qurl_jax.models import cast_floats
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
@@ -101,19 +101,6 @@ def _kv_bytes_per_slot(config: ModelConfig) -> int:
         config.compute_dtype.itemsize
 
 
-def _timer(sampler: Sampler, params: Any, prompts: list[list[int]]) -> Callable[[int], float]:
-    def run(new_tokens: int) -> float:
-        t0 = time.perf_counter()
-        out = sampler.sample(params, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
-                             temperature=1.0)
-        out.tokens.block_until_ready()
-        elapsed = time.perf_counter() - t0
-        if int(out.num_steps) != new_tokens:
-            raise RuntimeError(f"sampler ran {int(out.num_steps)} steps, expected {new_tokens}")
-        return elapsed
-    return run
-
-
 def actor(config: ModelConfig, precision: str) -> tuple[Any, Any]:
     """(rollout parameters, dot_general) of a precision: 'fp' is the bf16 model itself. The bf16
     weights a quantized actor is made from are freed before it runs (a 7B model's bf16 copy beside
@@ -130,10 +117,9 @@ def actor(config: ModelConfig, precision: str) -> tuple[Any, Any]:
 def rollout(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
     p_len, new = ARGS.prompt_len, ARGS.new_tokens
     rollout_params, dot_general = actor(config, precision)
-    sampler = Sampler(config, dot_general, prompt_buckets=(p_len,), gen_buckets=(new,))
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, config.vocab_size, (batch, p_len)).tolist()
-    run = _timer(sampler, rollout_params, prompts)
+    run = sampler_timer(config, rollout_params, dot_general, prompts, new)
     t0 = time.perf_counter()
     run(1)
     run(new)  # compiles and warms both programs
@@ -269,8 +255,9 @@ def main(argv: list[str] | None = None) -> None:
                     save()
                     print(f"  rollout {precision:5s} B={batch:4d}: "
                           f"{row['decode_tokens_per_s']:9.0f} tok/s, step "
-                          f"{row['decode_step_ms']:.2f} ms, reads {row['bytes_read_per_step_gib']:.1f}"
-                          f" GiB/step = {row['achieved_gb_per_s']:.0f} GB/s", flush=True)
+                          f"{row['decode_step_ms']:.2f} ms, reads "
+                          f"{row['bytes_read_per_step_gib']:.1f} GiB/step = "
+                          f"{row['achieved_gb_per_s']:.0f} GB/s", flush=True)
                 if "lowering" in parts and batch == ARGS.batches[0]:
                     row = {"model": name, **lowering(config, precision, batch)}
                     out["lowering"].append(row)

@@ -51,8 +51,7 @@ from ml_collections import config_flags
 
 from qurl_jax import quant
 from qurl_jax import sharding as shd
-from qurl_jax.config import (learner_micro_batch_size, objective_from_config,
-                             optim_from_config)
+from qurl_jax.config import learner_micro_batch_size, objective_from_config, optim_from_config
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, hf, init_params
 from qurl_jax.sampling import Sampler
@@ -423,6 +422,7 @@ if __name__ == "__main__":
         "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
     _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
     _SHAPES = flags.DEFINE_string(
-        "shapes_dir", None, "Directory of model config.json files; default: shapes/ beside --config.")
+        "shapes_dir", None,
+        "Directory of model config.json files; default: shapes/ beside --config.")
     flags.mark_flags_as_required(["config"])
     app.run(main)

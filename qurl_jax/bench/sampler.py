@@ -76,9 +76,12 @@ def _tree_bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _ours(config: ModelConfig, params: Any, dot_general: Any, prompts: list[list[int]],
-          max_new: int, max_concurrent_rows: int = 0) -> Callable[[int], float]:
-    # One generation bucket: the 1-token and the full call run the same two programs.
+def sampler_timer(config: ModelConfig, params: Any, dot_general: Any,
+                  prompts: list[list[int]], max_new: int, max_concurrent_rows: int = 0
+                  ) -> Callable[[int], float]:
+    """run(new_tokens) -> seconds of one `Sampler.sample` call at temperature 1 (checked to run
+    exactly new_tokens steps); one generation bucket, so the 1-token and the full call run the same
+    two programs."""
     sampler = Sampler(config, dot_general, prompt_buckets=(len(prompts[0]),),
                       gen_buckets=(max_new,), max_concurrent_rows=max_concurrent_rows)
 
@@ -258,15 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     runners: dict[str, Callable[[int], float]] = {}
     weight_bytes: dict[str, int] = {}
     if "fp32" in engines:
-        runners["ours fp32"] = _ours(cfg, params, jax.lax.dot_general, prompts, args.new_tokens,
-                                     args.max_concurrent_rows)
+        runners["ours fp32"] = sampler_timer(cfg, params, jax.lax.dot_general, prompts,
+                                             args.new_tokens, args.max_concurrent_rows)
         weight_bytes["ours fp32"] = _tree_bytes(params)
     if "int8" in engines:
         from qurl_jax.quant import make_dot_general, requantize
 
         qparams = jax.block_until_ready(requantize(params, "int8"))
-        runners["ours int8"] = _ours(cfg, qparams, make_dot_general("int8"), prompts,
-                                     args.new_tokens, args.max_concurrent_rows)
+        runners["ours int8"] = sampler_timer(cfg, qparams, make_dot_general("int8"), prompts,
+                                             args.new_tokens, args.max_concurrent_rows)
         weight_bytes["ours int8"] = _tree_bytes(qparams)
     if "transformers" in engines:
         for threads in (int(t) for t in args.torch_threads.split(",")):
