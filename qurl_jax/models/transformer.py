@@ -265,6 +265,9 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(cfg)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        # The post-RoPE queries, kept only when the caller makes 'intermediates' mutable (the
+        # compressed-KV sampler's observation window); otherwise this records nothing.
+        self.sow("intermediates", "queries", q)
 
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
         if cache is None:
