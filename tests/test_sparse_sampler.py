@@ -238,10 +238,12 @@ def _sparse_trainer(tmp_path, **overrides) -> Trainer:
 
 
 @pytest.mark.parametrize("overrides", [
-    {},
-    {"rollout.kv_policy": "streaming", "rl.loss_mode": "acr"},
-    {"rollout.precision": "int8", "rl.sparse_base": "acr"},
-], ids=["rkv-sparse_rl", "streaming-acr", "int8-rkv-sparse_rl_acr"])
+    pytest.param({}, id="rkv-sparse_rl"),
+    pytest.param({"rollout.kv_policy": "streaming", "rl.loss_mode": "acr"}, id="streaming-acr",
+                 marks=pytest.mark.slow),
+    pytest.param({"rollout.precision": "int8", "rl.sparse_base": "acr"},
+                 id="int8-rkv-sparse_rl_acr", marks=pytest.mark.slow),
+])
 def test_rl_step_on_sparse_rollouts(tmp_path, overrides) -> None:
     t = _sparse_trainer(tmp_path, **overrides)
     assert t.eval_sampler.kv_policy.compresses is False  # evaluation stays dense
