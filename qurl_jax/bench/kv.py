@@ -12,7 +12,8 @@ holds budget + interval = 640 slots per row instead of prompt + generation). All
   `memory_analysis()`: every buffer live at once, an upper bound of the true peak);
 - decode tokens/s = batch * (new_tokens - 1) / (time of a new_tokens call - time of a 1-token
   call), each the fastest of `--rounds`, rounds interleaved across policies so that load from
-  other processes hits them alike.
+  other processes hits them alike. Each length's rows are printed (and written to the JSON file)
+  as soon as they are measured.
 
 `--json=PATH` writes a list of rows {"policy", "new_tokens", "kv_bytes_per_row", "tokens_per_s",
 "peak_bytes", "cache_slots"}. Flags shrink the run for a slow machine (`--new_tokens=256,512
@@ -95,23 +96,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise RuntimeError(f"sampler ran {int(out.num_steps)} steps, expected {new_tokens}")
         return elapsed
 
-    times: dict[tuple[str, int, int], list[float]] = {}
-    for key, sampler in samplers.items():  # compile (and warm) every program first
-        run(sampler, 1)
-        run(sampler, key[1])
-    for _ in range(args.rounds):
-        for (policy, n), sampler in samplers.items():
-            for steps in (1, n):
-                times.setdefault((policy, n, steps), []).append(run(sampler, steps))
-
-    rows = []
+    rows: list[dict[str, Any]] = []
     print(f"{'policy':<10}{'new':>6}{'slots':>7}{'KV MiB/row':>12}{'vs dense':>10}"
-          f"{'peak MiB':>10}{'decode tok/s':>14}{'vs dense':>10}")
+          f"{'peak MiB':>10}{'decode tok/s':>14}{'vs dense':>10}", flush=True)
+    # One length at a time, its rows printed (and written) as soon as they are measured.
     for n in lengths:
+        for policy in policies:  # compile (and warm) every program first
+            run(samplers[(policy, n)], 1)
+            run(samplers[(policy, n)], n)
+        times: dict[tuple[str, int], list[float]] = {}
+        for _ in range(args.rounds):
+            for policy in policies:
+                for steps in (1, n):
+                    times.setdefault((policy, steps), []).append(run(samplers[(policy, n)],
+                                                                     steps))
         dense_row = None
         for policy in policies:
             sampler = samplers[(policy, n)]
-            decode_s = min(times[(policy, n, n)]) - min(times[(policy, n, 1)])
+            decode_s = min(times[(policy, n)]) - min(times[(policy, 1)])
             row = {"policy": policy, "new_tokens": n,
                    "kv_bytes_per_row": sampler.kv_bytes_per_row(args.prompt_len, n),
                    "tokens_per_s": args.batch * (n - 1) / decode_s,
@@ -124,9 +126,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   f"{_ratio(row, dense_row, 'kv_bytes_per_row')}"
                   f"{row['peak_bytes'] / 2**20:>10.0f}{row['tokens_per_s']:>14.0f}"
                   f"{_ratio(row, dense_row, 'tokens_per_s')}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     return rows
 
 
