@@ -347,6 +347,10 @@ class Transformer(nn.Module):
         logits; `lm_head_logits` turns any slice of them into logits (the learner's response-only,
         chunked log-probs).
 
+    With `mutable=["intermediates"]` in `apply`, each layer also records its post-RoPE queries
+    f[B, T, H, D] as `intermediates/layers_{i}/self_attn/queries` (the compressed-KV sampler's
+    observation window); without it nothing is recorded or computed.
+
     `remat` rematerialises each decoder layer in the backward pass (`Remat`). `scan_layers` runs
     the layers of a call without a cache as one `lax.scan` over their stacked parameters (the
     learner's option for large models): XLA compiles one layer body instead of L copies, and the
