@@ -7,6 +7,10 @@ mesh that saved it) and a JSON record of the step, the data iterator position an
 writes each step into a temporary directory and renames it when complete, so a run killed mid-save
 leaves the previous checkpoint intact.
 
+In a multi-process run every process saves and restores together (each writes and reads the
+shards its devices hold; every leaf of the state is a global array on the mesh, scalars
+included), so the directory must be shared by all hosts, e.g. a gs:// bucket.
+
 Restoring tells two failures apart:
 - the checkpoint does not fit this run (another tree structure, a tensor of another shape or dtype,
   e.g. `model.tiny.intermediate_size` changed between runs): `CheckpointMismatchError`, raised
@@ -104,7 +108,8 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
         _silence_orbax_event_loop_noise()
-        self.directory = os.path.abspath(directory)
+        # A URL (gs://...) is used as it is: orbax writes there through tensorstore (and gcsfs).
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
         self.interval = interval
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=interval, create=True,

@@ -13,6 +13,7 @@ import os
 
 import ml_collections
 
+from qurl_jax.data.chains import ChainConfig
 from qurl_jax.learner import OptimConfig
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
@@ -22,14 +23,18 @@ from qurl_jax.sampling import KVPolicyConfig
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
+# Training precisions: the recipes the learner can run (`Learner(precision=...)`).
+TRAIN_PRECISIONS = ("fp", "fp8_block")
 LOSS_MODES = tuple(m.value for m in Mode)
 AGGREGATIONS = tuple(a.value for a in Aggregation)
 KL_ESTIMATORS = tuple(k.value for k in KLEstimator)
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 MODEL_SOURCES = ("hf", "tiny")
-TASKS = ("math", "arithmetic")
+TASKS = ("math", "arithmetic", "chain")
 # Which log-prob of a sampled token the learner gets as pi_behav (see rollout.behav_logp).
 BEHAV_LOGPS = ("sampled", "untruncated")
+# Continuous batching of the rollout (see rollout.refill and `refill_enabled`).
+REFILL = ("auto", "on", "off")
 # What DAPO's dynamic sampling compares within a group (see rl.filter_metric).
 FILTER_METRICS = ("accuracy", "reward")
 
@@ -38,6 +43,7 @@ def base_config() -> ml_collections.ConfigDict:
     """Every field with its default and meaning."""
     c = ml_collections.ConfigDict()
     c.seed = 0
+    chain = ChainConfig()  # the chain task's problem-shape defaults live there
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "hf"  # 'hf': load model.path; 'tiny': build model.tiny in code (tests/demo)
@@ -50,13 +56,18 @@ def base_config() -> ml_collections.ConfigDict:
         max_position_embeddings=256))
 
     c.data = ml_collections.ConfigDict()
-    c.data.task = "math"  # 'math' (files + math-verify) or 'arithmetic' (synthetic, exact match)
+    # 'math' (files + math-verify), 'arithmetic' (synthetic, exact match) or 'chain' (synthetic
+    # running sums written step by step, checked on the final answer; qurl_jax.data.chains)
+    c.data.task = "math"
     c.data.train_files = ("third_party/math_data/train_math.json",)
     c.data.prompts_per_step = 8  # distinct prompts per RL step (each sampled rollout.n times)
     c.data.max_prompt_len = 512  # prompts longer than this (in tokens) are skipped and counted
     c.data.chat_template = True
     c.data.arith_digits = 2
     c.data.arith_ops = "+-"
+    c.data.chain_min_steps = chain.min_steps  # chain: one-digit steps per problem
+    c.data.chain_max_steps = chain.max_steps
+    c.data.chain_carry10_share = chain.carry10_share  # chain: share drawn with a carry-10 step
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.precision = "int8"  # a quant.RECIPES name (fp | int8 | fp8 | fp8_block | ...)
@@ -66,6 +77,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0  # 0 = off
     c.rollout.top_p = 1.0
     c.rollout.max_concurrent_rows = 0  # rows decoded at once (bounds the KV cache); 0 = all
+    # Refill finished rows' slots with waiting rows (sampling.RefillSampler, continuous batching):
+    # 'on', 'off' (the static chunked Sampler) or 'auto' = on when rows wait, i.e. when
+    # max_concurrent_rows > 0 holds fewer rows than prompts_per_step * n.
+    c.rollout.refill = "off"
     # pi_behav handed to the learner: 'sampled' = the log-prob under the distribution that drew the
     # token (truncated and renormalised by top-k/top-p), the correct importance-sampling
     # denominator; 'untruncated' = under the full tempered softmax (too small by log Z on every
@@ -117,7 +132,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.num_micro_batches = 1  # gradient accumulation inside one optimizer step
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.learning_rate = 1e-6
+    c.optim.learning_rate = 1e-6  # 0 = a control run (see train.apply_updates)
     c.optim.warmup_steps = 0
     c.optim.decay_steps = 0  # cosine decay steps after warm-up; 0 = constant
     c.optim.end_lr_ratio = 0.0  # learning rate at the end of the cosine decay / learning_rate
@@ -149,6 +164,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
     c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
+    # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
+    # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
+    # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
+    c.train.precision = "fp"
+    # Before the first step, compile every program and stop if one needs more memory per device
+    # than the device has (naming the knob to change): 'auto' on an accelerator backend only,
+    # 'on' also on the CPU (then memory_limit_gib must be set), 'off'.
+    c.train.preflight = "auto"
+    c.train.memory_limit_gib = 0.0  # per device; 0 = the device's own limit
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -163,6 +187,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 64
     c.sft.format_noise = 0.0  # arithmetic: share of warm-start answers with a stray end character
+    # chain: probability that the teacher forgets the carry of an addition whose units digits sum
+    # to exactly ten (each time it meets one)
+    c.sft.bug_rate = 0.0
     c.lock()
     return c
 
@@ -211,6 +238,21 @@ def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
     return c.data.prompts_per_step * c.rollout.n // (c.rl.num_minibatches * c.rl.num_micro_batches)
 
 
+def refill_enabled(c: ml_collections.ConfigDict) -> bool:
+    """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
+    a slot, the only case where refilling can help)."""
+    if c.rollout.refill == "auto":
+        rows = c.data.prompts_per_step * c.rollout.n
+        return 0 < c.rollout.max_concurrent_rows < rows
+    return c.rollout.refill == "on"
+
+
+def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
+    """The `ChainConfig` of the `data` section's chain_* fields (not validated)."""
+    return ChainConfig(min_steps=data.chain_min_steps, max_steps=data.chain_max_steps,
+                       carry10_share=data.chain_carry10_share)
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
         raise ValueError(f"config.{field}={value!r} is not one of {choices}")
@@ -236,30 +278,38 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         for f in c.data.train_files:
             if not os.path.exists(f):
                 raise ValueError(f"config.data.train_files: {f!r} does not exist")
+    if c.data.task == "chain":
+        chain_config(c.data).validate(prefix="config.data.chain_")
+    if not 0.0 <= c.sft.bug_rate <= 1.0:
+        raise ValueError(f"config.sft.bug_rate={c.sft.bug_rate} must be in [0, 1]")
     for f in c.eval.files:
         if not os.path.exists(f):
             raise ValueError(f"config.eval.files: {f!r} does not exist")
     _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
+    _choice(c.train.precision, TRAIN_PRECISIONS, "train.precision")
     _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
     _choice(c.rl.agg, AGGREGATIONS, "rl.agg")
     _choice(c.rl.advantage, ADVANTAGES, "rl.advantage")
     _choice(c.rl.kl_estimator, KL_ESTIMATORS, "rl.kl_estimator")
     _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
+    _choice(c.rollout.refill, REFILL, "rollout.refill")
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
+    _choice(c.train.preflight, ("auto", "on", "off"), "train.preflight")
+    _positive(c.train.memory_limit_gib, "train.memory_limit_gib", strict=False)
     for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
                   "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",
-                  "rl.num_minibatches", "rl.num_micro_batches", "optim.learning_rate",
+                  "rl.num_minibatches", "rl.num_micro_batches",
                   "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
                   "rollout.invariant_scaling", "eval.k", "reward.timeout_s", "optim.eps",
                   "train.logprob_chunk",
                   "mesh.data", "mesh.fsdp", "mesh.tensor"):
         section, name = field.split(".")
         _positive(c[section][name], field)
-    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.weight_decay",
-                  "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
-                  "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
+    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.learning_rate",
+                  "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
+                  "optim.decay_steps", "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
         section, name = field.split(".")
         _positive(c[section][name], field, strict=False)
     for field in ("optim.b1", "optim.b2"):

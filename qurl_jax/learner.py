@@ -1,4 +1,4 @@
-"""The full-precision learner: log-prob recomputation and the policy update, jitted and sharded.
+"""The learner: log-prob recomputation and the policy update, jitted and sharded.
 
 Both functions are compiled once with explicit `NamedSharding`s over the mesh
 `(data, fsdp, tensor)`: parameters and optimizer state follow the logical-axis rules of
@@ -16,6 +16,11 @@ gradient), clips the global norm, and applies AdamW. Memory is bounded by a few 
 `Learner`): micro-batches, per-layer rematerialisation, response-only log-probs computed in chunks
 of positions, and the model's attention implementation (blockwise above a length threshold);
 `python -m qurl_jax.bench.memory` compiles both programs for a config and reports their memory.
+The training precision (`Learner(precision=...)`, `train.precision`) is bound inside both
+programs, per (micro-)batch: 'fp' runs float matmuls; 'fp8_block' runs every linear layer of the
+recipe in block-scaled FP8 in the forward and backward (`quant.bind_train_precision`), the same
+quantization the sampler's 'fp8_block' rollout applies, so pi_prox and pi_behav come from the same
+quantized policy (Jet-RL). It composes with remat, the layer scan, micro-batches and the mesh.
 A non-finite loss or gradient leaves parameters and optimizer state unchanged and is reported in
 the metrics (`update/skipped`), so the trainer can count bad steps without losing the last good
 state.
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.models import (
     ModelConfig,
@@ -56,16 +62,25 @@ BATCH_KEYS = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "lo
 
 def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positions: jax.Array,
                       attn_mask: jax.Array, response_len: int, temperature: float, *,
-                      chunk: int, with_entropy: bool = False
+                      chunk: int, with_entropy: bool = False,
+                      precision: str | quant.Recipe = "fp"
                       ) -> tuple[jax.Array, jax.Array | None]:
     """f32[B, G] log-probs of the response tokens (and f32[B, G] entropies if asked).
 
     Only the G positions that predict response tokens reach the LM head, in chunks of `chunk`
     positions (`chunked_token_logprobs`): the f32 [B, G, V] logits never exist whole.
+    `precision` is the training precision (`quant.bind_train_precision`): with `fp8_block` every
+    linear layer the recipe quantizes runs its forward and backward products in block-scaled FP8,
+    quantizing the same float32 values the sampler's `requantize` does; padding tokens stay out
+    of every scale.
     """
+    model, params = quant.bind_train_precision(model, params, precision, token_mask=attn_mask)
     hidden, _ = model.apply({"params": params}, tokens, positions, attn_mask, return_hidden=True)
     hidden = hidden[:, -response_len - 1:-1]  # [B, G, E]: position P - 1 + t predicts token t
-    head = lambda h: lm_head_logits(model.config, params, h, model.dot_general)  # noqa: E731
+    # The head runs on chunks of response positions, so it gets the unmasked hook: the same
+    # product for an unquantized head (a plain array), FP8 only if the recipe quantizes it.
+    head_dot = quant.make_train_dot_general(precision)
+    head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     return chunked_token_logprobs(head, hidden, tokens[:, -response_len:], temperature,
                                   chunk=chunk, with_entropy=with_entropy)
 
@@ -137,20 +152,35 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """lr at optimizer step 0, 1, ...: a linear warm-up lr * (step + 1) / warmup_steps (the first
+    step already moves; it reaches lr at step warmup_steps - 1), then cosine decay to
+    lr * end_lr_ratio over decay_steps or constant. lr 0 is allowed (a control run)."""
+    lr, warmup, decay = cfg.learning_rate, cfg.warmup_steps, cfg.decay_steps
+    end = lr * cfg.end_lr_ratio
+
+    def schedule(count: jax.Array) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32)
+        out = jnp.asarray(lr, jnp.float32)
+        if decay > 0:
+            frac = jnp.clip((step - warmup) / decay, 0.0, 1.0)
+            out = end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+        if warmup > 0:
+            out = jnp.where(step < warmup, lr * (step + 1.0) / warmup, out)
+        return out
+
+    return schedule
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    if cfg.learning_rate <= 0:
-        raise ValueError(f"optim.learning_rate must be > 0, got {cfg.learning_rate}")
-    if cfg.decay_steps > 0:
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0 if cfg.warmup_steps else cfg.learning_rate, cfg.learning_rate,
-            max(cfg.warmup_steps, 0), cfg.warmup_steps + cfg.decay_steps,
-            cfg.learning_rate * cfg.end_lr_ratio)
-    elif cfg.warmup_steps > 0:
-        schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-    else:
-        schedule = optax.constant_schedule(cfg.learning_rate)
+    if cfg.learning_rate < 0:
+        raise ValueError(f"optim.learning_rate must be >= 0, got {cfg.learning_rate}")
+    if cfg.warmup_steps < 0 or cfg.decay_steps < 0:
+        raise ValueError(f"optim.warmup_steps={cfg.warmup_steps} and optim.decay_steps="
+                         f"{cfg.decay_steps} must be >= 0")
     chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    chain.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+    # AdamW scales the decoupled weight decay by the learning rate too: lr 0 changes nothing.
+    chain.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                              weight_decay=cfg.weight_decay))
     return optax.chain(*chain)
 
@@ -169,13 +199,22 @@ class Learner:
       logprob_batch_size: rows per forward pass in `logprobs` (a scan over slices of the batch);
         0 = the whole batch at once. The trainer passes the update's micro-batch size.
     The attention implementation is `model_config.attention`.
+
+    precision: the training precision, a `quant` recipe name or `Recipe` (`train.precision`):
+      'fp' runs plain matmuls; 'fp8_block' runs the recipe's linear layers in block-scaled FP8 in
+      the forward and backward of both `logprobs` (pi_prox, pi_ref) and `update` (Jet-RL's
+      unified flow when the rollout runs 'fp8_block' too). Master weights, optimizer state,
+      attention, norms and the LM head stay in float. Other recipes raise ValueError.
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
                  mesh: Mesh, *, temperature: float = 1.0, num_micro_batches: int = 1,
                  remat: Remat | str = Remat.NONE, scan_layers: bool = False,
-                 logprob_chunk: int = 512, logprob_batch_size: int = 0) -> None:
+                 logprob_chunk: int = 512, logprob_batch_size: int = 0,
+                 precision: str | quant.Recipe = "fp") -> None:
         objective.validate()
+        quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
+        self.precision = quant.get_recipe(precision)
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
         if logprob_chunk < 1:
@@ -279,7 +318,7 @@ class Learner:
             rows = self._constrain_rows(rows)
             logp, _ = response_logprobs(self.model, params, rows["tokens"], rows["positions"],
                                         rows["attn_mask"], response_len, self.temperature,
-                                        chunk=self.logprob_chunk)
+                                        chunk=self.logprob_chunk, precision=self.precision)
             return logp
 
         rows = {k: batch[k] for k in ("tokens", "positions", "attn_mask")}
@@ -299,7 +338,7 @@ class Learner:
         logp, entropy = response_logprobs(self.model, params, batch["tokens"],
                                           batch["positions"], batch["attn_mask"], response_len,
                                           self.temperature, chunk=self.logprob_chunk,
-                                          with_entropy=need_entropy)
+                                          with_entropy=need_entropy, precision=self.precision)
         return policy_loss(
             logp, batch["logp_prox"], batch["logp_behav"], batch["advantages"],
             batch["resp_mask"], self.objective,

@@ -6,6 +6,13 @@ rejected while parsing, and `qurl_jax.config.validate` checks values, all before
 anything; a bad value ends the run with one line naming the field and a non-zero exit code. A
 workdir that already holds a checkpoint resumes from it; a checkpoint of another model or
 optimizer ends the run the same way, before anything is written.
+
+Multi-process runs (`qurl_jax.distributed`): every process runs the same command. Without flags,
+`jax.distributed.initialize()` is called only where a cluster is detected (Cloud TPU VM or GKE TPU
+workers, SLURM under `srun`, Open MPI, xpk GPU pods); `--coordinator_address=HOST:PORT
+--num_processes=N --process_id=I` (and `--local_device_ids=0,1,...`) join one explicitly. A peer
+that dies makes the others abort within `--heartbeat_timeout_s`; restarting every process resumes
+from the last checkpoint. Only process 0 prints the summary and writes metrics and logs.
 """
 
 from __future__ import annotations
@@ -21,6 +28,18 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
 _EXPORT_HF = flags.DEFINE_string(
     "export_hf", None, "Export the final policy to this directory in Hugging Face format.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0's coordination service (multi-process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.", lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.", lower_bound=0)
+_LOCAL_DEVICE_IDS = flags.DEFINE_list(
+    "local_device_ids", None, "Local devices this process uses (default: all; env "
+    "JAX_LOCAL_DEVICE_IDS also works).")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", 100, "Seconds without a heartbeat after which a peer counts as lost "
+    "and the other processes abort.", lower_bound=1)
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    "init_timeout_s", 300, "Seconds start-up waits for every process to join.", lower_bound=1)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -50,6 +69,17 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
+    from qurl_jax import distributed
+
+    try:
+        distributed.initialize(
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+            [int(i) for i in _LOCAL_DEVICE_IDS.value] if _LOCAL_DEVICE_IDS.value else None,
+            heartbeat_timeout_s=_HEARTBEAT.value, init_timeout_s=_INIT_TIMEOUT.value)
+    except ValueError as e:
+        sys.exit(f"qurl_jax: bad flag: {e}")
+    if not distributed.is_primary():  # process 0 logs for the run; the others only warn
+        logging.set_verbosity(logging.WARNING)
     from qurl_jax.checkpoint import CheckpointMismatchError
     from qurl_jax.config import validate
 
@@ -69,7 +99,8 @@ def main(argv: list[str]) -> None:
     except CheckpointMismatchError as e:
         sys.exit(f"qurl_jax: cannot resume: {e}")
     summary = trainer.train()
-    print(format_summary(summary), flush=True)
+    if distributed.is_primary():
+        print(format_summary(summary), flush=True)
 
 
 if __name__ == "__main__":

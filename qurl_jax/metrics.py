@@ -9,6 +9,10 @@ Values are converted to Python floats on the host once per step (one device-to-h
 whole metrics dict), never inside jitted code. `PhaseTimer` measures the wall time of the RL step's
 phases (requantize, rollout, reward, logp recompute, update) with `block_until_ready` at the phase
 boundary, so asynchronous dispatch does not move time from one phase into the next.
+
+Workdirs may be URLs (`gs://bucket/run`, through fsspec/gcsfs): an object store cannot append,
+so there the whole metrics.jsonl is rewritten after each step (it is small). In a multi-process
+run only process 0 writes (`MetricWriter(..., enabled=False)` elsewhere).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import fsspec
 import jax
 import numpy as np
 
@@ -31,45 +36,95 @@ def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(np.asarray(v)) for k, v in host.items()}
 
 
-def _drop_rows_after(path: str, step: int) -> None:
-    """Rewrites metrics.jsonl keeping the rows of steps <= `step` (none when `step` is 0)."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
+def is_url(path: str | os.PathLike) -> bool:
+    """A path with a scheme (gs://, s3://, memory://): not on the local file system."""
+    return "://" in os.fspath(path)
+
+
+def local_abspath(path: str | os.PathLike) -> str:
+    """`os.path.abspath` for local paths; URLs are returned as they are."""
+    path = os.fspath(path)
+    return path if is_url(path) else os.path.abspath(path)
+
+
+def join(base: str, *parts: str) -> str:
+    """`os.path.join` that also joins URL paths with '/'."""
+    if is_url(base):
+        return "/".join([base.rstrip("/"), *parts])
+    return os.path.join(base, *parts)
+
+
+def _read_lines(path: str) -> list[str] | None:
+    """The non-empty lines of a text file (local or URL), or None when it does not exist."""
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    if not fs.exists(fs_path):
+        return None
+    with fs.open(fs_path, "r", encoding="utf-8") as f:
+        return [line for line in f if line.strip()]
+
+
+def _drop_rows_after(path: str, step: int) -> list[str]:
+    """Rewrites metrics.jsonl keeping the rows of steps <= `step` (none when `step` is 0);
+    returns the kept lines."""
+    lines = _read_lines(path)
+    if lines is None:
+        return []
     kept = [line for line in lines if step and json.loads(line)["step"] <= step]
     if len(kept) == len(lines):
-        return
+        return kept
+    if is_url(path):
+        with fsspec.open(path, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        return kept
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+    return kept
 
 
 class MetricWriter:
     """Appends step metrics to metrics.jsonl and (optionally) TensorBoard.
 
     `resume_step`: the step the run (re)starts from; rows and events of later steps are dropped.
+    `enabled`: False makes every method a no-op (the processes other than 0 of a multi-process
+    run, which touch nothing in the workdir).
     """
 
-    def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True) -> None:
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        _drop_rows_after(self.path, resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._tb = None
+    def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True,
+                 enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.path = join(workdir, "metrics.jsonl")
+        self._file = self._tb = None
+        if not enabled:
+            return
+        fs, fs_path = fsspec.core.url_to_fs(workdir)
+        fs.makedirs(fs_path, exist_ok=True)
+        kept = _drop_rows_after(self.path, resume_step)
+        # An object store cannot append: keep the rows and rewrite the object on every write.
+        self._rows = kept if is_url(self.path) else None
+        if self._rows is None:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+            self._tb = SummaryWriter(join(workdir, "tensorboard"),
                                      purge_step=resume_step + 1 if resume_step else 0)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
         row = {"step": step}
         for k, v in metrics.items():
             row[k] = v if math.isfinite(v) else str(v)
-        self._file.write(json.dumps(row, sort_keys=True) + "\n")
-        self._file.flush()
+        line = json.dumps(row, sort_keys=True) + "\n"
+        if self._rows is not None:
+            self._rows.append(line)
+            with fsspec.open(self.path, "w", encoding="utf-8") as f:
+                f.writelines(self._rows)
+        else:
+            self._file.write(line)
+            self._file.flush()
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(v):  # TensorBoard names allow no '@'
@@ -77,18 +132,15 @@ class MetricWriter:
             self._tb.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """The rows of `<workdir>/metrics.jsonl` (for tests and summaries)."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of `<workdir>/metrics.jsonl` (for tests and summaries); a URL workdir too."""
+    return [json.loads(line) for line in _read_lines(join(workdir, "metrics.jsonl")) or []]
 
 
 class PhaseTimer:

@@ -11,7 +11,8 @@ One figure per concern, each skipped when the run logged none of its metrics:
   (every key with "weight"); truncated / masked fractions and ESS (truncated_frac,
   masked_token_frac, vetoed_seq_frac, *_ess).
 - clip_fractions.png: every key with "clipfrac".
-- update.png: update/loss, pg_loss, kl_loss, entropy; update/grad_norm.
+- update.png: update/loss, pg_loss, kl_loss, entropy (a note instead when it is all 0: the learner
+  computes it only for an entropy bonus); update/grad_norm.
 - time_split.png: time/<phase>_s stacked (requantize, rollout, reward, logp_recompute, update).
 
 Rows: a step logged twice (a run resumed from an earlier checkpoint) keeps its last training row;
@@ -230,8 +231,8 @@ def _reward_accuracy(data: Mapping[str, Series], run: str) -> _Plot | None:
     plot = _Plot(f"{run}: reward and accuracy", cols=2)
     train_ax, eval_ax = plot.axes
     plot.panel(train_ax, data, ["rollout/reward_mean", "rollout/accuracy"],
-               title="training rollouts (quantized actor)", ylabel="mean reward / fraction correct",
-               scale="linear")
+               title="training rollouts (the rollout actor, at rollout.precision)",
+               ylabel="mean reward / fraction correct", scale="linear")
     pattern = re.compile(r"eval/(.+)/(avg@\d+|greedy_acc)$")
     evals = sorted((m.group(1), m.group(2), k) for k in data if (m := pattern.match(k)))
     if not evals:
@@ -286,8 +287,15 @@ def _update(data: Mapping[str, Series], run: str) -> _Plot | None:
     loss_ax, entropy_ax, norm_ax = plot.axes
     plot.panel(loss_ax, data, ["update/loss", "loss", "pg_loss", "kl_loss"], title="loss terms",
                ylabel="loss", scale="linear")
-    plot.panel(entropy_ax, data, ["entropy"], title="policy entropy on the rollout tokens",
-               ylabel="nats per token", scale="linear")
+    entropy = data.get("entropy")
+    if entropy is not None and not np.any(entropy.values[entropy.finite]):
+        # The learner computes the entropy only for an entropy bonus and logs 0 otherwise.
+        entropy_ax.text(0.5, 0.5, "policy entropy not computed\n(only with rl.entropy_coef != 0)",
+                        ha="center", va="center", transform=entropy_ax.transAxes, fontsize=10)
+        entropy_ax.set_axis_off()
+    else:
+        plot.panel(entropy_ax, data, ["entropy"], title="policy entropy on the rollout tokens",
+                   ylabel="nats per token", scale="linear")
     plot.panel(norm_ax, data, ["update/grad_norm"], title="gradient norm",
                ylabel="global L2 norm")
     return plot if plot.drawn else None

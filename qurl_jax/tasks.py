@@ -10,9 +10,12 @@ parameters and a `Task`:
 anything, so a run can check its workdir's checkpoint first.
 
 A `Task` turns examples into prompt token ids, responses into rewards and the verifier's 0/1
-accuracy (math-verify in verifier processes for math, exact match for arithmetic, both on a thread
-pool; the optional format term is added to the reward, never to the accuracy), and runs the
-evaluation (Avg@k / Pass@k, and greedy accuracy) with the full-precision sampler.
+accuracy (math-verify in verifier processes for math, exact match for arithmetic, the final answer
+for chains, all on a thread pool; the optional format term is added to the reward, never to the
+accuracy), and runs the evaluation (Avg@k / Pass@k, and greedy accuracy) with the full-precision
+sampler, per evaluation set. The synthetic tasks build their own held-out set: "arith" for
+arithmetic; "chain" and its carry-10 sub-case "chain_carry10" (the same problems, filtered) for
+chains.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from qurl_jax.config import chain_config
 from qurl_jax.data import arithmetic as arith
+from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
+from qurl_jax.distributed import to_host
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.sampling import Sampler
@@ -39,6 +45,8 @@ from qurl_jax.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
 ARITH_TRAIN_SIZE = 4000
+CHAIN_EVAL_SIZE = 256
+CHAIN_TRAIN_SIZE = 4000
 
 
 class Task:
@@ -81,11 +89,19 @@ class Task:
     def encode(self, problem: str) -> list[int]:
         return list(self.tokenizer.encode(self.prompt_text(problem), add_special_tokens=False))
 
-    def next_prompts(self, n: int) -> tuple[list[list[int]], list[Any]]:
-        """The next training prompts (token ids) and reference answers; advances the stream."""
+    def next_prompts(self, n: int, shard: tuple[int, int] = (0, 1)
+                     ) -> tuple[list[list[int]], list[Any]]:
+        """The next training prompts (token ids) and reference answers; advances the stream.
+
+        `shard=(i, k)`: only the i-th of k equal contiguous slices of the batch of n is encoded
+        and returned (process i's block in a multi-process run); the stream advances by all n, so
+        every process stays at the same position."""
         if n != self.iterator.batch_size:
             raise ValueError(f"next_prompts({n}): the iterator yields {self.iterator.batch_size}")
-        batch = next(self.iterator)
+        index, count = shard
+        if n % count or not 0 <= index < count:
+            raise ValueError(f"next_prompts({n}, shard={shard}): not a slice of the batch")
+        batch = next(self.iterator)[index * (n // count):(index + 1) * (n // count)]
         return [self.encode(ex.problem) for ex in batch], [ex.gold_answers for ex in batch]
 
     def sample_prompts(self, n: int) -> tuple[list[list[int]], list[Any]]:
@@ -137,7 +153,7 @@ class Task:
             out = sampler.sample(params, ids, key=jax.random.fold_in(key, next(calls)), n=n,
                                  max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                                  greedy=greedy, eos_ids=self.eos_ids)
-            out = jax.device_get(out)
+            out = to_host(out)  # the whole batch, also from other processes' devices
             texts = self.decode(out.tokens, out.mask)
             return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 
@@ -173,6 +189,8 @@ def _reward_computer(c: ml_collections.ConfigDict) -> RewardComputer:
     """The correctness verifier (the format term is added by `Task.rewards`)."""
     if c.data.task == "arithmetic":
         return RewardComputer(exact_match_reward, num_workers=1, use_processes=False)
+    if c.data.task == "chain":
+        return RewardComputer(chains.chain_reward, num_workers=1, use_processes=False)
     return RewardComputer(math_reward, num_workers=c.reward.workers, timeout_s=c.reward.timeout_s)
 
 
@@ -196,6 +214,12 @@ def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
                                                   config=_arith_config(c))
         eval_sets["arith"] = held_out
         template = arith.ARITHMETIC_TEMPLATE
+    elif c.data.task == "chain":
+        train, held_out = chains.chain_splits(CHAIN_TRAIN_SIZE, CHAIN_EVAL_SIZE, seed=c.seed,
+                                              config=chain_config(c.data))
+        eval_sets["chain"] = held_out
+        eval_sets["chain_carry10"] = chains.carry10_subset(held_out)
+        template = chains.CHAIN_TEMPLATE
     else:
         train = []
         for path in c.data.train_files:

@@ -8,8 +8,9 @@
 
 Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters before the first step;
 the rollout actor is re-quantized from the full-precision learner every step. `Trainer(config,
-workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls; other JAX code can
-drive `Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
+workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls (it ends by writing
+the run's plots to `<workdir>/plots/`, `qurl_jax.report`); other JAX code can drive
+`Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
 with orbax every `train.checkpoint_every` steps and a workdir with a checkpoint resumes from it; a
 checkpoint of another model or optimizer stops the run before anything is written.
 
@@ -35,18 +36,26 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import quant
+from qurl_jax import distributed as dist
+from qurl_jax import quant, report
 from qurl_jax import sharding as shd
+from qurl_jax.bench import memory
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.config import (kv_policy_from_config, learner_micro_batch_size,
-                             objective_from_config, optim_from_config, validate)
+from qurl_jax.config import (
+    kv_policy_from_config,
+    learner_micro_batch_size,
+    objective_from_config,
+    optim_from_config,
+    refill_enabled,
+    validate,
+)
 from qurl_jax.learner import Learner
-from qurl_jax.metrics import MetricWriter, PhaseTimer, read_metrics, to_floats
+from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import RefillSampler, Sampler
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
@@ -167,9 +176,15 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str) -> None:
         self.config = validate(config)
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = local_abspath(workdir)
         c = self.config
         self.mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+        # Multi-process runs: this process reads, samples and verifies block `_block` of
+        # `_blocks` of every step's prompts (`qurl_jax.distributed`); GRPO groups stay whole.
+        self._block, self._blocks = dist.row_block(self.mesh)
+        if c.data.prompts_per_step % self._blocks:
+            raise ValueError(f"data.prompts_per_step={c.data.prompts_per_step} must be divisible "
+                             f"by the {self._blocks} processes' blocks of the batch")
         self.recipe = quant.get_recipe(c.rollout.precision)
         self.objective = objective_from_config(c.rl)
         self.model_config = model_config_for(c)
@@ -177,22 +192,35 @@ class Trainer:
                                self.mesh, temperature=c.rollout.temperature,
                                num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
                                scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
-                               logprob_batch_size=learner_micro_batch_size(c))
+                               logprob_batch_size=learner_micro_batch_size(c),
+                               precision=c.train.precision)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
         # A checkpoint of another model or optimizer stops the run here, before the warm-start
         # cache, metrics or a new checkpoint are written.
         self.checkpointer.check_compatible(self._abstract_state())
+        self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
         sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                               pad_id=self.task.pad_id, mesh=self.mesh,
                               max_concurrent_rows=c.rollout.max_concurrent_rows)
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
-        # the learner's log-probs (logp_prox) stay dense.
-        self.sampler = Sampler(self.model_config, quant.make_dot_general(self.recipe),
-                               kv_policy=kv_policy_from_config(c.rollout), **sampler_kwargs)
+        # the learner's log-probs (logp_prox) stay dense. The refilling sampler has no compressed
+        # cache, and no process-local mode yet: those runs sample with the chunked one.
+        kv_policy = kv_policy_from_config(c.rollout)
+        refill = refill_enabled(c) and jax.process_count() == 1 and not kv_policy.compresses
+        if refill_enabled(c) and not refill:
+            logging.warning("rollout.refill is not supported across processes or with a "
+                            "compressed rollout.kv_policy yet; sampling in chunks of "
+                            "rollout.max_concurrent_rows rows instead")
+        if refill:
+            self.sampler = RefillSampler(self.model_config, quant.make_dot_general(self.recipe),
+                                         **sampler_kwargs)
+        else:
+            self.sampler = Sampler(self.model_config, quant.make_dot_general(self.recipe),
+                                   kv_policy=kv_policy, **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)
@@ -201,7 +229,8 @@ class Trainer:
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
         self._restore()
-        self.writer = MetricWriter(self.workdir, resume_step=self.step_count)
+        self.writer = MetricWriter(self.workdir, resume_step=self.step_count,
+                                   enabled=dist.is_primary())
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
@@ -212,6 +241,22 @@ class Trainer:
         params, opt_state = self.learner.abstract_state(
             jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0))))
         return {"params": params, "opt_state": opt_state}
+
+    def _preflight(self) -> None:
+        """Compiles the run's programs and stops (`memory.MemoryPlanError`, naming the knobs)
+        if one needs more memory per device than the device has; before anything is written."""
+        c = self.config
+        if c.train.preflight == "off" or (c.train.preflight == "auto"
+                                          and jax.default_backend() == "cpu"):
+            return
+        limit = int(c.train.memory_limit_gib * memory.GIB)
+        if not limit:
+            limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+        if not limit:
+            raise ValueError("config.train.memory_limit_gib: the device reports no memory limit; "
+                             "set one for train.preflight")
+        memory.preflight(memory.setup_for(c, self.model_config, self.mesh, self.learner), limit,
+                         log=logging.info)
 
     def _maybe_invariant_scaling(self, params: Any) -> Any:
         s = self.config.rollout.invariant_scaling
@@ -247,12 +292,14 @@ class Trainer:
         """Samples the next prompts (generation round `round_` of this step); the verifier starts
         on the reward thread, so the rewards are pending when this returns."""
         c = self.config
-        prompts, answers = self.task.next_prompts(c.data.prompts_per_step)
+        prompts, answers = self.task.next_prompts(c.data.prompts_per_step,
+                                                  shard=(self._block, self._blocks))
         with timer.phase("rollout"):
             out = self.sampler.sample(
                 rollout_params, prompts, key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
                 max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
-                top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids)
+                top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids,
+                **({"process_local": True} if self._blocks > 1 else {}))
             out = jax.device_get(out)
         texts = self.task.decode(out.tokens, out.mask)
         pending = self._reward_thread.submit(
@@ -294,6 +341,10 @@ class Trainer:
         Without dynamic sampling the rewards are still being verified when this returns
         (`Rollout.pending`). Groups still all-equal after `max_gen_batches` generation rounds stay
         in the batch with a zero loss mask, so shapes stay static and they add nothing.
+
+        In a multi-process run each process refills its own groups, and every process runs as
+        many rounds as the one that needs the most (the rounds are collective); the statistics
+        are over all processes' rows.
         """
         c = self.config
         n = c.rollout.n
@@ -304,24 +355,29 @@ class Trainer:
             with timer.phase("reward"):
                 r.resolve()
             keep = self._groups_to_keep(r)
-            while not keep.all() and len(generated) < c.rl.max_gen_batches:
+            while len(generated) < c.rl.max_gen_batches and \
+                    dist.host_sums({"dropped": float((~keep).sum())})["dropped"]:
                 extra = self._rollout(rollout_params, len(generated), timer)
                 generated.append(extra)
                 with timer.phase("reward"):
                     extra.resolve()
                 r, keep = refill_groups(r, keep, extra, self._groups_to_keep(extra), n)
-        sampled = sum(float(g.resp_mask.sum()) for g in generated)
-        stats = {"rollout/response_len": float(r.lengths.mean()),
-                 "rollout/tokens": float(r.lengths.sum()),
-                 "rollout/generated_tokens": float(sum(g.lengths.sum() for g in generated)),
-                 "rollout/logp_truncation_gap": sum(
-                     float(g.logp_truncation_gap.sum()) for g in generated) / max(sampled, 1.0),
+        sums = dist.host_sums({
+            "rows": float(r.size), "tokens": float(r.lengths.sum()),
+            "generated": float(sum(g.lengths.sum() for g in generated)),
+            "sampled": sum(float(g.resp_mask.sum()) for g in generated),
+            "gap": sum(float(g.logp_truncation_gap.sum()) for g in generated),
+            "groups": float(r.size // n), "kept": float(0 if keep is None else keep.sum())})
+        stats = {"rollout/response_len": sums["tokens"] / sums["rows"],
+                 "rollout/tokens": sums["tokens"],
+                 "rollout/generated_tokens": sums["generated"],
+                 "rollout/logp_truncation_gap": sums["gap"] / max(sums["sampled"], 1.0),
                  "rollout/kv_bytes_per_row": float(self.sampler.kv_bytes_per_row(
                      r.tokens.shape[1] - c.rollout.max_new_tokens, c.rollout.max_new_tokens))}
         if keep is not None:
             r.resp_mask = r.resp_mask * np.repeat(keep, n)[:, None].astype(np.float32)
             stats.update({"rollout/gen_batches": float(len(generated)),
-                          "rollout/kept_group_frac": float(keep.mean())})
+                          "rollout/kept_group_frac": sums["kept"] / sums["groups"]})
         return r, stats
 
     # --------------------------------------------------------------------------------------- step
@@ -344,7 +400,7 @@ class Trainer:
         with timer.phase("reward"):  # only the part the recomputation did not hide
             r.resolve()
         advantages = self._advantages(self._shaped_rewards(r))
-        batch.update(self.learner.shard_batch({"advantages": jnp.asarray(advantages)}))
+        batch.update(dist.global_batch(self.mesh, {"advantages": advantages}))
         # The update donates the parameter buffers, so the diagnostic keeps its own copy.
         old_params = jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes else None
         with timer.phase("update"):
@@ -360,10 +416,14 @@ class Trainer:
 
     def _step_metrics(self, r: Rollout, timer: PhaseTimer, metrics: dict[str, float]
                       ) -> dict[str, float]:
-        out = {"rollout/reward_mean": float(r.rewards.mean()),
-               "rollout/accuracy": float(r.accuracy.mean())}
-        out.update({f"verifier/{k}": float(v) for k, v in self.task.verifier_stats().items()
-                    if k != "calls"})
+        # Over every process's rows (and verifier).
+        verifier = {f"verifier/{k}": float(v) for k, v in self.task.verifier_stats().items()
+                    if k != "calls"}
+        sums = dist.host_sums({"rows": float(r.size), "reward": float(r.rewards.sum()),
+                               "accuracy": float(r.accuracy.sum()), **verifier})
+        out = {"rollout/reward_mean": sums["reward"] / sums["rows"],
+               "rollout/accuracy": sums["accuracy"] / sums["rows"]}
+        out.update({k: sums[k] for k in verifier})
         out.update(timer.metrics())
         out["time/rollout_share"] = timer.seconds["rollout"] / max(sum(timer.seconds.values()),
                                                                    1e-9)
@@ -381,7 +441,8 @@ class Trainer:
         positions = positions_from_mask(r.attn_mask)
         batch = {"tokens": r.tokens, "positions": positions, "attn_mask": r.attn_mask,
                  "resp_mask": r.resp_mask, "logp_behav": r.logp_behav}
-        return self.learner.shard_batch({k: jnp.asarray(v) for k, v in batch.items()})
+        # This process's rows; the global batch is every process's rows in block order.
+        return dist.global_batch(self.mesh, batch)
 
     def _update(self, batch: dict[str, jax.Array]) -> dict[str, float]:
         """`rl.ppo_epochs` passes of `rl.num_minibatches` optimizer steps; mean metrics.
@@ -443,7 +504,7 @@ class Trainer:
         if self.step_count == 0 and self.task.has_eval:
             summary["eval_before"] = self.evaluate()
             self._write_eval(summary["eval_before"])
-        progress = _Progress(total, self.step_count, bar=c.train.progress)
+        progress = _Progress(total, self.step_count, bar=c.train.progress and dist.is_primary())
         stopped = None
         while self.step_count < total:
             metrics = self.step()
@@ -468,18 +529,36 @@ class Trainer:
         if self.task.has_eval:
             summary["eval_after"] = self.evaluate()
             self._write_eval(summary["eval_after"])
-        steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r]
+        steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r] \
+            if dist.is_primary() else []
         summary["means"] = {k: float(np.mean([r[k] for r in steps if k in r]))
                             for k in SUMMARY_KEYS if any(k in r for r in steps)}
         if c.train.report_speed:
             summary["rollout_speed"] = self.rollout_speed()
         if c.train.export_hf and stopped is None:
-            self.task.export(c.train.export_hf, self.model_config, jax.device_get(self.params))
+            params = dist.to_host(self.params)  # gathered from every process (a collective)
+            if dist.is_primary():
+                self.task.export(c.train.export_hf, self.model_config, params)
         self.checkpointer.close()
         self.writer.close()
         self._reward_thread.shutdown()
         self.task.close()  # verifier worker processes
+        if dist.is_primary():
+            summary["plots"] = self._write_plots()
         return summary
+
+    def _write_plots(self) -> list[str]:
+        """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.report`); none, with a warning,
+        when matplotlib is not installed, since the run itself has finished."""
+        try:
+            paths = report.write_plots(self.workdir)
+        except (ImportError, OSError) as e:  # no matplotlib, or a workdir that is a URL
+            logging.warning("no plots written (%s); install matplotlib, then run "
+                            "python -m qurl_jax.report --workdir=%s", e, self.workdir)
+            return []
+        logging.info("wrote %d plots to %s", len(paths),
+                     os.path.join(self.workdir, report.PLOTS_DIR))
+        return paths
 
 
 class _Progress:

@@ -4,7 +4,9 @@
 character-level tokenizer, both saved in Hugging Face format so they are reloaded through the
 normal path. With `sft.steps > 0` it first trains a supervised warm start; for the arithmetic task
 on the completions of a *noisy teacher* (`noisy_teacher_pairs`): correct answers, a share of them
-with a stray end character that the exact-match verifier rejects, so that RL has a format to repair.
+with a stray end character that the exact-match verifier rejects, so that RL has a format to repair;
+for the chain task on the chains of a *buggy teacher* (`chains.teacher_pairs`) that forgets the
+carry of a units sum of ten with probability `sft.bug_rate`, so that RL has a skill to repair.
 The cache is keyed on every setting it depends on and rebuilt when one changes.
 """
 
@@ -24,6 +26,7 @@ import optax
 from absl import logging
 
 from qurl_jax.data import arithmetic as arith
+from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, build_prompt
 from qurl_jax.data.tokenizer import build_char_tokenizer
 from qurl_jax.models import (
@@ -117,8 +120,13 @@ def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], format_noise: float, s
 
 def _warm_start_key(c: ml_collections.ConfigDict) -> dict[str, Any]:
     """Everything the cached warm start depends on; a cache with another key is rebuilt."""
-    return {"seed": c.seed, "tiny": c.model.tiny.to_dict(), "sft": c.sft.to_dict(),
-            "task": c.data.task, "digits": c.data.arith_digits, "ops": c.data.arith_ops}
+    key = {"seed": c.seed, "tiny": c.model.tiny.to_dict(), "sft": c.sft.to_dict(),
+           "task": c.data.task, "digits": c.data.arith_digits, "ops": c.data.arith_ops}
+    if c.data.task == "chain":
+        key.update(chain_steps=[c.data.chain_min_steps, c.data.chain_max_steps],
+                   chain_carry10_share=c.data.chain_carry10_share,
+                   chat_template=c.data.chat_template)
+    return key
 
 
 def tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: Sequence[MathExample]
@@ -143,6 +151,12 @@ def tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: Sequence[Math
         if c.data.task == "arithmetic":
             pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), c.sft.format_noise,
                                         c.seed, tokenizer.eos_token)
+        elif c.data.task == "chain":
+            prompt_fn = functools.partial(build_prompt, tokenizer=tokenizer,
+                                          chat=c.data.chat_template,
+                                          template=chains.CHAIN_TEMPLATE)
+            pairs = chains.teacher_pairs(train, prompt_fn, c.sft.bug_rate, c.seed,
+                                         tokenizer.eos_token)
         else:
             pairs = [(build_prompt(ex.problem, tokenizer),
                       f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}") for ex in train]
@@ -151,7 +165,8 @@ def tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: Sequence[Math
                                        learning_rate=c.sft.learning_rate,
                                        batch_size=c.sft.batch_size, seed=c.seed)
         params = jax.device_get(params)
-        save_hf(sft_dir, model_config, params, tokenizer=tokenizer)
-        with open(key_file, "w", encoding="utf-8") as f:
-            json.dump(key, f, sort_keys=True)
+        if jax.process_index() == 0:  # every process trains the same warm start; one saves it
+            save_hf(sft_dir, model_config, params, tokenizer=tokenizer)
+            with open(key_file, "w", encoding="utf-8") as f:
+                json.dump(key, f, sort_keys=True)
     return model_config, params, tokenizer

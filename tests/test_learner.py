@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from qurl_jax import sharding as shd
-from qurl_jax.learner import Learner, OptimConfig, merge_rows, response_logprobs, split_rows
+from qurl_jax.learner import (
+    Learner,
+    OptimConfig,
+    learning_rate_schedule,
+    merge_rows,
+    response_logprobs,
+    split_rows,
+)
 from qurl_jax.models import ModelConfig, Transformer, init_params, token_logprobs_and_entropy
 from qurl_jax.rl.objectives import ObjectiveConfig
 
@@ -127,11 +134,50 @@ def test_bad_micro_batch_count():
         _learner(shd.make_mesh(), num_micro_batches=0)
 
 
+def test_learning_rate_zero_is_a_control_run():
+    # lr 0 is allowed: the step computes loss, gradient and metrics and changes nothing (AdamW
+    # scales the decoupled weight decay by the learning rate as well).
+    params = init_params(CFG, jax.random.key(8))
+    learner = Learner(CFG, ObjectiveConfig(), OptimConfig(learning_rate=0.0, weight_decay=0.1),
+                      shd.make_mesh(), temperature=0.9)
+    new_params, metrics, _ = _one_update(learner, params, _batch(8))
+    assert metrics["update/grad_norm"] > 0 and metrics["update/skipped"] == 0
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="learning_rate"):
+        Learner(CFG, ObjectiveConfig(), OptimConfig(learning_rate=-1e-3), shd.make_mesh())
+
+
+def test_warmup_first_step_already_moves():
+    # Linear warm-up lr * (step + 1) / warmup_steps: step 0 takes a non-zero step and the peak is
+    # reached at step warmup_steps - 1; then the cosine decay (or the constant) takes over.
+    warm = learning_rate_schedule(OptimConfig(learning_rate=1.0, warmup_steps=4))
+    np.testing.assert_allclose([float(warm(i)) for i in range(6)],
+                               [0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    cosine = learning_rate_schedule(OptimConfig(learning_rate=1.0, warmup_steps=2,
+                                                decay_steps=4, end_lr_ratio=0.1))
+    np.testing.assert_allclose([float(cosine(i)) for i in range(8)],
+                               [0.5, 1.0, 1.0, 0.55 + 0.45 * np.cos(np.pi / 4), 0.55,
+                                0.55 - 0.45 * np.cos(np.pi / 4), 0.1, 0.1], rtol=1e-6)
+    params = init_params(CFG, jax.random.key(9))
+    learner = Learner(CFG, ObjectiveConfig(), OptimConfig(learning_rate=1e-2, warmup_steps=100),
+                      shd.make_mesh(), temperature=0.9)
+    new_params, _, _ = _one_update(learner, params, _batch(9))
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(params), jax.tree.leaves(new_params), strict=True))
+    # Adam's first step is ~lr * sign(g) = 1e-4 per element at lr 1e-2 / 100.
+    assert 0 < moved < 2e-4, moved
+
+
 def test_bad_memory_knobs_name_the_argument():
     with pytest.raises(ValueError, match="remat='al'"):
         Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), remat="al")
     with pytest.raises(ValueError, match="logprob_chunk"):
         Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), logprob_chunk=0)
+    with pytest.raises(ValueError, match="training precision 'int8'"):
+        Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), precision="int8")
+    with pytest.raises(ValueError, match="unknown quantization recipe"):
+        Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), precision="fp4")
 
 
 def test_split_rows_is_strided_and_merge_rows_inverts_it():

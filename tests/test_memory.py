@@ -79,3 +79,46 @@ def test_memory_report_of_a_small_config(tmp_path):
         assert program["peak_bytes"] >= program["temp_bytes"] > 0
         assert set(program) == {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"}
     assert any("estimate" in line for line in lines)
+
+
+def test_rollout_chunk_bounds_decode_memory(tmp_path):
+    # The sampler's decode program holds one chunk's KV cache: half the rows, about half the
+    # cache (the actor's parameters are the same).
+    with open(tmp_path / "tiny.json", "w") as f:
+        json.dump(hf.config_to_hf(CFG.replace(vocab_size=512)), f)
+    c = base_config()
+    c.model.path = "checkpoints/tiny"
+    c.data.prompts_per_step, c.rollout.n = 8, 2
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 64, 448
+    c.mesh.fsdp = 2
+    setup = memory.build_setup(c, CFG.replace(vocab_size=512))
+    kv_row = 2 * CFG.num_layers * 512 * CFG.num_kv_heads * CFG.head_dim * 4  # f32, T = 512
+
+    def decode_bytes(rows: int) -> int:
+        c.rollout.max_concurrent_rows = rows
+        compiled = memory.rollout_decode(setup).lowered.compile()
+        return memory.compiled_memory(compiled)["peak_bytes"]
+
+    whole, half = decode_bytes(0), decode_bytes(8)
+    # 8 of 16 rows fewer, over 2 devices: 4 rows' caches per device, counted in and out.
+    assert whole - half >= 4 * kv_row, (whole, half, kv_row)
+
+
+def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
+    from qurl_jax.trainer import Trainer
+
+    c = base_config()
+    c.model.source, c.data.task = "tiny", "arithmetic"
+    c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=16))
+    c.data.prompts_per_step, c.rollout.n, c.rl.num_minibatches = 2, 4, 2
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 32, 4
+    c.train.preflight, c.train.memory_limit_gib = "on", 1e-6
+    with pytest.raises(memory.MemoryPlanError, match=r"rollout_decode needs .*"
+                       r"rollout\.max_concurrent_rows"):
+        Trainer(c, str(tmp_path / "run"))
+    assert not [p for p in (tmp_path / "run").glob("**/*") if p.is_file()]
+    # With room, the preflight returns every program's figures.
+    setup = memory.build_setup(c, CFG.replace(vocab_size=64))
+    figures = memory.preflight(setup, 1 << 30, log=lambda _: None)
+    assert set(figures) == set(memory.PROGRAMS)

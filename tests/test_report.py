@@ -132,6 +132,14 @@ def test_write_plots_skips_figures_whose_metrics_are_missing(tmp_path):
     assert report.write_plots(tmp_path / "no_run") == []
 
 
+def test_entropy_logged_as_zero_is_a_note_not_a_flat_line(tmp_path):
+    rows = [{"step": s, "update/loss": 0.1, "entropy": 0.0} for s in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, entropy_ax, _ = report._update(report.read_series(tmp_path), "run").axes
+    assert not entropy_ax.axison and not entropy_ax.lines
+    assert "not computed" in entropy_ax.texts[0].get_text()
+
+
 def test_compare_runs_draws_each_run_and_needs_the_metric(tmp_path):
     _write_metrics(tmp_path / "int8")
     _write_metrics(tmp_path / "fp8", steps=90)

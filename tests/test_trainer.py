@@ -245,6 +245,9 @@ def test_bad_override_fails_before_compiling(tmp_path, override, message):
                              "rollout.invariant_scaling": 1.5, "rl.cap": 5.0}),
     ("gsm8k_qwen2p5_0p5b_int8", {"rollout.precision": "int8", "rollout.invariant_scaling": 1.0,
                                  "optim.learning_rate": 1e-5, "rl.cap": 2.0}),
+    ("jetrl_r1_1p5b_fp8_block", {"rollout.precision": "fp8_block", "train.precision": "fp8_block",
+                                 "rl.loss_mode": "on_policy", "rollout.invariant_scaling": 1.0,
+                                 "train.scan_layers": True}),
 ])
 def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     c = _load_config(name)
@@ -276,8 +279,8 @@ def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     try:
         t = Trainer(c, str(tmp_path))
         # Mixed outcomes in every group, so the advantages and the policy gradient are non-zero
-        # (DAPO's filter keeps both groups in the first round). Two steps: a linear warm-up (the
-        # DAPO config's) gives the first optimizer step a learning rate of exactly 0.
+        # (DAPO's filter keeps both groups in the first round). Two steps, so the second runs
+        # with an optimizer state that has seen one update.
         t.task.rewards = _scripted([1, 0, 0, 1], [0, 1, 1, 0])
         before = jax.device_get(t.params)
         metrics = [t.step(), t.step()]

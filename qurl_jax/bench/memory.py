@@ -14,11 +14,14 @@ output, temp and peak bytes:
 - `learner_update`: one optimizer step on one minibatch (rollout batch / `rl.num_minibatches`
   rows), gradients accumulated over `rl.num_micro_batches` micro-batches in a scan;
 - `learner_logprobs`: the log-prob recomputation of the whole rollout batch, in slices of one
-  micro-batch.
+  micro-batch;
+- `requantize`: the rollout actor made from the learner's sharded parameters (`rollout.precision`);
+- `rollout_prefill` / `rollout_decode`: the sampler's programs for one rollout chunk
+  (`rollout.max_concurrent_rows` rows, sharded over data x fsdp), built for an accelerator
+  platform (no CPU-only work), on the actor's parameters with their shardings.
 
-Adding a program (the sampler's prefill and decode chunk, once the sampler rewrite lands) is adding
-one entry to `PROGRAMS`: a function of the `Setup` that returns the lowered program and its
-analytic `Estimate`.
+Adding a program is adding one entry to `PROGRAMS`: a function of the `Setup` that returns the
+lowered program and its analytic `Estimate`.
 
 What differs on an accelerator: the numbers are XLA:CPU's buffer assignment for the same
 partitioned program. GPU and TPU compilers fuse and schedule differently (the latency-hiding
@@ -46,18 +49,17 @@ from absl import app, flags
 from jax.sharding import Mesh
 from ml_collections import config_flags
 
+from qurl_jax import quant
 from qurl_jax import sharding as shd
-from qurl_jax.config import learner_micro_batch_size, objective_from_config
+from qurl_jax.config import (
+    kv_policy_from_config,
+    learner_micro_batch_size,
+    objective_from_config,
+    optim_from_config,
+)
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, hf, init_params
-from qurl_jax.trainer import optim_from_config
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
-_JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
-_SHAPES = flags.DEFINE_string(
-    "shapes_dir", None, "Directory of model config.json files; default: shapes/ beside --config.")
-flags.mark_flags_as_required(["config"])
+from qurl_jax.sampling import Sampler
 
 GIB = 1 << 30
 BUDGET_GIB = 60.0
@@ -201,9 +203,75 @@ def learner_logprobs(setup: Setup) -> Program:
     return Program(lowered, Estimate(parts, s))
 
 
+def _requantize_fn(setup: Setup) -> Callable:
+    recipe = quant.get_recipe(setup.config.rollout.precision)
+    return jax.jit(lambda params: quant.requantize(params, recipe))
+
+
+def requantize(setup: Setup) -> Program:
+    """The rollout actor made from the learner's parameters, every step."""
+    lowered = _requantize_fn(setup).lower(setup.params)
+    s = _symbols(setup, setup.rollout_rows)
+    actor = _bytes_per_device(_actor_params(setup))
+    return Program(lowered, Estimate((("params (input)", "Pd", s["Pd"]),
+                                      ("actor (output)", "codes + scales", actor)), s))
+
+
+def _actor_params(setup: Setup) -> Any:
+    """The rollout actor's parameters as `jax.ShapeDtypeStruct`s with the shardings requantize
+    gives them."""
+    fn = _requantize_fn(setup)
+    shardings = fn.lower(setup.params).compile().output_shardings
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(fn, setup.params), shardings)
+
+
+def _rollout(setup: Setup, name: str) -> Program:
+    c = setup.config
+    sampler = Sampler(setup.model_config,
+                      quant.make_dot_general(quant.get_recipe(c.rollout.precision)),
+                      prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
+                      mesh=setup.mesh, max_concurrent_rows=c.rollout.max_concurrent_rows,
+                      platform="gpu", kv_policy=kv_policy_from_config(c.rollout))
+    rows = sampler.rows_per_chunk(c.data.prompts_per_step, c.rollout.n)
+    actor = _actor_params(setup)
+    lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
+                                     n=c.rollout.n)[name]
+    s = _symbols(setup, rows)
+    m = setup.model_config
+    b, V, t = s["b"], s["V"], s["t"]
+    kv_heads = max(m.num_kv_heads // t, 1)
+    parts = (
+        ("actor parameters", "codes + scales per device", _bytes_per_device(actor)),
+        ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
+         _weights_at_work(s)[2]),
+        ("KV cache (keys and values, every layer)",
+         "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with rollout.kv_policy)",
+         2 * s["L"] * b * sampler.cache_slots(setup.prompt_len, setup.response_len) * kv_heads
+         * m.head_dim * s["cb"]),
+        ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
+    ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
+           b * setup.prompt_len * ((3 * s["M"] + 2 * (s["Q"] + 2 * s["K"])) // t + 2 * s["E"])
+           * s["cb"]),) if name == "prefill" else ())
+    return Program(lowered, Estimate(parts, {**s, "rows per chunk": rows}))
+
+
+def rollout_prefill(setup: Setup) -> Program:
+    """The prompt pass of one rollout chunk (n samples of a prompt share it)."""
+    return _rollout(setup, "prefill")
+
+
+def rollout_decode(setup: Setup) -> Program:
+    """The decode loop of one rollout chunk, every new token of it."""
+    return _rollout(setup, "decode")
+
+
 PROGRAMS: dict[str, Callable[[Setup], Program]] = {
     "learner_update": learner_update,
     "learner_logprobs": learner_logprobs,
+    "requantize": requantize,
+    "rollout_prefill": rollout_prefill,
+    "rollout_decode": rollout_decode,
 }
 
 
@@ -232,7 +300,15 @@ def build_setup(config: ml_collections.ConfigDict, model_config: ModelConfig) ->
                       temperature=c.rollout.temperature, num_micro_batches=c.rl.num_micro_batches,
                       remat=c.train.remat, scan_layers=c.train.scan_layers,
                       logprob_chunk=c.train.logprob_chunk,
-                      logprob_batch_size=micro)
+                      logprob_batch_size=micro, precision=c.train.precision)
+    return setup_for(c, model_config, mesh, learner)
+
+
+def setup_for(config: ml_collections.ConfigDict, model_config: ModelConfig, mesh: Mesh,
+              learner: Learner) -> Setup:
+    """The `Setup` of a run's own mesh and learner (what the trainer's preflight compiles)."""
+    c = config
+    micro = learner_micro_batch_size(c)
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
     params, opt_state = learner.abstract_state(shapes)
     rows = c.data.prompts_per_step * c.rollout.n
@@ -288,6 +364,41 @@ def report(config: ml_collections.ConfigDict, shapes_dir: str,
     return out
 
 
+# The config fields that shrink each program, named by the preflight's error.
+KNOBS = {
+    "learner_update": "rl.num_micro_batches (more, smaller micro-batches), train.remat ('full'), "
+                      "train.logprob_chunk (smaller), mesh.fsdp / mesh.tensor (more devices)",
+    "learner_logprobs": "rl.num_micro_batches (log-prob slices are one micro-batch), "
+                        "train.logprob_chunk (smaller), mesh.fsdp / mesh.tensor",
+    "requantize": "mesh.fsdp / mesh.tensor (parameters spread over more devices)",
+    "rollout_prefill": "rollout.max_concurrent_rows (smaller chunks), mesh.data / mesh.fsdp",
+    "rollout_decode": "rollout.max_concurrent_rows (smaller chunks; the KV cache is per row), "
+                      "mesh.data / mesh.fsdp",
+}
+
+
+class MemoryPlanError(RuntimeError):
+    """A program of the run needs more memory per device than the device has."""
+
+
+def preflight(setup: Setup, limit_bytes: int,
+              log: Callable[[str], None] = print) -> dict[str, dict[str, int]]:
+    """Compiles every program of the run (`PROGRAMS`) before its first step and raises
+    `MemoryPlanError` naming each program whose per-device peak exceeds `limit_bytes`, its figure
+    and the knobs that shrink it; returns the figures otherwise."""
+    figures, over = {}, []
+    for name, build in PROGRAMS.items():
+        figures[name] = compiled_memory(build(setup).lowered.compile())
+        peak = figures[name]["peak_bytes"]
+        log(f"preflight {name}: peak {peak / GIB:.2f} GiB per device of {limit_bytes / GIB:.2f}")
+        if peak > limit_bytes:
+            over.append(f"{name} needs {peak / GIB:.2f} GiB per device, more than the "
+                        f"{limit_bytes / GIB:.2f} GiB limit; change {KNOBS[name]}")
+    if over:
+        raise MemoryPlanError("memory preflight: " + "; ".join(over))
+    return figures
+
+
 def _use_host_devices(count: int) -> None:
     """Runs JAX on `count` host CPU devices; must happen before JAX starts a backend."""
     flag = f"--xla_force_host_platform_device_count={count}"
@@ -312,4 +423,12 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # Defined here, not at import: the trainer imports this module for its preflight, beside
+    # main.py's own --config flag.
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
+    _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+    _SHAPES = flags.DEFINE_string(
+        "shapes_dir", None, "Directory of model config.json files; default: shapes/ beside --config.")
+    flags.mark_flags_as_required(["config"])
     app.run(main)

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from qurl_jax.distributed import to_host
 from qurl_jax.sampling import Sampler
 
 
@@ -40,7 +41,7 @@ def compare_rollout_speed(engines: Sequence[tuple[str, Sampler, Any]],
         jax.block_until_ready(sampler.sample(params, prompts, **kwargs).tokens)  # compile
         start = time.perf_counter()
         out = jax.block_until_ready(sampler.sample(params, prompts, **kwargs))
-        result[f"{name}_tokens_per_s"] = float(np.asarray(out.lengths).sum()) / (
+        result[f"{name}_tokens_per_s"] = float(np.asarray(to_host(out.lengths)).sum()) / (
             time.perf_counter() - start)
     if len(engines) > 1:
         first, last = engines[0][0], engines[-1][0]

@@ -16,11 +16,27 @@ step's achieved memory bandwidth is the bytes it must read per step (every param
 KV cache: the slots written so far with the CPU decode attention kernel, the whole cache with XLA's
 attention, which masks the unused slots but reads them) divided by the step time, compared with
 the bandwidth of a large numpy copy measured in the same run.
+
+`--cases decode,long_tail` (the default) adds the continuous batching case: `--tail-prompts`
+prompts x `--tail-n` samples through `--tail-slots` concurrent rows, with per-row response
+length limits drawn from a log-normal with median `--new-tokens` / 4 (sigma 1, clipped to
+[1, --new-tokens]; about 8% of the rows reach the maximum), EOS disabled.
+Per precision (fp32, int8) it times, as whole `sample` calls (prefill included):
+- `static equal`: `Sampler`, every row `--new-tokens` long (the equal-length throughput);
+- `static tail`: `Sampler` on the long-tailed rows. It has no per-row limit, but its decode loop
+  stops when the longest row of a chunk does, so it is run chunk by chunk (`--tail-slots` rows,
+  prompt-major) with max_new_tokens = that chunk's longest limit: the cost it would have, the
+  same programs; its useful tokens are the sum of the limits;
+- `refill tail`: `RefillSampler` (same slots) with the limits;
+- `refill equal`: `RefillSampler`, every row `--new-tokens` long (its overhead over static).
+tokens/s = useful response tokens / seconds; the goals are refill tail / static tail >= 1.8 and
+refill tail / static equal >= 0.85.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -32,7 +48,7 @@ import numpy as np
 from qurl_jax.cpu_kernels import decode_attention
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.params import init_params
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import RefillSampler, Sampler
 
 # ~98M parameters: 73M in 12 decoder layers, 24.6M in the tied 32k x 768 embedding / LM head.
 BENCH_CONFIG = ModelConfig(
@@ -108,6 +124,88 @@ def _transformers(config: ModelConfig, params: Any, prompts: list[list[int]], th
     return run
 
 
+def tail_limits(rows: int, max_new: int, seed: int = 0) -> np.ndarray:
+    """i32[rows] long-tailed length limits: log-normal, median max_new / 4, clipped to
+    [1, max_new]."""
+    rng = np.random.default_rng(seed)
+    draws = rng.lognormal(np.log(max_new / 4), 1.0, rows)
+    return np.clip(np.round(draws), 1, max_new).astype(np.int32)
+
+
+def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: argparse.Namespace
+               ) -> None:
+    """Times static vs refilling sampler on long-tailed and equal lengths; prints tokens/s and the
+    ratios (see the module docstring)."""
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, config.vocab_size, (args.tail_prompts, args.prompt_len)).tolist()
+    n, slots, max_new = args.tail_n, args.tail_slots, args.new_tokens
+    rows = len(prompts) * n
+    limits = tail_limits(rows, max_new)
+    equal = np.full(rows, max_new, np.int32)
+    group = slots // n  # prompts per static chunk
+    kw = dict(key=jax.random.key(0), n=n, temperature=1.0)
+    buckets = dict(prompt_buckets=(args.prompt_len,), gen_buckets=(max_new,))
+
+    cases: dict[str, Callable[[], float]] = {}
+    refill_runs: dict[str, Any] = {}  # case name -> RefillRun of its last call
+    for name, (params, dot_general) in engines.items():
+        static = Sampler(config, dot_general, max_concurrent_rows=slots, **buckets)
+        refill = RefillSampler(config, dot_general, max_concurrent_rows=slots,
+                               refill_min=args.refill_min, **buckets)
+
+        def static_run(lim: np.ndarray, static=static, params=params) -> float:
+            t0 = time.perf_counter()
+            for c in range(0, len(prompts), group):
+                chunk_limit = int(lim[c * n: (c + group) * n].max())
+                out = static.sample(params, prompts[c: c + group], max_new_tokens=chunk_limit,
+                                    **kw)
+            out.tokens.block_until_ready()
+            return time.perf_counter() - t0
+
+        def refill_run(lim: np.ndarray, case: str, refill=refill, params=params) -> float:
+            t0 = time.perf_counter()
+            out = refill.sample(params, prompts, max_new_tokens=max_new, length_limits=lim, **kw)
+            out.tokens.block_until_ready()
+            elapsed = time.perf_counter() - t0
+            if int(np.asarray(out.lengths).sum()) != int(lim.sum()):
+                raise RuntimeError("refilling sampler produced the wrong number of tokens")
+            refill_runs[case] = refill.last_run
+            return elapsed
+
+        cases[f"{name} static equal"] = functools.partial(static_run, equal)
+        cases[f"{name} static tail"] = functools.partial(static_run, limits)
+        for kind, lim in (("tail", limits), ("equal", equal)):
+            case = f"{name} refill {kind}"
+            cases[case] = functools.partial(refill_run, lim, case)
+
+    for run in cases.values():  # compile / warm up: the timed runs reuse these programs
+        run()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, run in cases.items():
+            times[name].append(run())
+    print(f"long-tailed case: {len(prompts)} prompts x n={n} = {rows} rows through {slots} "
+          f"concurrent rows, prompt {args.prompt_len}, limits median {int(np.median(limits))} "
+          f"mean {limits.mean():.1f} max {limits.max()} (equal: {max_new}); refill_min "
+          f"{args.refill_min or 'default'}; best of {args.rounds} rounds, whole sample calls")
+    print(f"{'case':<22}{'seconds':>9}{'tokens':>8}{'tok/s':>9}")
+    rate = {}
+    for name in cases:
+        tokens = int((equal if name.endswith("equal") else limits).sum())
+        best = min(times[name])
+        rate[name] = tokens / best
+        print(f"{name:<22}{best:>9.2f}{tokens:>8}{rate[name]:>9.0f}")
+    for name in engines:
+        tail, equal_rate = rate[f"{name} refill tail"], rate[f"{name} static equal"]
+        run = refill_runs[f"{name} refill tail"]
+        print(f"{name} refill tail: occupancy {run.occupancy:.2f}, {run.decode_calls} decode "
+              f"calls, {run.inserts} inserts, {run.decode_steps} decode steps, "
+              f"{run.prefilled} prompts prefilled")
+        print(f"{name}: refill tail / static tail {tail / rate[f'{name} static tail']:.2f}x "
+              f"(goal >= 1.8); refill tail / static equal {tail / equal_rate:.2f} (goal >= 0.85);"
+              f" refill equal / static equal {rate[f'{name} refill equal'] / equal_rate:.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -123,11 +221,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--torch-threads", default="2,1",
                         help="torch thread counts to time transformers with (each is a row; "
                              "with other processes on the cores, 2 threads can be far slower)")
+    parser.add_argument("--cases", default="decode,long_tail",
+                        help="decode (equal lengths, vs transformers) and/or long_tail (static "
+                             "vs refilling sampler, fp32 and int8 among --engines)")
+    parser.add_argument("--tail-prompts", type=int, default=16)
+    parser.add_argument("--tail-n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--tail-slots", type=int, default=16,
+                        help="concurrent rows of both samplers (a multiple of --tail-n)")
+    parser.add_argument("--refill-min", type=int, default=0,
+                        help="RefillSampler refill_min (0 = its default)")
+    parser.add_argument("--layers", type=int, default=BENCH_CONFIG.num_layers,
+                        help="decoder layers (smaller = a smaller, faster model)")
     args = parser.parse_args(argv)
-    engines = args.engines.split(",")
-    cfg = BENCH_CONFIG
+    engines = [e for e in args.engines.split(",") if e]
+    cfg = BENCH_CONFIG.replace(num_layers=args.layers)
     load_before = os.getloadavg()[0]
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    cases = args.cases.split(",")
+    if "long_tail" in cases:
+        from qurl_jax.quant import make_dot_general, requantize
+
+        tail_engines = {}
+        if "fp32" in engines:
+            tail_engines["fp32"] = (params, jax.lax.dot_general)
+        if "int8" in engines:
+            tail_engines["int8"] = (jax.block_until_ready(requantize(params, "int8")),
+                                    make_dot_general("int8"))
+        print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
+              f"model {cfg.num_params / 1e6:.1f}M params ({cfg.num_layers} layers)")
+        _long_tail(cfg, tail_engines, args)
+    if "decode" not in cases:
+        return
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
 

@@ -8,6 +8,9 @@ Public API:
   g_len)`: one chunk's prefill and decode programs, lowered, for memory analysis.
 - `SampleOutput`, `FinishReason`: per-token tokens / logp / logp_untruncated / mask and per-row
   lengths and finish reasons, plus the left-padded prompts for the learner.
+- `RefillSampler(...)`: the same interface with continuous batching: `max_concurrent_rows` row
+  slots, each refilled with a waiting row as soon as its occupant finishes (long-tailed lengths
+  keep the batch full); same key, same tokens as `Sampler`. `RefillRun`: what its last call did.
 - `generate(sampler, params, texts, tokenizer, ...)`: strings in, strings out (CLI, evaluation).
 - `sample_tokens`, `SamplingMode`: the single-step sampling math (greedy/temperature/top-k/top-p).
 - `KVPolicyConfig`, `KVPolicy`, `Selection`: Sparse-RL's KV-cache compression (StreamingLLM,
@@ -17,12 +20,15 @@ Public API:
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sampling._generate import generate
 from qurl_jax.sampling._kv_policy import KVPolicy, KVPolicyConfig, Selection
+from qurl_jax.sampling._refill import RefillRun, RefillSampler
 from qurl_jax.sampling._sampler import FinishReason, SampleOutput, Sampler
 
 __all__ = [
     "FinishReason",
     "KVPolicy",
     "KVPolicyConfig",
+    "RefillRun",
+    "RefillSampler",
     "SampleOutput",
     "Sampler",
     "SamplingMode",

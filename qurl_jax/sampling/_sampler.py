@@ -289,6 +289,7 @@ class Sampler:
         top_p: float = 1.0,
         greedy: bool = False,
         eos_ids: Sequence[int] = (),
+        process_local: bool = False,
     ) -> SampleOutput:
         """Samples `n` responses for each prompt.
 
@@ -305,29 +306,34 @@ class Sampler:
           top_p: nucleus threshold in (0, 1] (1 = off).
           greedy: arg-max decoding (ignores key, top_k and top_p).
           eos_ids: token ids that end a response (the EOS token is part of the response).
+          process_local: `prompts` are this process's block of a global batch spread over the
+            processes of a multi-process run (`qurl_jax.distributed.row_block`; every process
+            passes as many prompts and calls `sample` together); the output holds this process's
+            rows as host numpy arrays. Rows draw the same tokens as in a one-process call with the
+            whole batch (the prompt bucket is agreed over the processes and row i of the global
+            batch keeps its key). Without a mesh spanning several processes it is a plain call.
         """
+        blocks = 1
+        if process_local and self.mesh is not None and jax.process_count() > 1:
+            from qurl_jax import distributed
+
+            block, blocks = distributed.row_block(self.mesh)
         eos = self._check_inputs(prompts, n, max_new_tokens, temperature, top_k, top_p, greedy,
                                  eos_ids)
-        b, v = len(prompts), self.config.vocab_size
-        p_len = _bucket(max(len(p) for p in prompts), self.prompt_buckets)
+        b = len(prompts)
+        longest = max(len(p) for p in prompts)
+        if blocks > 1:
+            return self._sample_process_local(
+                params, prompts, block, blocks, distributed.agree_max(longest), key=key, n=n,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                greedy=greedy, eos=eos)
+        p_len = _bucket(longest, self.prompt_buckets)
         g_len = _bucket(max_new_tokens, self.gen_buckets)
         group = self._prompts_per_chunk(b, n)
         num_chunks = -(-b // group)
         tokens, mask = _left_pad(prompts, p_len, num_chunks * group, self.pad_id)
-        mode = SamplingMode(
-            greedy=bool(greedy),
-            top_k=0 if greedy or top_k >= v else int(top_k),
-            top_p=not greedy and top_p < 1.0,
-        )
-        # EOS ids are a traced input padded with -1 (matches no token) to a multiple of 8, so a new
-        # EOS set does not compile a new program.
-        eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
-        eos_arr[: len(eos)] = eos
-        # Greedy decoding reports log-probs at the given temperature, or at 1 if it is not > 0.
-        temp = temperature if temperature > 0 else 1.0
-        prefill, decode = self._programs_for(group, int(n), p_len, g_len, mode, eos_arr.size)
-        settings = (key, jnp.float32(temp), jnp.float32(top_p), jnp.int32(max_new_tokens),
-                    jnp.asarray(eos_arr))
+        prefill, decode, settings = self._setup(group, n, p_len, g_len, key, max_new_tokens,
+                                                temperature, top_k, top_p, greedy, eos)
         rows = group * n
         chunks = []
         # Dispatched without waiting: the host never blocks between or inside the chunks.
@@ -363,6 +369,78 @@ class Sampler:
             lengths=crop(out["lengths"]), finish_reason=crop(out["finish_reason"]),
             prompt_tokens=crop(prompt_tokens), prompt_mask=crop(prompt_mask), num_steps=num_steps,
         )
+
+    def _setup(self, group: int, n: int, p_len: int, g_len: int, key: jax.Array,
+               max_new_tokens: int, temperature: float, top_k: int, top_p: float, greedy: bool,
+               eos: Sequence[int]) -> tuple[Any, Any, tuple]:
+        """The (prefill, decode) programs of a call and the decode loop's traced settings."""
+        mode = SamplingMode(
+            greedy=bool(greedy),
+            top_k=0 if greedy or top_k >= self.config.vocab_size else int(top_k),
+            top_p=not greedy and top_p < 1.0,
+        )
+        # EOS ids are a traced input padded with -1 (matches no token) to a multiple of 8, so a new
+        # EOS set does not compile a new program.
+        eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
+        eos_arr[: len(eos)] = eos
+        # Greedy decoding reports log-probs at the given temperature, or at 1 if it is not > 0.
+        temp = temperature if temperature > 0 else 1.0
+        prefill, decode = self._programs_for(group, int(n), p_len, g_len, mode, eos_arr.size)
+        settings = (key, jnp.float32(temp), jnp.float32(top_p), jnp.int32(max_new_tokens),
+                    jnp.asarray(eos_arr))
+        return prefill, decode, settings
+
+    def _sample_process_local(self, params: Params, prompts: Sequence[Sequence[int]], block: int,
+                              blocks: int, longest: int, *, key: jax.Array, n: int,
+                              max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                              greedy: bool, eos: Sequence[int]) -> SampleOutput:
+        """`sample(..., process_local=True)` on a mesh spanning processes: this process holds
+        block `block` of `blocks` of the global batch. Every chunk is global (each process adds
+        its share of the chunk's prompts); the outputs are read back from this process's devices
+        only. `longest` is the longest prompt of any process."""
+        from qurl_jax.distributed import local_rows
+
+        b_local = len(prompts)
+        p_len = _bucket(longest, self.prompt_buckets)
+        g_len = _bucket(max_new_tokens, self.gen_buckets)
+        group = self._prompts_per_chunk(b_local * blocks, n)  # global prompts per chunk
+        local_group = group // blocks
+        num_chunks = -(-(b_local * blocks) // group)
+        tokens, mask = _left_pad(prompts, p_len, num_chunks * local_group, self.pad_id)
+        # Row ids of the one-process call: real prompt j of this block is global prompt
+        # block * b_local + j; padding prompts get ids past the real rows, distinct per block.
+        pad_per_block = num_chunks * local_group - b_local
+        prompt_ids = np.concatenate([
+            block * b_local + np.arange(b_local),
+            blocks * b_local + block * pad_per_block + np.arange(pad_per_block)])
+        row_ids = (prompt_ids[:, None] * n + np.arange(n)).reshape(-1).astype(np.int32)
+        prefill, decode, settings = self._setup(group, n, p_len, g_len, key, max_new_tokens,
+                                                temperature, top_k, top_p, greedy, eos)
+
+        def put(x: np.ndarray) -> jax.Array:
+            return jax.make_array_from_process_local_data(
+                batch_sharding(self.mesh, x.ndim), x, (x.shape[0] * blocks, *x.shape[1:]))
+
+        per_row = ("tokens", "logp", "logp_untruncated", "mask", "lengths", "finish_reason")
+        out: dict[str, list[np.ndarray]] = {name: [] for name in per_row}
+        num_steps = 0
+        rows = local_group * n
+        for c in range(num_chunks):
+            prompt_rows = slice(c * local_group, (c + 1) * local_group)
+            logits, cache = prefill(params, put(tokens[prompt_rows]), put(mask[prompt_rows]))
+            response, _ = decode(params, cache, logits, put(row_ids[c * rows:(c + 1) * rows]),
+                                 *settings)
+            for name in per_row:
+                out[name].append(local_rows(response[name]))
+            num_steps = max(num_steps, int(np.asarray(response["num_steps"].addressable_data(0))))
+        real = b_local * n
+        host = {name: np.concatenate(parts)[:real] for name, parts in out.items()}
+        per_token = ("tokens", "logp", "logp_untruncated", "mask")
+        return SampleOutput(
+            **{name: host[name][:, :max_new_tokens] for name in per_token},
+            lengths=host["lengths"], finish_reason=host["finish_reason"],
+            prompt_tokens=np.repeat(tokens[:b_local], n, axis=0),
+            prompt_mask=np.repeat(mask[:b_local], n, axis=0), num_steps=np.int32(num_steps))
 
     def lower_programs(
         self,
@@ -445,6 +523,11 @@ class Sampler:
             if min(p) < 0 or max(p) >= v:
                 raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {v})")
         return eos
+
+    def rows_per_chunk(self, num_prompts: int, n: int) -> int:
+        """Rows one rollout chunk of `num_prompts` prompts with `n` samples each decodes at once
+        (batch padding included): the rows `lower_programs` needs for the program `sample` runs."""
+        return self._prompts_per_chunk(num_prompts, n) * n
 
     def _prompts_per_chunk(self, num_prompts: int, n: int) -> int:
         """Prompts per chunk: a multiple of the batch shards, as many as `max_concurrent_rows`

@@ -1,0 +1,302 @@
+"""Benchmark on one accelerator: quantized rollout speed, what the quantized products lower to, one
+learner step, and real peak memory beside the compile-time figure.
+
+Run on a GPU (or TPU) machine, one part or several in one process:
+
+    python -m qurl_jax.bench.accelerator --parts=rollout,lowering \
+        --models=DeepSeek-R1-Distill-Qwen-1.5B --batches=64,256 --json=out.json
+    python -m qurl_jax.bench.accelerator --parts=learner --precisions=fp,fp8_block
+
+Parts:
+- `rollout`: decode tokens/s of the bf16, int8 (W8A8) and fp8 (E4M3 W8A8) actors on a random-weight
+  model of a paper model's shape (`configs/shapes/<name>.json`), compute dtype bfloat16, B rows of
+  `--prompt_len` random prompt tokens, `--new_tokens` new tokens with EOS disabled (every row runs
+  to the limit). Decode time = time of the full call - time of a 1-token call (prefill and first
+  token), each the fastest of `--rounds`; tokens/s = B * (new_tokens - 1) / difference. Beside it,
+  the bytes one decode step must read (the actor's parameters once, and the KV cache's slots:
+  XLA's attention reads the whole cache every step, so that is counted) over the step time.
+- `lowering`: the compiled decode program's matrix products, by custom-call target and operand
+  element types: an int8 actor whose products run as `s8 x s8 -> s32` GEMMs (or f8e4m3fn for fp8)
+  is native; a bf16 GEMM fed by converted codes is emulated.
+- `learner`: one learner update of the 1.5B GRPO config (`configs/deepscaler_r1_1p5b_int8.py`) on
+  one device: one minibatch of `--learner_rows` sequences of the config's full length, one
+  sequence per micro-batch, remat and attention as the config sets them; steps/s and tokens/s per
+  training precision, and per program the compiled memory analysis beside the device's measured
+  peak (`memory_stats()['peak_bytes_in_use']`, which includes the state the step runs on).
+
+Only figures measured in this run are printed; `--json` writes them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qurl_jax import quant
+from qurl_jax.bench.memory import GIB, build_setup, compiled_memory
+from qurl_jax.models import cast_floats
+from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.hf import config_from_hf
+from qurl_jax.models.params import init_params
+from qurl_jax.sampling import Sampler
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--parts", type=csv, default=["rollout", "lowering"],
+                   help="rollout, lowering, learner")
+    p.add_argument("--models", type=csv, default=["DeepSeek-R1-Distill-Qwen-1.5B"],
+                   help="model shapes from configs/shapes/ (file names without .json)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in csv(s)], default=[64],
+                   help="rollout rows")
+    p.add_argument("--precisions", type=csv, default=["fp", "int8", "fp8"],
+                   help="rollout actors (fp = bf16); for `learner`, training precisions")
+    p.add_argument("--prompt_len", type=int, default=512)
+    p.add_argument("--new_tokens", type=int, default=1024, help="EOS disabled")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds; the fastest counts")
+    p.add_argument("--learner_config", default="configs/deepscaler_r1_1p5b_int8.py")
+    p.add_argument("--learner_rows", type=int, default=2, help="sequences in the minibatch")
+    p.add_argument("--tiny", action="store_true", help="shrink every model to 2 layers of width "
+                   "256: a smoke test of this script on any machine; its figures mean nothing")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    return p.parse_args(argv)
+
+
+ARGS = argparse.Namespace()
+SHAPES_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes")
+
+
+def model_config(name: str) -> ModelConfig:
+    with open(os.path.join(SHAPES_DIR, name + ".json"), encoding="utf-8") as f:
+        config = config_from_hf(json.load(f)).replace(dtype="bfloat16")
+    if ARGS.tiny:
+        config = config.replace(num_layers=2, hidden_size=256, intermediate_size=512,
+                                num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=4096)
+    return config
+
+
+def random_params(config: ModelConfig, dtype: Any) -> Any:
+    """Random weights made on the device in `dtype` (no float32 copy of a 7B model)."""
+    return jax.jit(lambda k: cast_floats(init_params(config, k), dtype))(jax.random.key(0))
+
+
+def _tree_bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _kv_bytes_per_slot(config: ModelConfig) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
+        config.compute_dtype.itemsize
+
+
+def _timer(sampler: Sampler, params: Any, prompts: list[list[int]]) -> Callable[[int], float]:
+    def run(new_tokens: int) -> float:
+        t0 = time.perf_counter()
+        out = sampler.sample(params, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
+                             temperature=1.0)
+        out.tokens.block_until_ready()
+        elapsed = time.perf_counter() - t0
+        if int(out.num_steps) != new_tokens:
+            raise RuntimeError(f"sampler ran {int(out.num_steps)} steps, expected {new_tokens}")
+        return elapsed
+    return run
+
+
+def actor(config: ModelConfig, precision: str) -> tuple[Any, Any]:
+    """(rollout parameters, dot_general) of a precision: 'fp' is the bf16 model itself. The bf16
+    weights a quantized actor is made from are freed before it runs (a 7B model's bf16 copy beside
+    its int8 copy and a batch-256 KV cache does not fit in 80 GB)."""
+    params = random_params(config, config.compute_dtype)
+    if precision == "fp":
+        return params, jax.lax.dot_general
+    recipe = quant.get_recipe(precision)
+    quantized = jax.block_until_ready(quant.requantize(params, recipe, config.compute_dtype))
+    jax.tree.map(lambda x: x.delete(), params)
+    return quantized, quant.make_dot_general(recipe)
+
+
+def rollout(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
+    p_len, new = ARGS.prompt_len, ARGS.new_tokens
+    rollout_params, dot_general = actor(config, precision)
+    sampler = Sampler(config, dot_general, prompt_buckets=(p_len,), gen_buckets=(new,))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, config.vocab_size, (batch, p_len)).tolist()
+    run = _timer(sampler, rollout_params, prompts)
+    t0 = time.perf_counter()
+    run(1)
+    run(new)  # compiles and warms both programs
+    warmup = time.perf_counter() - t0
+    full = min(run(new) for _ in range(ARGS.rounds))
+    first = min(run(1) for _ in range(ARGS.rounds))
+    decode = full - first
+    step = decode / (new - 1)
+    weight_bytes = _tree_bytes(rollout_params)
+    kv_bytes = batch * (p_len + new) * _kv_bytes_per_slot(config)
+    del rollout_params
+    return {"precision": precision, "batch": batch, "prompt_len": p_len, "new_tokens": new,
+            "decode_tokens_per_s": batch * (new - 1) / decode, "decode_step_ms": step * 1e3,
+            "prefill_and_first_token_s": first, "warmup_s": warmup,
+            "actor_weight_gib": weight_bytes / GIB, "kv_cache_gib": kv_bytes / GIB,
+            "bytes_read_per_step_gib": (weight_bytes + kv_bytes) / GIB,
+            "achieved_gb_per_s": (weight_bytes + kv_bytes) / step / 1e9}
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([\w]+)\[")
+_CALL = re.compile(r"=\s*(\w+)\[[^=]*?\s(dot|custom-call)\(([^)]*)\)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def matmul_lowering(hlo: str) -> dict[str, int]:
+    """Counts of a compiled program's matrix products as 'kind: operand types -> result type':
+    kind is the custom-call target of a GEMM library call (cuBLAS(Lt), cuDNN) or 'dot' (a product
+    XLA emits itself). Operand types are looked up from the instructions that define them."""
+    types = {m.group(1): m.group(2) for m in map(_INSTRUCTION.match, hlo.splitlines()) if m}
+    counts: collections.Counter[str] = collections.Counter()
+    for line in hlo.splitlines():
+        m = _CALL.search(line)
+        if not m:
+            continue
+        kind = "dot"
+        if m.group(2) == "custom-call":
+            target = _TARGET.search(line)
+            if not target or not re.search(r"gemm|matmul|conv", target.group(1), re.I):
+                continue
+            kind = target.group(1)
+        operands = [types.get(o.strip().lstrip("%"), "?") for o in m.group(3).split(",")]
+        counts[f"{kind}: {' x '.join(operands[:2])} -> {m.group(1)}"] += 1
+    return dict(counts.most_common())
+
+
+def lowering(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
+    p_len, new = ARGS.prompt_len, ARGS.new_tokens
+    rollout_params, dot_general = actor(config, precision)
+    sampler = Sampler(config, dot_general, prompt_buckets=(p_len,), gen_buckets=(new,))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rollout_params)
+    compiled = sampler.lower_programs(abstract, batch, p_len, new)["decode"].compile()
+    return {"precision": precision, "batch": batch,
+            "decode_matmuls": matmul_lowering(compiled.as_text()),
+            "decode_memory": compiled_memory(compiled)}
+
+
+def learner(precision: str) -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location("learner_config", ARGS.learner_config)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    rows = ARGS.learner_rows
+    config.mesh.data = config.mesh.fsdp = config.mesh.tensor = 1
+    config.data.prompts_per_step, config.rollout.n = rows, 1
+    config.rl.num_minibatches, config.rl.num_micro_batches = 1, rows
+    if precision != "fp":
+        config.train.precision = precision
+    with open(os.path.join(SHAPES_DIR, os.path.basename(config.model.path) + ".json")) as f:
+        shape = config_from_hf(json.load(f)).replace(dtype=config.model.dtype,
+                                                     attention=config.model.attention)
+    if ARGS.tiny:
+        shape = shape.replace(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                              num_kv_heads=2, head_dim=64, vocab_size=4096)
+        config.data.max_prompt_len, config.rollout.max_new_tokens = 64, 192
+    setup = build_setup(config, shape)
+    t_len, g_len = setup.prompt_len + setup.response_len, setup.response_len
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(1, shape.vocab_size, (rows, t_len)).astype(np.int32),
+             "positions": np.broadcast_to(np.arange(t_len, dtype=np.int32), (rows, t_len)),
+             "attn_mask": np.ones((rows, t_len), bool),
+             "resp_mask": np.ones((rows, g_len), np.float32),
+             "logp_behav": np.full((rows, g_len), -2.0, np.float32),
+             "logp_prox": np.full((rows, g_len), -2.0, np.float32),
+             "advantages": rng.standard_normal(rows).astype(np.float32)}
+    if config.rl.kl_coef:
+        batch["logp_ref"] = np.full((rows, g_len), -2.0, np.float32)
+    batch = setup.learner.shard_batch({k: jnp.asarray(v) for k, v in batch.items()})
+    params = setup.learner.shard_params(
+        jax.jit(lambda k: init_params(shape, k))(jax.random.key(0)))
+    opt_state = setup.learner.init_opt_state(params)
+    t0 = time.perf_counter()
+    fn = setup.learner.update_fn(params, opt_state, batch)
+    compiled = fn.lower(params, opt_state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    analysis = compiled_memory(compiled)
+    times = []
+    for _ in range(1 + max(ARGS.rounds, 2)):
+        t0 = time.perf_counter()
+        params, opt_state, metrics = compiled(params, opt_state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    step = float(np.median(times[1:]))
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"precision": precision, "rows": rows, "tokens_per_row": t_len,
+            "remat": config.train.remat, "attention": shape.attention, "compile_s": compile_s,
+            "step_s": step, "tokens_per_s": rows * t_len / step, "compiled": analysis,
+            "device_peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+            "device_bytes_limit": stats.get("bytes_limit"),
+            "loss": float(jax.device_get(metrics.get("loss", jnp.nan)))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ARGS.__dict__.update(vars(parse_args(argv)))
+    device = jax.devices()[0]
+    out: dict[str, Any] = {"device": device.device_kind, "platform": device.platform,
+                           "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+                           "rollout": [], "lowering": [], "learner": []}
+    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
+    parts = set(ARGS.parts)
+
+    def save() -> None:  # after every row, so a run stopped at its time limit keeps its figures
+        if ARGS.json:
+            with open(ARGS.json, "w", encoding="utf-8") as f:
+                json.dump(out, f, indent=1)
+    for name in ARGS.models if parts & {"rollout", "lowering"} else ():
+        config = model_config(name)
+        print(f"\n{name}: {config.num_params / 1e9:.2f}B params", flush=True)
+        for batch in ARGS.batches:
+            for precision in ARGS.precisions:
+                if "rollout" in parts:
+                    row = {"model": name, **rollout(config, precision, batch)}
+                    out["rollout"].append(row)
+                    save()
+                    print(f"  rollout {precision:5s} B={batch:4d}: "
+                          f"{row['decode_tokens_per_s']:9.0f} tok/s, step "
+                          f"{row['decode_step_ms']:.2f} ms, reads {row['bytes_read_per_step_gib']:.1f}"
+                          f" GiB/step = {row['achieved_gb_per_s']:.0f} GB/s", flush=True)
+                if "lowering" in parts and batch == ARGS.batches[0]:
+                    row = {"model": name, **lowering(config, precision, batch)}
+                    out["lowering"].append(row)
+                    save()
+                    print(f"  decode matmuls {precision}: {row['decode_matmuls']}", flush=True)
+    for precision in ARGS.precisions if "learner" in parts else ():
+        row = learner(precision)
+        out["learner"].append(row)
+        save()
+        print(f"learner {precision}: {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tok/s, "
+              f"compiled peak {row['compiled']['peak_bytes'] / GIB:.2f} GiB, device peak "
+              f"{(row['device_peak_bytes_in_use'] or 0) / GIB:.2f} GiB", flush=True)
+    for kind in ("rollout",):
+        base = {(r["model"], r["batch"]): r["decode_tokens_per_s"] for r in out[kind]
+                if r["precision"] == "fp"}
+        for r in out[kind]:
+            if (r["model"], r["batch"]) in base:
+                r["vs_bf16"] = r["decode_tokens_per_s"] / base[(r["model"], r["batch"])]
+    if out["rollout"]:
+        print("\nmodel | batch | actor | decode tok/s | x bf16 | step ms | GB/s")
+        for r in out["rollout"]:
+            print(f"{r['model']} | {r['batch']} | {r['precision']} | "
+                  f"{r['decode_tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f} | "
+                  f"{r['decode_step_ms']:.2f} | {r['achieved_gb_per_s']:.0f}")
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""Continuous batching for rollouts: a fixed set of row slots, each refilled with a waiting row as
+soon as its occupant finishes, so long-tailed response lengths do not idle the decode loop.
+
+The static `Sampler` decodes a chunk of rows until its longest row ends; with reasoning-style
+length distributions (median around a quarter of the limit) most of the chunk computes padding for
+most of the time. `RefillSampler` keeps R = `max_concurrent_rows` slots busy instead:
+
+    host loop (no host round-trip per token):
+      insert   - one jitted program per (rows K, new prompts P) bucket: prefills the P prompts of
+                 the K rows admitted now that were not prefilled before, samples each row's first
+                 token, and scatters the rows' caches and per-row state into the K freed slots
+                 (padding entries target slot R: dropped). Each prompt is prefilled once: a
+                 group's rows admitted together share a prefill, and the prefill of the prompt at
+                 the head of each shard's queue (a group partly admitted) is held in the state
+                 for its later rows.
+      decode   - one jitted `lax.while_loop`: every step feeds each live slot's last token through
+                 the model and samples its next one; it returns when `need` refillable slots have
+                 finished, when every slot is idle, or after `max_steps_per_call` steps.
+      harvest  - the host reads the slots' live flags (one small transfer per decode call) and
+                 admits waiting rows into the finished slots. Tokens and log-probs are written by
+                 the programs straight into row-indexed output buffers, so harvesting moves nothing.
+
+Each slot's cache row is a per-row `KVCache` row (`models.transformer.KVCache`), which already
+lets rows sit at different points of their sequences: attention reads only recorded logical
+positions. A finished slot stops advancing (its n_used is frozen, its writes are masked as empty
+slots), and an insert overwrites all of its S cache slots, positions and counters, so nothing of
+the previous occupant is visible to the next one.
+
+Results equal the static sampler's: row i (prompt-major, row b * n + j is sample j of prompt b)
+draws its token t with `fold_in(fold_in(key, i), t)` whatever slot it lands in, the cache has the
+same p_len + g_len slots as the static sampler's, and the prefill and decode run the same model
+calls. GRPO samples of one prompt may live in different slots and finish at different times; the
+outputs are indexed by row, so they come back prompt-major.
+
+Under a mesh the slots are sharded over ('data', 'fsdp') like the static sampler's rows, and each
+batch shard has its own queue: the rows of its block of prompts refill only its own slots. An
+insert's new prompts are replicated (each shard prefills them; the scatter keeps its own slots).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.transformer import DotGeneral, KVCache, positions_from_mask
+from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
+from qurl_jax.sampling._sampler import (
+    _ROW_AXES,
+    FinishReason,
+    Params,
+    SampleOutput,
+    Sampler,
+    _bucket,
+    _left_pad,
+    _power_of_two_buckets,
+)
+
+_OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
+
+
+@flax.struct.dataclass
+class RefillState:
+    """The decode state of R row slots and the row-indexed outputs of N rows (G = gen bucket).
+
+    cache: KVCache of R rows, S = p_len + g_len slots each.
+    tok: i32[R]        each slot's last sampled token (the next step's input).
+    step: i32[R]       tokens its occupant has generated (the output column of its next token).
+    live: bool[R]      the slot holds a row that is still generating.
+    row: i32[R]        its occupant's row index (random stream and output row); N when never filled.
+    limit: i32[R]      its occupant's response length limit.
+    tokens: i32[N, G]; logp, logp_untruncated: f32[N, G]; mask: bool[N, G] - `SampleOutput`'s
+                       per-token fields, written in place as tokens are sampled.
+    held: KVCache of H = batch shards rows, p_len slots; held_logits: f32[H, V] - the prefill
+                       (cache and last-position logits) of a prompt with rows still waiting, one
+                       per shard, so its later rows are admitted without prefilling it again.
+
+    A compressed-KV policy would add its per-row state here (e.g. the query window), reset by the
+    insert like the cache row.
+    """
+
+    cache: KVCache
+    tok: jax.Array
+    step: jax.Array
+    live: jax.Array
+    row: jax.Array
+    limit: jax.Array
+    tokens: jax.Array
+    logp: jax.Array
+    logp_untruncated: jax.Array
+    mask: jax.Array
+    held: KVCache
+    held_logits: jax.Array
+
+
+@dataclasses.dataclass
+class RefillRun:
+    """What the last `RefillSampler.sample` call did (for tests and benchmarks).
+
+    decode_calls / inserts: programs run; decode_steps: decode loop iterations, summed over calls;
+    prefilled: prompts prefilled (each prompt once, whatever its rows' slots and times);
+    slot_rows: per slot, the rows it held, in order; occupancy: generated tokens / (decode_steps *
+    slots), the fraction of slot-steps that produced a token (first tokens come from the insert).
+    """
+
+    decode_calls: int = 0
+    inserts: int = 0
+    decode_steps: int = 0
+    prefilled: int = 0
+    slot_rows: list[list[int]] = dataclasses.field(default_factory=list)
+    occupancy: float = 0.0
+
+
+class RefillSampler(Sampler):
+    """`Sampler` whose `max_concurrent_rows` slots are refilled with waiting rows as rows finish.
+
+    Same constructor and `sample` interface as `Sampler` (they return the same tokens and log-probs
+    for the same key), plus:
+
+    Args:
+      max_concurrent_rows: the number of row slots R (a multiple of the batch shards under a mesh;
+        0 = all rows of a call, which leaves nothing to refill). A call with fewer rows uses fewer.
+      refill_min: a decode call returns to the host once this many slots that can be refilled
+        have finished (default max(1, R // 8)): smaller keeps more slots busy, larger runs fewer
+        inserts and host round-trips.
+      max_steps_per_call: most decode steps per call (0 = the generation bucket).
+      **kwargs: the rest of `Sampler`'s arguments.
+
+    Compiled programs: one decode program per (slots, rows, buckets, sampling mode) and at most one
+    insert per (K, P) pair of buckets, K a power of two <= R and P 0 or a power of two <= K, per
+    prompt bucket and sampling mode.
+    """
+
+    def __init__(self, config: ModelConfig, dot_general: DotGeneral = jax.lax.dot_general, *,
+                 refill_min: int = 0, max_steps_per_call: int = 0, **kwargs: Any) -> None:
+        super().__init__(config, dot_general, **kwargs)
+        if self.kv_policy.compresses:
+            raise ValueError(f"RefillSampler: kv_policy={self.kv_policy.policy.value!r} is not "
+                             f"supported (its cache is dense); use Sampler for Sparse-RL rollouts")
+        if refill_min < 0 or max_steps_per_call < 0:
+            raise ValueError(f"RefillSampler: refill_min={refill_min} and max_steps_per_call="
+                             f"{max_steps_per_call} must be >= 0 (0 = default)")
+        shards = self._batch_shards()
+        if self.max_concurrent_rows % shards:
+            raise ValueError(f"RefillSampler: max_concurrent_rows={self.max_concurrent_rows} must "
+                             f"be a multiple of the batch shards ({shards})")
+        self.refill_min = int(refill_min)
+        self.max_steps_per_call = int(max_steps_per_call)
+        self._refill_programs: dict[tuple, Any] = {}
+        self.last_run = RefillRun()
+
+    @property
+    def num_insert_programs(self) -> int:
+        """Insert (prefill + scatter) programs built so far."""
+        return sum(1 for k in self._refill_programs if k[0] == "insert")
+
+    @property
+    def num_programs(self) -> int:
+        return len(self._refill_programs)
+
+    def sample(
+        self,
+        params: Params,
+        prompts: Sequence[Sequence[int]],
+        *,
+        key: jax.Array,
+        n: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        eos_ids: Sequence[int] = (),
+        length_limits: Sequence[int] | None = None,
+    ) -> SampleOutput:
+        """`Sampler.sample`, with refilled slots. `length_limits` (optional, B * n ints in [1,
+        max_new_tokens], prompt-major) caps each row's response length on its own (benchmarks and
+        tests use it to make long-tailed lengths); `num_steps` is the longest response."""
+        eos = self._check_inputs(prompts, n, max_new_tokens, temperature, top_k, top_p, greedy,
+                                 eos_ids)
+        b, v, shards = len(prompts), self.config.vocab_size, self._batch_shards()
+        limits = np.full((b * n,), max_new_tokens, np.int32)
+        if length_limits is not None:
+            limits = np.asarray(length_limits, np.int32).reshape(-1)
+            if limits.shape != (b * n,) or limits.min() < 1 or limits.max() > max_new_tokens:
+                raise ValueError(f"length_limits must be B * n = {b * n} ints in [1, "
+                                 f"max_new_tokens={max_new_tokens}]")
+        p_len = _bucket(max(len(p) for p in prompts), self.prompt_buckets)
+        g_len = _bucket(max_new_tokens, self.gen_buckets)
+        b_pad = -(-b // shards) * shards
+        rows = b_pad * n
+        slots = min(self.max_concurrent_rows or rows, rows)
+        per_shard = slots // shards
+        tokens, mask = _left_pad(prompts, p_len, b_pad, self.pad_id)
+        mode = SamplingMode(
+            greedy=bool(greedy),
+            top_k=0 if greedy or top_k >= v else int(top_k),
+            top_p=not greedy and top_p < 1.0,
+        )
+        eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
+        eos_arr[: len(eos)] = eos
+        temp = temperature if temperature > 0 else 1.0
+        settings = (key, jnp.float32(temp), jnp.float32(top_p), jnp.asarray(eos_arr))
+        cache_len = p_len + g_len
+        refill_min = self.refill_min or max(1, slots // 8)
+        max_steps = jnp.int32(self.max_steps_per_call or g_len)
+
+        # Shard d's queue: the real rows of its block of prompts, prompt-major.
+        prompts_per_shard = b_pad // shards
+        queues = [collections.deque(r for r in range(d * prompts_per_shard * n,
+                                                     (d + 1) * prompts_per_shard * n)
+                                    if r < b * n)
+                  for d in range(shards)]
+        free = [list(range(d * per_shard, (d + 1) * per_shard)) for d in range(shards)]
+        run = RefillRun(slot_rows=[[] for _ in range(slots)])
+        state = self._program("init", slots, rows, cache_len, g_len, shards, p_len)()
+        held = [-1] * shards  # the prompt whose prefill each shard holds
+        decode = self._program("decode", slots, rows, cache_len, g_len, mode, eos_arr.size)
+        live = np.zeros((slots,), np.bool_)
+        while True:
+            admit = []
+            for d in range(shards):
+                while free[d] and queues[d]:
+                    admit.append((free[d].pop(0), queues[d].popleft()))
+            if admit:
+                state, run.prefilled = self._insert(
+                    params, state, admit, held, queues, tokens, mask, limits, n, mode, settings,
+                    run.prefilled)
+                run.inserts += 1
+            for slot, row in admit:
+                run.slot_rows[slot].append(row)
+                live[slot] = True
+            if not live.any():
+                break
+            waiting = [min(len(q), per_shard) for q in queues]
+            refillable = np.repeat(np.asarray(waiting) > 0, per_shard)
+            need = min(refill_min, sum(waiting))
+            # need = 0 (nothing waiting): no slot is refillable, so the call runs to the end.
+            state, live_dev, steps = decode(params, state, self._put_batch(refillable),
+                                            jnp.int32(max(need, 1)), max_steps, *settings)
+            live = np.array(live_dev)
+            run.decode_calls += 1
+            run.decode_steps += int(steps)
+            for d in range(shards):
+                block = range(d * per_shard, (d + 1) * per_shard)
+                free[d] = [s for s in block if not live[s]]
+
+        out = self._program("finish", slots, rows, cache_len, g_len, eos_arr.size)(
+            state, settings[-1])
+        # Tokens the decode loop produced (each row's first token comes from its insert).
+        decoded = int(np.asarray(out["lengths"]).sum()) - b * n
+        run.occupancy = decoded / max(run.decode_steps * slots, 1)
+        self.last_run = run
+
+        def crop(x: jax.Array, columns: int | None = None) -> jax.Array:
+            if x.shape[0] != b * n:
+                x = x[: b * n]
+            if columns is not None and x.shape[1] != columns:
+                x = x[:, :columns]
+            return x
+
+        prompt_tokens, prompt_mask = self._put_batch(tokens), self._put_batch(mask)
+        if n > 1:
+            prompt_tokens = jnp.repeat(prompt_tokens, n, axis=0)
+            prompt_mask = jnp.repeat(prompt_mask, n, axis=0)
+        per_token = ("tokens", "logp", "logp_untruncated", "mask")
+        lengths = crop(out["lengths"])
+        return SampleOutput(
+            **{name: crop(out[name], max_new_tokens) for name in per_token},
+            lengths=lengths, finish_reason=crop(out["finish_reason"]),
+            prompt_tokens=crop(prompt_tokens), prompt_mask=crop(prompt_mask),
+            num_steps=jnp.max(lengths),
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # Host side of an insert.
+
+    def _insert(self, params: Params, state: RefillState, admit: list[tuple[int, int]],
+                held: list[int], queues: list[collections.deque], tokens: np.ndarray,
+                mask: np.ndarray, limits: np.ndarray, n: int, mode: SamplingMode,
+                settings: tuple, prefilled: int) -> tuple[RefillState, int]:
+        """Admits rows into slots (`admit`: (slot, row) pairs, at most R) and updates `held` (each
+        shard's held prompt) in place. Prompts neither held nor seen in this insert are
+        prefilled, padded to buckets of rows K and new prompts P. Returns the state and the
+        count of prompts prefilled so far."""
+        slots, rows = state.live.shape[0], state.tokens.shape[0]
+        shards = len(held)
+        k = _bucket(len(admit), _power_of_two_buckets(1, slots))
+        new_ids = sorted({row // n for _, row in admit} - set(held))
+        p = _bucket(len(new_ids), (0, *_power_of_two_buckets(1, k))) if new_ids else 0
+        # Sources: the H held prefills, then the P new ones.
+        index = {pid: shards + i for i, pid in enumerate(new_ids)}
+        index.update({pid: d for d, pid in enumerate(held) if pid >= 0})
+        # Padding entries: slot R and row N are out of range, so their scatters are dropped.
+        slot_arr = np.full((k,), slots, np.int32)
+        row_arr = np.full((k,), rows, np.int32)
+        src = np.zeros((k,), np.int32)
+        lim = np.ones((k,), np.int32)
+        for i, (slot, row) in enumerate(admit):
+            slot_arr[i], row_arr[i], src[i], lim[i] = slot, row, index[row // n], limits[row]
+        # Each shard now holds the prefill of its next waiting row's prompt, if it has one.
+        hold_src = np.arange(shards, dtype=np.int32)
+        for d, queue in enumerate(queues):
+            nxt = queue[0] // n if queue else -1
+            if nxt in index:
+                hold_src[d], held[d] = index[nxt], nxt
+            else:
+                held[d] = -1
+        new_tokens = np.full((p, tokens.shape[1]), self.pad_id, np.int32)
+        new_mask = np.zeros((p, tokens.shape[1]), np.bool_)
+        new_tokens[: len(new_ids)] = tokens[new_ids]
+        new_mask[: len(new_ids)] = mask[new_ids]
+        insert = self._program("insert", slots, rows, state.cache.length, state.tokens.shape[1],
+                               mode, settings[-1].size, k, p, tokens.shape[1])
+        put = self._put_replicated
+        state = insert(params, state, put(new_tokens), put(new_mask), put(src), put(slot_arr),
+                       put(row_arr), put(lim), put(hold_src), *settings)
+        return state, prefilled + len(new_ids)
+
+    def _put_replicated(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
+
+    # ----------------------------------------------------------------------------------------------
+    # The programs.
+
+    def _program(self, kind: str, slots: int, rows: int, cache_len: int, g_len: int,
+                 *static: Any) -> Any:
+        """The jitted program of this kind for these shapes and static settings (built once)."""
+        key = (kind, slots, rows, cache_len, g_len, *static)
+        if key not in self._refill_programs:
+            if kind == "init":
+                fn = jax.jit(functools.partial(self._init_state, slots=slots, rows=rows,
+                                               cache_len=cache_len, g_len=g_len,
+                                               held=static[0], p_len=static[1]))
+            elif kind == "decode":
+                fn = jax.jit(functools.partial(self._decode_steps, mode=static[0]),
+                             donate_argnums=(1,))
+            elif kind == "insert":
+                fn = jax.jit(functools.partial(self._insert_rows, mode=static[0]),
+                             donate_argnums=(1,))
+            else:
+                fn = jax.jit(self._finish)
+            self._refill_programs[key] = fn
+        return self._refill_programs[key]
+
+    def _constrain_state(self, state: RefillState) -> RefillState:
+        if self.mesh is None:
+            return state
+        c = self._constrain
+        return RefillState(
+            cache=self._constrain_cache(state.cache), tok=c(state.tok, _ROW_AXES),
+            step=c(state.step, _ROW_AXES), live=c(state.live, _ROW_AXES),
+            row=c(state.row, _ROW_AXES), limit=c(state.limit, _ROW_AXES),
+            tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
+            logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES),
+            held=state.held, held_logits=state.held_logits,
+        )
+
+    def _init_state(self, *, slots: int, rows: int, cache_len: int, g_len: int, held: int,
+                    p_len: int) -> RefillState:
+        """Every slot idle (row N: out of range), outputs empty, nothing held."""
+        i32 = jnp.int32
+        return self._constrain_state(RefillState(
+            cache=KVCache.zeros(self.config, slots, cache_len),
+            tok=jnp.full((slots,), self.pad_id, i32), step=jnp.zeros((slots,), i32),
+            live=jnp.zeros((slots,), jnp.bool_), row=jnp.full((slots,), rows, i32),
+            limit=jnp.ones((slots,), i32),
+            tokens=jnp.full((rows, g_len), self.pad_id, i32),
+            logp=jnp.zeros((rows, g_len), jnp.float32),
+            logp_untruncated=jnp.zeros((rows, g_len), jnp.float32),
+            mask=jnp.zeros((rows, g_len), jnp.bool_),
+            held=KVCache.zeros(self.config, held, p_len),
+            held_logits=jnp.zeros((held, self.config.vocab_size), jnp.float32),
+        ))
+
+    @staticmethod
+    def _record(state: RefillState, rows: jax.Array, cols: jax.Array, tok: jax.Array,
+                lp: jax.Array, lp_full: jax.Array) -> RefillState:
+        """Writes one token per entry at (rows, cols); entries with row N are dropped."""
+        def put(buf: jax.Array, x: jax.Array) -> jax.Array:
+            return buf.at[rows, cols].set(x.astype(buf.dtype), mode="drop")
+
+        return state.replace(tokens=put(state.tokens, tok), logp=put(state.logp, lp),
+                             logp_untruncated=put(state.logp_untruncated, lp_full),
+                             mask=put(state.mask, jnp.ones_like(tok, jnp.bool_)))
+
+    def _insert_rows(
+        self,
+        params: Params,
+        state: RefillState,
+        prompt_tokens: jax.Array,
+        prompt_mask: jax.Array,
+        src: jax.Array,
+        slots: jax.Array,
+        rows: jax.Array,
+        limits: jax.Array,
+        hold_src: jax.Array,
+        key: jax.Array,
+        temperature: jax.Array,
+        top_p: jax.Array,
+        eos_ids: jax.Array,
+        *,
+        mode: SamplingMode,
+    ) -> RefillState:
+        """Prefills P new prompts (prompt_tokens i32[P, p_len], prompt_mask bool[P, p_len]; P may
+        be 0) and admits K rows: row rows[i] (limit limits[i]) goes to slot slots[i] with its
+        first token sampled, its prompt's prefill taken from source src[i] of the H held
+        prefills followed by the P new ones. Every field of an admitted slot is overwritten: all S
+        cache slots (the prompt in [0, p_len), the rest empty), positions, counters and the token
+        state. The held prefills become sources hold_src i32[H]."""
+        p, p_len = prompt_tokens.shape
+        cache_len = state.cache.length
+        held, held_logits = state.held, state.held_logits
+        if p:
+            logits, new = self.model.apply(
+                {"params": params}, prompt_tokens, positions_from_mask(prompt_mask), prompt_mask,
+                cache=KVCache.zeros(self.config, p, p_len), last_only=True,
+            )
+            held = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]), held, new)
+            held_logits = jnp.concatenate([held_logits, logits[:, 0]])
+        cache = jax.tree.map(lambda x: jnp.take(x, src, axis=0), held).repeat(1, cache_len)
+
+        def admit(buf: jax.Array, new: jax.Array) -> jax.Array:
+            return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
+
+        new_cache = KVCache(
+            k=tuple(map(admit, state.cache.k, cache.k)),
+            v=tuple(map(admit, state.cache.v, cache.v)),
+            pos=admit(state.cache.pos, cache.pos),
+            n_used=admit(state.cache.n_used, cache.n_used),
+            next_pos=admit(state.cache.next_pos, cache.next_pos),
+        )
+        # The first token, from the prefill logits: column 0 of each row's stream.
+        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0)
+        tok, lp, lp_full = sample_tokens(jnp.take(held_logits, src, axis=0), step_keys,
+                                         temperature, top_p, mode)
+        state = self._record(state, rows, jnp.zeros_like(rows), tok, lp, lp_full)
+        ended = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1) | (limits <= 1)
+
+        def put(buf: jax.Array, x: jax.Array) -> jax.Array:
+            return buf.at[slots].set(x.astype(buf.dtype), mode="drop")
+
+        return self._constrain_state(state.replace(
+            cache=new_cache, tok=put(state.tok, tok), step=put(state.step, jnp.ones_like(rows)),
+            live=put(state.live, ~ended), row=put(state.row, rows),
+            limit=put(state.limit, limits),
+            held=jax.tree.map(lambda x: jnp.take(x, hold_src, axis=0), held),
+            held_logits=jnp.take(held_logits, hold_src, axis=0),
+        ))
+
+    def _decode_steps(
+        self,
+        params: Params,
+        state: RefillState,
+        refillable: jax.Array,
+        need: jax.Array,
+        max_steps: jax.Array,
+        key: jax.Array,
+        temperature: jax.Array,
+        top_p: jax.Array,
+        eos_ids: jax.Array,
+        *,
+        mode: SamplingMode,
+    ) -> tuple[RefillState, jax.Array, jax.Array]:
+        """Decodes every live slot until `need` slots with refillable[s] have finished, no slot is
+        live, or `max_steps` steps ran. Returns (state, live bool[R], steps run).
+
+        A slot that is not live still runs through the model (the batch has a static shape), but
+        its token is masked as an empty cache slot and its n_used does not move, so its cache
+        stays within its S slots and nothing it computes is recorded."""
+        model, params = self._decode_model(params)
+        num_rows = state.tokens.shape[0]
+
+        def cond(carry: tuple[jax.Array, RefillState]) -> jax.Array:
+            i, s = carry
+            finished = jnp.sum(~s.live & refillable, dtype=jnp.int32)
+            return (i < max_steps) & jnp.any(s.live) & (finished < need)
+
+        def body(carry: tuple[jax.Array, RefillState]) -> tuple[jax.Array, RefillState]:
+            i, s = carry
+            live = s.live
+            logits, cache = model.apply(
+                {"params": params}, s.tok[:, None], s.cache.next_pos[:, None], live[:, None],
+                cache=s.cache,
+            )
+            cache = cache.replace(n_used=jnp.where(live, cache.n_used, s.cache.n_used))
+            row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, s.row)
+            step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.step)
+            tok, lp, lp_full = sample_tokens(logits[:, 0], step_keys, temperature, top_p, mode)
+            s = self._record(s, jnp.where(live, s.row, num_rows), s.step, tok, lp, lp_full)
+            step = s.step + live.astype(jnp.int32)
+            ended = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1) | (step >= s.limit)
+            s = s.replace(cache=cache, tok=jnp.where(live, tok, s.tok), step=step,
+                          live=live & ~ended)
+            return i + 1, self._constrain_state(s)
+
+        steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        return state, state.live, steps
+
+    def _finish(self, state: RefillState, eos_ids: jax.Array) -> dict[str, jax.Array]:
+        """Per-row lengths and finish reasons, as the static sampler computes them."""
+        lengths = jnp.sum(state.mask, axis=1, dtype=jnp.int32)
+        last = jnp.take_along_axis(state.tokens, jnp.maximum(lengths - 1, 0)[:, None],
+                                   axis=1)[:, 0]
+        ended_on_eos = (lengths > 0) & jnp.any(last[:, None] == eos_ids[None, :], axis=-1)
+        finish = jnp.where(ended_on_eos, FinishReason.EOS, FinishReason.LENGTH).astype(jnp.int32)
+        return dict(tokens=state.tokens, logp=state.logp, logp_untruncated=state.logp_untruncated,
+                    mask=state.mask, lengths=lengths, finish_reason=finish)
+

@@ -1,0 +1,200 @@
+"""Tests for qurl_jax.sampling.RefillSampler (continuous batching): the same tokens and log-probs as
+the static Sampler for widely differing lengths, no stale cache read after a slot is refilled,
+batched and bounded insert programs, int8 actors and a mesh.
+
+Expected values come from the static `Sampler` (itself tested against transformers and a plain
+forward pass in test_sampler.py); per-row length limits cut its rows at hand-made lengths.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qurl_jax.models import KVCache, param_logical_axes
+from qurl_jax.sampling import FinishReason, RefillSampler, Sampler
+from qurl_jax.sharding import make_mesh, shard_params
+from tests.test_sampler import PROMPTS, TINY, _random_params
+
+PROMPTS6 = PROMPTS + [[7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [3, 1], [90, 91, 92, 93, 94]]
+# n = 2: 12 rows; hand-made lengths from 1 to 16 (median 4.5, a quarter of the maximum).
+LIMITS = np.array([16, 1, 3, 9, 2, 16, 5, 4, 7, 1, 12, 3])
+
+
+@pytest.fixture(scope="module")
+def qwen() -> tuple:
+    cfg = TINY["qwen2"]
+    return cfg, _random_params(cfg), Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
+
+
+def _assert_prefix_equal(out, ref, limits: np.ndarray, atol: float = 1e-5) -> None:
+    """`out` rows equal `ref` rows cut after limits[i] tokens (pads, zero log-probs after)."""
+    cut = np.arange(ref.tokens.shape[1])[None, :] < limits[:, None]
+    np.testing.assert_array_equal(np.asarray(out.mask), cut)
+    np.testing.assert_array_equal(np.asarray(out.lengths), limits)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.where(cut, np.asarray(ref.tokens), 0))
+    for name in ("logp", "logp_untruncated"):
+        got = np.asarray(getattr(out, name))
+        assert np.isfinite(got).all(), name
+        np.testing.assert_allclose(got, np.where(cut, np.asarray(getattr(ref, name)), 0.0),
+                                   atol=atol, err_msg=name)
+    for name in ("prompt_tokens", "prompt_mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                      np.asarray(getattr(ref, name)), err_msg=name)
+
+
+@pytest.mark.parametrize("kw", [dict(greedy=True), dict(temperature=0.8, top_k=40)],
+                         ids=["greedy", "sampled"])
+def test_same_tokens_as_static_for_long_tailed_lengths(qwen, kw) -> None:
+    cfg, params, static = qwen
+    kw = dict(key=jax.random.key(3), n=2, max_new_tokens=16, **kw)
+    ref = static.sample(params, PROMPTS6, **kw)
+    refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=4,
+                           refill_min=1)
+    out = refill.sample(params, PROMPTS6, length_limits=LIMITS, **kw)
+    _assert_prefix_equal(out, ref, LIMITS)
+    assert int(out.num_steps) == 16
+    assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
+    run = refill.last_run
+    # 12 rows through 4 slots: slots were refilled, the two samples of a prompt can sit apart.
+    assert sorted(r for rows in run.slot_rows for r in rows) == list(range(12))
+    assert max(len(rows) for rows in run.slot_rows) >= 3
+    # Continuous batching: far fewer slot-steps than 3 chunks x 15 steps x 4 rows would take.
+    assert run.decode_steps < 3 * 15 and run.occupancy > 0.6
+    # Without limits every row runs to max_new_tokens: the static result exactly.
+    full = refill.sample(params, PROMPTS6, **kw)
+    _assert_prefix_equal(full, ref, np.full(12, 16))
+
+
+def test_eos_lengths_and_finish_reasons_match_static(qwen) -> None:
+    cfg, params, static = qwen
+    kw = dict(key=jax.random.key(5), n=2, max_new_tokens=16, temperature=1.0)
+    free = np.asarray(static.sample(params, PROMPTS6, **kw).tokens)
+    # EOS ids taken from tokens rows draw at different steps, so lengths differ widely.
+    eos = (int(free[0, 1]), int(free[5, 9]), int(free[7, 4]))
+    ref = static.sample(params, PROMPTS6, eos_ids=eos, **kw)
+    refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=2)
+    out = refill.sample(params, PROMPTS6, eos_ids=eos, **kw)
+    lengths = np.asarray(ref.lengths)
+    assert lengths.min() <= 2 and lengths.max() >= 10
+    _assert_prefix_equal(out, ref, lengths)
+    np.testing.assert_array_equal(np.asarray(out.finish_reason), np.asarray(ref.finish_reason))
+    assert (np.asarray(out.finish_reason) == FinishReason.EOS).any()
+    assert int(out.num_steps) == int(ref.num_steps)
+
+
+def test_refilled_slot_never_reads_its_previous_contents(qwen, monkeypatch) -> None:
+    # One slot holds every row in turn (lengths 16, 1, 3, ...: long rows followed by short ones
+    # with shorter prompts). The slot starts poisoned: NaN keys and values, every cache slot
+    # marked visible at positions 0..S-1, bogus counters. A read of anything an insert did not
+    # overwrite (the initial poison or the previous row's keys, which sit at positions the next
+    # row's queries would see) changes the log-probs or makes them NaN.
+    cfg, params, static = qwen
+    kw = dict(key=jax.random.key(9), n=2, max_new_tokens=16, temperature=1.0)
+    ref = static.sample(params, PROMPTS6, **kw)
+    refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=1)
+    clean_init = refill._init_state
+
+    def poisoned_init(**shapes):
+        state = clean_init(**shapes)
+        c = state.cache
+        nan = lambda x: jnp.full_like(x, jnp.nan)  # noqa: E731
+        cache = KVCache(k=tuple(map(nan, c.k)), v=tuple(map(nan, c.v)),
+                        pos=jnp.broadcast_to(jnp.arange(c.length, dtype=jnp.int32), c.pos.shape),
+                        n_used=jnp.full_like(c.n_used, 3), next_pos=jnp.full_like(c.next_pos, 40))
+        return state.replace(cache=cache)
+
+    monkeypatch.setattr(refill, "_init_state", poisoned_init)
+    out = refill.sample(params, PROMPTS6, length_limits=LIMITS, **kw)
+    assert refill.last_run.slot_rows == [list(range(12))]
+    _assert_prefix_equal(out, ref, LIMITS)
+
+
+def test_insert_prefill_is_batched_and_bounded(qwen) -> None:
+    cfg, params, _ = qwen
+    refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=8,
+                           refill_min=3)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, 256, rng.integers(1, 12))) for _ in range(16)]
+    kw = dict(key=jax.random.key(1), n=4, max_new_tokens=16, greedy=True)
+    for seed in range(3):
+        limits = np.random.default_rng(seed).integers(1, 17, 64)
+        out = refill.sample(params, prompts, length_limits=limits, **kw)
+        np.testing.assert_array_equal(np.asarray(out.lengths), limits)
+        run = refill.last_run
+        # 64 rows, admitted in batches: at least refill_min rows per insert but the last ones;
+        # each of the 16 prompts prefilled once, though its 4 rows enter at different times.
+        assert run.inserts <= 64 // 3 + 2
+        assert run.prefilled == 16
+    inserts = [k for k in refill._refill_programs if k[0] == "insert"]
+    # K rows a power of two <= 8, P new prompts 0 or a power of two <= K: at most 2 + 3 + 4 + 5.
+    assert refill.num_insert_programs == len(inserts) <= 14
+    # The first insert fills all 8 slots with two groups of 4: two prompts prefilled, not 8.
+    assert any(k[-3:] == (8, 2, 16) for k in inserts)
+    before = refill.num_programs
+    refill.sample(params, prompts, length_limits=limits, **kw)
+    assert refill.num_programs == before
+
+
+def test_int8_actor_matches_static(qwen) -> None:
+    from qurl_jax.quant import make_dot_general, requantize
+
+    cfg, params, _ = qwen
+    qparams, hook = requantize(params, "int8"), make_dot_general("int8")
+    kw = dict(key=jax.random.key(4), n=2, max_new_tokens=16, temperature=0.7)
+    ref = Sampler(cfg, hook, max_prompt_len=16, max_new_tokens=16).sample(qparams, PROMPTS6, **kw)
+    refill = RefillSampler(cfg, hook, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=4)
+    out = refill.sample(qparams, PROMPTS6, length_limits=LIMITS, **kw)
+    _assert_prefix_equal(out, ref, LIMITS, atol=1e-4)
+
+
+def test_mesh_each_shard_refills_its_own_slots(qwen) -> None:
+    cfg, params, static = qwen
+    kw = dict(key=jax.random.key(0), n=2, max_new_tokens=16, greedy=True)
+    prompts = PROMPTS6 + [[4, 4]]  # 7 prompts: padded to 8 for 4 batch shards
+    limits = np.concatenate([LIMITS, [2, 14]])
+    ref = static.sample(params, prompts, **kw)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = shard_params(params, param_logical_axes(cfg), mesh)
+    refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
+                           max_concurrent_rows=4)
+    out = refill.sample(sharded, prompts, length_limits=limits, **kw)
+    _assert_prefix_equal(out, ref, limits)
+    # 8 padded prompts over 4 shards: shard d owns slot d and the rows of prompts 2d, 2d + 1.
+    for slot, rows in enumerate(refill.last_run.slot_rows):
+        assert rows and all(r // 4 == slot for r in rows), (slot, rows)
+    assert out.tokens.shape == (14, 16)
+
+
+def test_bad_arguments_raise(qwen) -> None:
+    cfg, params, _ = qwen
+    with pytest.raises(ValueError, match="multiple of the batch shards"):
+        RefillSampler(cfg, mesh=make_mesh(data=2, fsdp=2), max_concurrent_rows=6)
+    refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=2)
+    with pytest.raises(ValueError, match="length_limits must be B \\* n = 6"):
+        refill.sample(params, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=4,
+                      length_limits=[1, 2, 3, 4, 5, 6, 7])
+    with pytest.raises(ValueError, match="length_limits"):
+        refill.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=4,
+                      length_limits=[1, 5, 2])
+
+
+def test_trainer_switch() -> None:
+    from qurl_jax.config import base_config, refill_enabled, validate
+
+    c = base_config()
+    c.data.prompts_per_step, c.rollout.n = 8, 8
+    assert c.rollout.refill == "off" and not refill_enabled(c)
+    c.rollout.refill = "on"
+    assert refill_enabled(c)
+    c.rollout.refill = "auto"
+    for rows, enabled in ((16, True), (0, False), (64, False)):
+        c.rollout.max_concurrent_rows = rows
+        assert refill_enabled(c) == enabled, rows
+    c.model.source, c.data.task, c.eval.files = "tiny", "arithmetic", []
+    validate(c)
+    c.rollout.refill = "sometimes"
+    with pytest.raises(ValueError, match="rollout.refill"):
+        validate(c)
