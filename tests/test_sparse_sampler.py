@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_trainer import tiny_config
 
+from qurl_jax.bench import memory
 from qurl_jax.config import base_config, kv_policy_from_config, validate
 from qurl_jax.models import (
     KVCache,
@@ -26,7 +27,7 @@ from qurl_jax.models import (
     positions_from_mask,
 )
 from qurl_jax.rl.objectives import ObjectiveConfig, sparse_rl_rejections
-from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingMode
+from qurl_jax.sampling import KVPolicyConfig, RefillSampler, Sampler, SamplingMode
 from qurl_jax.sampling._sampler import _left_pad
 from qurl_jax.sharding import make_mesh, shard_params
 from qurl_jax.trainer import Trainer
@@ -188,6 +189,35 @@ def test_kv_bytes_per_row() -> None:
     per_slot = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
     assert _sampler().kv_bytes_per_row(7, 20) == (8 + 32) * per_slot
     assert _sampler(_policy("rkv")).kv_bytes_per_row(7, 20) == (BUDGET + INTERVAL) * per_slot
+
+
+def test_decode_program_holds_budget_plus_interval_slots() -> None:
+    """The memory report's decode program (what the trainer's preflight checks) with the
+    configured policy: 16 rows over 2 devices, 64 + 1984 = 2048 dense slots vs 64 + 32 = 96. The
+    peak drops by the KV saved, less the compression's scratch, which does not grow with the
+    response: the gathered and selected copies of the small cache and R-KV's cosine matrix."""
+    c = base_config()
+    c.data.prompts_per_step, c.rollout.n = 8, 2
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 64, 1984
+    c.mesh.fsdp = 2
+    c.rollout.kv_budget, c.rollout.kv_interval = 64, 32
+    setup = memory.build_setup(c, CFG)
+
+    def decode_bytes(policy: str) -> int:
+        c.rollout.kv_policy = policy
+        compiled = memory.rollout_decode(setup).lowered.compile()
+        return memory.compiled_memory(compiled)["peak_bytes"]
+
+    rows, per_slot = 8, 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4  # per device
+    saved = rows * (2048 - 96) * per_slot
+    scratch = 4 * rows * 96 * per_slot + rows * CFG.num_kv_heads * 96 * 96 * 4
+    dense, rkv = decode_bytes("dense"), decode_bytes("rkv")
+    assert dense - rkv >= saved - scratch, (dense, rkv, saved, scratch)
+
+
+def test_refill_sampler_rejects_a_compressed_cache() -> None:
+    with pytest.raises(ValueError, match="RefillSampler: kv_policy='rkv' is not supported"):
+        RefillSampler(CFG, max_concurrent_rows=4, kv_policy=_policy("rkv"))
 
 
 # ------------------------------------------------------------------------------------------------
