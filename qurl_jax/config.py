@@ -19,6 +19,7 @@ from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
+from qurl_jax.sampling import KVPolicyConfig
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
@@ -87,6 +88,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.behav_logp = "sampled"
     c.rollout.invariant_scaling = 1.0  # QuRL's s; 1.0 disables, 1.5 is the paper's value
     c.rollout.invariant_scaling_targets = ("qkv",)  # 'qkv' and/or 'gate_up'
+    # Sparse-RL: the rollout sampler's KV cache (evaluation and the learner stay dense). A
+    # compressed policy keeps kv_budget tokens, recompressing every kv_interval decode steps, in a
+    # cache of kv_budget + kv_interval slots per row. Pair with rl.loss_mode = 'sparse_rl'.
+    c.rollout.kv_policy = "dense"  # dense | streaming | snapkv | rkv
+    c.rollout.kv_budget = 512  # tokens kept after each compression
+    c.rollout.kv_interval = 128  # decode steps between compressions
+    c.rollout.kv_window = 8  # observation window: last queries that score; last tokens always kept
+    c.rollout.kv_pool_kernel = 7  # max-pool kernel over token scores (odd)
+    c.rollout.rkv_alpha = 0.1  # R-KV: alpha * attention - (1 - alpha) * redundancy
+    c.rollout.kv_sinks = 4  # StreamingLLM: first tokens always kept
+    c.rollout.kv_selection = "shared"  # shared (layer 0 chooses for all, as Sparse-RL) | per_layer
 
     c.rl = ml_collections.ConfigDict()
     c.rl.loss_mode = "acr"  # on_policy | naive | tis | mis | acr | sparse_rl
@@ -194,6 +206,25 @@ def objective_from_config(rl: ml_collections.ConfigDict) -> ObjectiveConfig:
     ).validate()
 
 
+# KVPolicyConfig field -> its rollout config field, so a bad value is reported by its config name.
+_KV_FIELDS = {"policy": "kv_policy", "budget": "kv_budget", "interval": "kv_interval",
+              "window": "kv_window", "pool_kernel": "kv_pool_kernel", "rkv_alpha": "rkv_alpha",
+              "sinks": "kv_sinks", "selection": "kv_selection"}
+
+
+def kv_policy_from_config(rollout: ml_collections.ConfigDict) -> KVPolicyConfig:
+    """The rollout sampler's `KVPolicyConfig`; ValueError names the bad `config.rollout` field."""
+    try:
+        return KVPolicyConfig(**{f: rollout[name] for f, name in _KV_FIELDS.items()})
+    except ValueError as e:
+        message = str(e)
+        for field, name in _KV_FIELDS.items():
+            prefix = f"KVPolicyConfig.{field}:"
+            if message.startswith(prefix):
+                message = f"config.rollout.{name}:" + message[len(prefix):]
+        raise ValueError(message) from None
+
+
 def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
     """The learner's `OptimConfig` of the `optim` config section (every field carried over)."""
     return OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
@@ -289,6 +320,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ValueError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
+    kv_policy_from_config(c.rollout)
     try:
         objective_from_config(c.rl)
     except ValueError as e:

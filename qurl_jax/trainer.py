@@ -43,6 +43,7 @@ from qurl_jax.bench import memory
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
+    kv_policy_from_config,
     learner_micro_batch_size,
     objective_from_config,
     optim_from_config,
@@ -53,6 +54,7 @@ from qurl_jax.learner import Learner
 from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
+from qurl_jax.rl import objectives
 from qurl_jax.sampling import RefillSampler, Sampler
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
@@ -204,15 +206,21 @@ class Trainer:
                               max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                               pad_id=self.task.pad_id, mesh=self.mesh,
                               max_concurrent_rows=c.rollout.max_concurrent_rows)
-        # The refilling sampler has no process-local mode yet: a multi-process run samples with
-        # the chunked one.
-        refill = refill_enabled(c) and jax.process_count() == 1
+        # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
+        # the learner's log-probs (logp_prox) stay dense. The refilling sampler has no compressed
+        # cache, and no process-local mode yet: those runs sample with the chunked one.
+        kv_policy = kv_policy_from_config(c.rollout)
+        refill = refill_enabled(c) and jax.process_count() == 1 and not kv_policy.compresses
         if refill_enabled(c) and not refill:
-            logging.warning("rollout.refill is not supported across processes yet; sampling "
-                            "in chunks of rollout.max_concurrent_rows rows instead")
-        rollout_sampler = RefillSampler if refill else Sampler
-        self.sampler = rollout_sampler(self.model_config, quant.make_dot_general(self.recipe),
-                                       **sampler_kwargs)
+            logging.warning("rollout.refill is not supported across processes or with a "
+                            "compressed rollout.kv_policy yet; sampling in chunks of "
+                            "rollout.max_concurrent_rows rows instead")
+        if refill:
+            self.sampler = RefillSampler(self.model_config, quant.make_dot_general(self.recipe),
+                                         **sampler_kwargs)
+        else:
+            self.sampler = Sampler(self.model_config, quant.make_dot_general(self.recipe),
+                                   kv_policy=kv_policy, **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)
@@ -363,7 +371,9 @@ class Trainer:
         stats = {"rollout/response_len": sums["tokens"] / sums["rows"],
                  "rollout/tokens": sums["tokens"],
                  "rollout/generated_tokens": sums["generated"],
-                 "rollout/logp_truncation_gap": sums["gap"] / max(sums["sampled"], 1.0)}
+                 "rollout/logp_truncation_gap": sums["gap"] / max(sums["sampled"], 1.0),
+                 "rollout/kv_bytes_per_row": float(self.sampler.kv_bytes_per_row(
+                     r.tokens.shape[1] - c.rollout.max_new_tokens, c.rollout.max_new_tokens))}
         if keep is not None:
             r.resp_mask = r.resp_mask * np.repeat(keep, n)[:, None].astype(np.float32)
             stats.update({"rollout/gen_batches": float(len(generated)),
@@ -383,6 +393,10 @@ class Trainer:
             if self.ref_params is not None:
                 batch["logp_ref"] = self.learner.logprobs(self.ref_params, batch)
             jax.block_until_ready(batch["logp_prox"])
+        if self.objective.mode == objectives.Mode.SPARSE_RL:
+            rejected = objectives.sparse_rl_rejections(batch["logp_prox"], batch["logp_behav"],
+                                                       batch["resp_mask"], self.objective)
+            metrics.update({f"sparse/{k}": float(v) for k, v in rejected.items()})
         with timer.phase("reward"):  # only the part the recomputation did not hide
             r.resolve()
         advantages = self._advantages(self._shaped_rewards(r))

@@ -51,7 +51,12 @@ from ml_collections import config_flags
 
 from qurl_jax import quant
 from qurl_jax import sharding as shd
-from qurl_jax.config import learner_micro_batch_size, objective_from_config, optim_from_config
+from qurl_jax.config import (
+    kv_policy_from_config,
+    learner_micro_batch_size,
+    objective_from_config,
+    optim_from_config,
+)
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, hf, init_params
 from qurl_jax.sampling import Sampler
@@ -227,21 +232,23 @@ def _rollout(setup: Setup, name: str) -> Program:
                       quant.make_dot_general(quant.get_recipe(c.rollout.precision)),
                       prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
                       mesh=setup.mesh, max_concurrent_rows=c.rollout.max_concurrent_rows,
-                      platform="gpu")
+                      platform="gpu", kv_policy=kv_policy_from_config(c.rollout))
     rows = sampler.rows_per_chunk(c.data.prompts_per_step, c.rollout.n)
     actor = _actor_params(setup)
     lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
                                      n=c.rollout.n)[name]
     s = _symbols(setup, rows)
     m = setup.model_config
-    b, T, V, t = s["b"], s["T"], s["V"], s["t"]
+    b, V, t = s["b"], s["V"], s["t"]
     kv_heads = max(m.num_kv_heads // t, 1)
     parts = (
         ("actor parameters", "codes + scales per device", _bytes_per_device(actor)),
         ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
          _weights_at_work(s)[2]),
-        ("KV cache (keys and values, every layer)", "2*L*b*T*max(Hkv/t,1)*D * cb",
-         2 * s["L"] * b * T * kv_heads * m.head_dim * s["cb"]),
+        ("KV cache (keys and values, every layer)",
+         "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with rollout.kv_policy)",
+         2 * s["L"] * b * sampler.cache_slots(setup.prompt_len, setup.response_len) * kv_heads
+         * m.head_dim * s["cb"]),
         ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
     ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
            b * setup.prompt_len * ((3 * s["M"] + 2 * (s["Q"] + 2 * s["K"])) // t + 2 * s["E"])

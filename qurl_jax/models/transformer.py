@@ -265,6 +265,9 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(cfg)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        # The post-RoPE queries, kept only when the caller makes 'intermediates' mutable (the
+        # compressed-KV sampler's observation window); otherwise this records nothing.
+        self.sow("intermediates", "queries", q)
 
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
         if cache is None:
@@ -343,6 +346,10 @@ class Transformer(nn.Module):
       return_hidden: return the final normed hidden states f[B, T, E] (compute dtype) instead of
         logits; `lm_head_logits` turns any slice of them into logits (the learner's response-only,
         chunked log-probs).
+
+    With `mutable=["intermediates"]` in `apply`, each layer also records its post-RoPE queries
+    f[B, T, H, D] as `intermediates/layers_{i}/self_attn/queries` (the compressed-KV sampler's
+    observation window); without it nothing is recorded or computed.
 
     `remat` rematerialises each decoder layer in the backward pass (`Remat`). `scan_layers` runs
     the layers of a call without a cache as one `lax.scan` over their stacked parameters (the

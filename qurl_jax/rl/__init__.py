@@ -1,10 +1,10 @@
 """Functional RL objectives: advantages, the decoupled policy loss with QuRL's ACR, mismatch stats.
 
 `objectives` holds `policy_loss(logp, logp_prox, logp_behav, advantages, mask, cfg)` with its
-`ObjectiveConfig` (modes on_policy, naive, tis, mis, acr, sparse_rl), `token_terms`, `aggregate`
-and `mismatch_metrics`; `advantages` holds GRPO / Dr.GRPO / RLOO advantages, DAPO's
-dynamic-sampling filter and overlong penalty. Pure functions over arrays: importing this package
-pulls in jax and nothing heavier (no flax, no models).
+`ObjectiveConfig` (modes on_policy, naive, tis, mis, acr, sparse_rl), `token_terms`, `aggregate`,
+`mismatch_metrics` and `sparse_rl_rejections`; `advantages` holds GRPO / Dr.GRPO / RLOO
+advantages, DAPO's dynamic-sampling filter and overlong penalty. Pure functions over arrays:
+importing this package pulls in jax and nothing heavier (no flax, no models).
 """
 
 from qurl_jax.rl import advantages, objectives
@@ -27,6 +27,7 @@ from qurl_jax.rl.objectives import (
     aggregate,
     mismatch_metrics,
     policy_loss,
+    sparse_rl_rejections,
     token_terms,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "objectives",
     "overlong_penalty",
     "policy_loss",
+    "sparse_rl_rejections",
     "rloo_advantages",
     "token_terms",
 ]

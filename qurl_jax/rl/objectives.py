@@ -644,3 +644,31 @@ def _policy_loss(
     }
     metrics.update(mismatch_metrics(logp_prox, logp_behav, valid, cfg.logratio_clamp))
     return loss, {k: sg(v).astype(jnp.float32) for k, v in metrics.items()}
+
+
+def sparse_rl_rejections(
+    logp_prox: Array, logp_behav: Array, mask: Array, cfg: ObjectiveConfig
+) -> dict[str, Array]:
+    """What Sparse-RL's corrections take out of a rollout batch, as counts (f32 scalars).
+
+    logp_prox f[B, T] dense (recomputed) log-probs, logp_behav f[B, T] the sparse sampler's, mask
+    [B, T] valid response tokens; cfg in SPARSE_RL mode. The rules are `token_terms`' own:
+      vetoed_sequences / vetoed_tokens: sequences (and their valid tokens) dropped because a token
+        has w = pi_prox / pi_behav < veto_tau;
+      band_masked_tokens / band_masked_sequences: valid tokens of sequences that were not vetoed
+        whose w lies outside `sparse_mask_band` (0 without a band), and the sequences with any.
+    """
+    if cfg.mode != Mode.SPARSE_RL:
+        raise ValueError(f"sparse_rl_rejections: needs mode 'sparse_rl', got {cfg.mode.value!r}")
+    zeros = jnp.zeros(jnp.shape(logp_prox)[:1], jnp.float32)
+    terms = token_terms(logp_prox, logp_prox, logp_behav, zeros, mask, cfg)
+    valid = jnp.asarray(mask).astype(bool)
+    vetoed_tokens = valid & terms.vetoed[:, None]
+    band = valid & ~terms.vetoed[:, None] & ~terms.mask
+    f32 = jnp.float32
+    return {
+        "vetoed_sequences": jnp.sum(terms.vetoed & jnp.any(valid, axis=-1), dtype=f32),
+        "vetoed_tokens": jnp.sum(vetoed_tokens, dtype=f32),
+        "band_masked_tokens": jnp.sum(band, dtype=f32),
+        "band_masked_sequences": jnp.sum(jnp.any(band, axis=-1), dtype=f32),
+    }

@@ -13,20 +13,26 @@ Public API:
   keep the batch full); same key, same tokens as `Sampler`. `RefillRun`: what its last call did.
 - `generate(sampler, params, texts, tokenizer, ...)`: strings in, strings out (CLI, evaluation).
 - `sample_tokens`, `SamplingMode`: the single-step sampling math (greedy/temperature/top-k/top-p).
+- `KVPolicyConfig`, `KVPolicy`, `Selection`: Sparse-RL's KV-cache compression (StreamingLLM,
+  SnapKV, R-KV) for `Sampler(kv_policy=...)`; the cache then holds budget + interval slots per row.
 """
 
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sampling._generate import generate
+from qurl_jax.sampling._kv_policy import KVPolicy, KVPolicyConfig, Selection
 from qurl_jax.sampling._refill import RefillRun, RefillSampler
 from qurl_jax.sampling._sampler import FinishReason, SampleOutput, Sampler
 
 __all__ = [
     "FinishReason",
+    "KVPolicy",
+    "KVPolicyConfig",
     "RefillRun",
     "RefillSampler",
     "SampleOutput",
     "Sampler",
     "SamplingMode",
+    "Selection",
     "generate",
     "sample_tokens",
 ]

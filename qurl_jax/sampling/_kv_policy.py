@@ -168,11 +168,12 @@ class KVPolicyConfig:
     def physical_slots(self, prompt_bucket: int, gen_bucket: int) -> int:
         """Cache slots per row that a rollout of prompt_bucket + gen_bucket tokens needs.
 
-        Dense: prompt_bucket + gen_bucket. Compressed: the prompt is never compressed at prefill;
-        compression runs on decode steps that are multiples of `interval`, after the step's token
-        is written, on every row with more than `budget` slots in use (see `needs_compression`),
-        and leaves at most `budget`, which then grow by one per step. So at most
-        max(prompt_bucket, budget) + interval slots are ever in use (never more than the dense
+        Dense: prompt_bucket + gen_bucket. Compressed: a row never holds more than `budget` slots
+        when decoding starts (the sampler compresses a prompt longer than the budget right after
+        prefill; see `Sampler`), compression runs on decode steps that are multiples of
+        `interval`, after the step's token is written, on every row with more than `budget` slots
+        in use (see `needs_compression`), and leaves at most `budget`, which then grow by one per
+        step. So at most budget + interval slots are ever in use (never more than the dense
         count, which bounds short rollouts).
         """
         for name, value in (("prompt_bucket", prompt_bucket), ("gen_bucket", gen_bucket)):
@@ -181,7 +182,7 @@ class KVPolicyConfig:
         dense = prompt_bucket + gen_bucket
         if not self.compresses:
             return dense
-        return min(dense, max(prompt_bucket, self.budget) + self.interval)
+        return min(dense, self.budget + self.interval)
 
 
 def needs_compression(cfg: KVPolicyConfig, step: jax.Array | int,

@@ -143,6 +143,9 @@ class RefillSampler(Sampler):
     def __init__(self, config: ModelConfig, dot_general: DotGeneral = jax.lax.dot_general, *,
                  refill_min: int = 0, max_steps_per_call: int = 0, **kwargs: Any) -> None:
         super().__init__(config, dot_general, **kwargs)
+        if self.kv_policy.compresses:
+            raise ValueError(f"RefillSampler: kv_policy={self.kv_policy.policy.value!r} is not "
+                             f"supported (its cache is dense); use Sampler for Sparse-RL rollouts")
         if refill_min < 0 or max_steps_per_call < 0:
             raise ValueError(f"RefillSampler: refill_min={refill_min} and max_steps_per_call="
                              f"{max_steps_per_call} must be >= 0 (0 = default)")

@@ -44,6 +44,14 @@ from qurl_jax.models.transformer import (
 )
 from qurl_jax.quant import pack_for_decode
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
+from qurl_jax.sampling._kv_policy import (
+    KVPolicyConfig,
+    Selection,
+    compress_cache,
+    needs_compression,
+    push_window,
+    window_from_prompt,
+)
 from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
 
 Params = dict[str, Any]
@@ -53,6 +61,22 @@ Params = dict[str, Any]
 _CACHE_KV_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 _CACHE_POS_AXES = ("batch", "cache_length")
 _ROW_AXES = ("batch",)
+
+
+@flax.struct.dataclass
+class CompressedCache:
+    """A compressed policy's decode state: the KV cache and the observation window that scores it.
+
+    cache: KVCache                       `KVPolicyConfig.physical_slots` slots per row.
+    win_q: tuple of f[R, H, W, D]        post-RoPE queries of each row's last W positions, oldest
+                                         first; layer 0's only (SHARED selection) or every
+                                         layer's (PER_LAYER).
+    win_valid: bool[R, W]                window entries that hold a real query.
+    """
+
+    cache: KVCache
+    win_q: tuple[jax.Array, ...]
+    win_valid: jax.Array
 
 
 class FinishReason(enum.IntEnum):
@@ -167,6 +191,17 @@ class Sampler:
         Work that only pays on the CPU is done only when it is 'cpu' (see `_decode_model`); on an
         accelerator the decode loop runs the plain model. Naming an accelerator here on a host
         mesh builds the accelerator's programs for the host (what a memory estimate wants).
+      kv_policy: Sparse-RL's KV compression (`KVPolicyConfig`; default dense, no compression).
+        A compressed policy's cache holds `kv_policy.physical_slots(prompt, generation buckets)`
+        = at most budget + interval slots per row. After prefill, a row with more than `budget`
+        slots (a prompt bucket longer than the budget) is compressed once with its last `window`
+        prompt queries, so decoding starts with at most `budget` slots. Each decode step feeds
+        the previous token through the model (attending to the cache as it is), pushes that
+        step's post-RoPE queries into the window and then, under `lax.cond`, compresses the rows
+        `needs_compression` marks; so on a compression step the token's own query still sees
+        the uncompressed cache and the next one sees the compressed set (Sparse-RL compresses
+        before that step's attention; the kept set is the same). Positions stay logical; the
+        reported log-probs are those of the sparse forward that sampled each token.
     """
 
     def __init__(
@@ -183,8 +218,10 @@ class Sampler:
         mesh: Mesh | None = None,
         max_concurrent_rows: int = 0,
         platform: str | None = None,
+        kv_policy: KVPolicyConfig | None = None,
     ) -> None:
         self.config = config.validate()
+        self.kv_policy = KVPolicyConfig() if kv_policy is None else kv_policy.validate()
         self.model = Transformer(config, dot_general)
         self.prompt_buckets = _check_buckets(
             "prompt_buckets",
@@ -216,6 +253,20 @@ class Sampler:
     @property
     def max_new_tokens(self) -> int:
         return self.gen_buckets[-1]
+
+    def cache_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Physical KV-cache slots per row for these lengths (after rounding up to buckets)."""
+        return self.kv_policy.physical_slots(_bucket(prompt_len, self.prompt_buckets),
+                                             _bucket(max_new_tokens, self.gen_buckets))
+
+    def kv_bytes_per_row(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Bytes of keys and values one rollout row's cache holds, all layers (`cache_slots`
+        slots of num_kv_heads * head_dim elements in the compute dtype, for K and for V; the
+        4-byte position per slot is not counted)."""
+        cfg = self.config
+        per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(
+            cfg.compute_dtype).itemsize
+        return self.cache_slots(prompt_len, max_new_tokens) * per_slot
 
     @property
     def num_programs(self) -> int:
@@ -425,8 +476,7 @@ class Sampler:
         group = rows // n
         prefill, decode = self._programs_for(group, n, p_len, g_len, mode or SamplingMode(), 8)
         i32 = jnp.int32
-        cache = self._with_shardings(
-            jax.eval_shape(lambda: KVCache.zeros(self.config, rows, p_len + g_len)))
+        cache = self._abstract_decode_state(rows, p_len, g_len)
         prefill_args = (abstract_params, self._abstract_batch((group, p_len), i32),
                         self._abstract_batch((group, p_len), jnp.bool_))
         decode_args = (
@@ -535,6 +585,19 @@ class Sampler:
             return cache
         return jax.lax.with_sharding_constraint(cache, self._cache_shardings(cache))
 
+    def _abstract_decode_state(self, rows: int, p_len: int, g_len: int
+                               ) -> KVCache | CompressedCache:
+        """The abstract cache (or compressed decode state) that prefill hands to decode."""
+        cfg = self.config
+        cache = self._with_shardings(jax.eval_shape(lambda: KVCache.zeros(
+            cfg, rows, self.kv_policy.physical_slots(p_len, g_len))))
+        if not self.kv_policy.compresses:
+            return cache
+        w = self.kv_policy.window
+        win_q = tuple(self._abstract_batch((rows, cfg.num_heads, w, cfg.head_dim),
+                                           cfg.compute_dtype) for _ in self._scored_layers())
+        return CompressedCache(cache, win_q, self._abstract_batch((rows, w), jnp.bool_))
+
     def _with_shardings(self, cache: KVCache) -> KVCache:
         """An abstract cache (ShapeDtypeStructs) with the shardings the programs give it."""
         if self.mesh is None:
@@ -550,25 +613,61 @@ class Sampler:
         """The jitted (prefill, decode) pair for chunks of `group` prompts x n samples."""
         key = (group, n, p_len, g_len, mode, num_eos)
         if key not in self._programs:
-            prefill = jax.jit(functools.partial(self._prefill, n=n, cache_len=p_len + g_len))
+            prefill = jax.jit(functools.partial(
+                self._prefill, n=n, cache_len=self.kv_policy.physical_slots(p_len, g_len)))
             decode = jax.jit(functools.partial(self._decode, mode=mode, g_len=g_len),
                              donate_argnums=(1,))
             self._programs[key] = (prefill, decode)
         return self._programs[key]
 
     def _prefill(self, params: Params, tokens: jax.Array, mask: jax.Array, *, n: int,
-                 cache_len: int) -> tuple[jax.Array, KVCache]:
+                 cache_len: int) -> tuple[jax.Array, KVCache | CompressedCache]:
         """Runs a chunk's P distinct prompts (tokens i32[P, p_len], mask bool[P, p_len]) once and
-        returns (last-position logits f32[P*n, V], cache of P*n rows and `cache_len` slots, the
-        prompt in slots [0, p_len): n_used = p_len, next_pos = prompt length)."""
+        returns (last-position logits f32[P*n, V], cache of P*n rows and `cache_len` slots).
+
+        Dense: the prompt in slots [0, p_len): n_used = p_len, next_pos = prompt length.
+        Compressed policy: a `CompressedCache` whose window holds the last prompt queries; when
+        p_len exceeds the budget every row is compressed to at most `budget` slots first (which
+        also drops its left pads), so it fits the budget + interval slots of the decode cache.
+        """
         b, p_len = tokens.shape
         cache = self._constrain_cache(KVCache.zeros(self.config, b, p_len))
-        logits, cache = self.model.apply(
-            {"params": params}, tokens, positions_from_mask(mask), mask, cache=cache,
-            last_only=True,
-        )
-        return jnp.repeat(logits[:, 0], n, axis=0), self._constrain_cache(
-            cache.repeat(n, cache_len))
+        positions = positions_from_mask(mask)
+        kv = self.kv_policy
+        if not kv.compresses:
+            logits, cache = self.model.apply({"params": params}, tokens, positions, mask,
+                                             cache=cache, last_only=True)
+            return jnp.repeat(logits[:, 0], n, axis=0), self._constrain_cache(
+                cache.repeat(n, cache_len))
+        (logits, cache), inter = self.model.apply(
+            {"params": params}, tokens, positions, mask, cache=cache, last_only=True,
+            mutable=["intermediates"])
+        queries = _layer_queries(inter, self._scored_layers())
+        windows = [window_from_prompt(q, mask, kv.window) for q in queries]
+        win_q, win_valid = tuple(w[0] for w in windows), windows[0][1]
+        if p_len > kv.budget:
+            keys, values, pos, n_used = compress_cache(
+                kv, cache.k, cache.v, cache.pos, cache.n_used, win_q, win_valid,
+                cache.n_used > kv.budget)
+            keep = lambda x: x[:, :, :kv.budget]  # noqa: E731
+            cache = KVCache(k=tuple(map(keep, keys)), v=tuple(map(keep, values)),
+                            pos=pos[:, :kv.budget], n_used=n_used, next_pos=cache.next_pos)
+        state = CompressedCache(
+            cache=self._constrain_cache(cache.repeat(n, cache_len)),
+            win_q=tuple(self._constrain_rows(jnp.repeat(q, n, axis=0)) for q in win_q),
+            win_valid=self._constrain_rows(jnp.repeat(win_valid, n, axis=0)))
+        return jnp.repeat(logits[:, 0], n, axis=0), state
+
+    def _scored_layers(self) -> range:
+        """Layers whose queries score the cache: layer 0 (SHARED) or all (PER_LAYER)."""
+        if self.kv_policy.selection is Selection.SHARED:
+            return range(1)
+        return range(self.config.num_layers)
+
+    def _constrain_rows(self, x: jax.Array) -> jax.Array:
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, batch_sharding(self.mesh, x.ndim))
 
     def _decode_model(self, params: Params) -> tuple[Transformer, Params]:
         """The decode loop's model and parameters, with loop-invariant work done once.
@@ -608,7 +707,7 @@ class Sampler:
     def _decode(
         self,
         params: Params,
-        cache: KVCache,
+        cache: KVCache | CompressedCache,
         logits: jax.Array,
         row_ids: jax.Array,
         key: jax.Array,
@@ -622,7 +721,8 @@ class Sampler:
     ) -> tuple[dict[str, jax.Array], KVCache]:
         """Samples up to `max_new_tokens` (<= g_len) tokens per row with an early-exit while loop.
 
-        cache: the prefilled cache of the chunk's N rows (room for g_len - 1 more tokens);
+        cache: the prefilled cache of the chunk's N rows (room for g_len - 1 more tokens), or a
+        compressed policy's `CompressedCache` (compressed every `interval` steps);
         logits: f32[N, V] next-token logits after the prompt; row_ids: i32[N] each row's index
         in the whole batch (its random stream); eos_ids: i32[E] EOS ids, -1 padded. A row whose
         prompt is empty (batch padding: next_pos 0) counts as finished from the start.
@@ -656,7 +756,7 @@ class Sampler:
             jnp.zeros((num_rows, g_len), jnp.float32),
             jnp.zeros((num_rows, g_len), jnp.bool_),
         )
-        done = cache.next_pos == 0
+        done = (cache.cache if isinstance(cache, CompressedCache) else cache).next_pos == 0
         # The first token comes from the prefill logits; each loop iteration then feeds the previous
         # token through the model and samples the next one, so no forward pass is wasted.
         tok, done, buffers = pick(jnp.int32(0), logits, done, buffers)
@@ -665,11 +765,27 @@ class Sampler:
             step, _, done, _, _ = state
             return (step < max_new_tokens) & ~jnp.all(done)
 
+        def forward(step: jax.Array, tok: jax.Array, cache: KVCache | CompressedCache
+                    ) -> tuple[jax.Array, KVCache | CompressedCache]:
+            """One token per row through the model; compressed policies then push the window
+            and compress the rows that are due (decode step `step`, counted from 1)."""
+            if not isinstance(cache, CompressedCache):
+                step_logits, cache = model.apply(
+                    {"params": params}, tok[:, None], cache.next_pos[:, None], None, cache=cache)
+                return step_logits, cache
+            (step_logits, kv), inter = model.apply(
+                {"params": params}, tok[:, None], cache.cache.next_pos[:, None], None,
+                cache=cache.cache, mutable=["intermediates"])
+            queries = _layer_queries(inter, self._scored_layers())
+            pushed = [push_window(w, cache.win_valid, q[:, 0])
+                      for w, q in zip(cache.win_q, queries, strict=True)]
+            win_q, win_valid = tuple(p[0] for p in pushed), pushed[0][1]
+            return step_logits, CompressedCache(self._compress_due(kv, win_q, win_valid, step),
+                                                win_q, win_valid)
+
         def body(state: tuple) -> tuple:
             step, tok, done, buffers, cache = state
-            step_logits, cache = model.apply(
-                {"params": params}, tok[:, None], cache.next_pos[:, None], None, cache=cache
-            )
+            step_logits, cache = forward(step, tok, cache)
             tok, done, buffers = pick(step, step_logits[:, 0], done, buffers)
             return step + 1, tok, done, buffers, cache
 
@@ -684,3 +800,24 @@ class Sampler:
         response = dict(tokens=toks, logp=lps, logp_untruncated=lps_full, mask=masks,
                         lengths=lengths, finish_reason=finish, num_steps=step)
         return response, cache
+
+    def _compress_due(self, cache: KVCache, win_q: tuple[jax.Array, ...], win_valid: jax.Array,
+                      step: jax.Array) -> KVCache:
+        """Compresses the rows `needs_compression` marks at decode step `step`, under `lax.cond`
+        so the scoring and gathers run only on the steps where some row is due."""
+        kv = self.kv_policy
+        needs = needs_compression(kv, step, cache.n_used)
+
+        def compress(c: KVCache) -> KVCache:
+            keys, values, pos, n_used = compress_cache(kv, c.k, c.v, c.pos, c.n_used, win_q,
+                                                       win_valid, needs)
+            return self._constrain_cache(KVCache(k=keys, v=values, pos=pos, n_used=n_used,
+                                                 next_pos=c.next_pos))
+
+        return jax.lax.cond(jnp.any(needs), compress, lambda c: c, cache)
+
+
+def _layer_queries(intermediates: dict, layers: range) -> list[jax.Array]:
+    """The post-RoPE queries f[R, T, H, D] that the model sowed in each of `layers`."""
+    tree = intermediates["intermediates"]
+    return [tree[f"layers_{i}"]["self_attn"]["queries"][0] for i in layers]

@@ -1,0 +1,294 @@
+"""Sparse-RL rollouts end to end: the sampler on a physically compressed KV cache, its config, and
+RL steps that train on its rollouts.
+
+Expected values come from computations that never run the compressed sampler: the dense sampler,
+and a plain full-sequence forward pass of the model (the learner's view) with the evicted positions
+masked out. Which positions a row has evicted is read from the compressed sampler's cache after
+each compression (the same program run for fewer steps: per-row random streams make the tokens of
+a shorter run a prefix of the longer one's).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_trainer import tiny_config
+
+from qurl_jax.bench import memory
+from qurl_jax.config import base_config, kv_policy_from_config, validate
+from qurl_jax.models import (
+    KVCache,
+    ModelConfig,
+    Transformer,
+    init_params,
+    param_logical_axes,
+    positions_from_mask,
+)
+from qurl_jax.rl.objectives import ObjectiveConfig, sparse_rl_rejections
+from qurl_jax.sampling import KVPolicyConfig, RefillSampler, Sampler, SamplingMode
+from qurl_jax.sampling._sampler import _left_pad
+from qurl_jax.sharding import make_mesh, shard_params
+from qurl_jax.trainer import Trainer
+
+CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True,
+                  tie_word_embeddings=True, rope_theta=1e6)
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [12], [200, 201, 202, 9]]
+LONG_PROMPTS = [list(range(30, 42)), [7, 8, 9], list(range(100, 110))]  # 12 > budget 8
+BUDGET, INTERVAL, WINDOW = 8, 4, 2
+POLICIES = ("streaming", "snapkv", "rkv")
+
+
+@pytest.fixture(scope="module")
+def params() -> dict:
+    """Random weights 5x the default init: peaked distributions, so a changed attention set
+    visibly changes the log-probs."""
+    p = init_params(CFG, jax.random.key(0))
+    return jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 else x, p)
+
+
+def _policy(policy: str, **kw) -> KVPolicyConfig:
+    kw = dict(budget=BUDGET, interval=INTERVAL, window=WINDOW, sinks=2) | kw
+    return KVPolicyConfig(policy=policy, **kw)
+
+
+def _sampler(policy: KVPolicyConfig | None = None, **kw) -> Sampler:
+    kw = dict(max_prompt_len=16, max_new_tokens=32, min_bucket=8) | kw
+    return Sampler(CFG, kv_policy=policy, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# A budget that holds the whole sequence changes nothing.
+
+
+@pytest.mark.parametrize("selection", ["shared", "per_layer"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_budget_covering_the_sequence_equals_dense(params, policy, selection) -> None:
+    kw = dict(key=jax.random.key(3), n=2, max_new_tokens=16, temperature=1.0)
+    dense = _sampler(min_bucket=16).sample(params, PROMPTS, **kw)
+    sparse_sampler = _sampler(_policy(policy, budget=32, selection=selection), min_bucket=16)
+    sparse = sparse_sampler.sample(params, PROMPTS, **kw)
+    np.testing.assert_array_equal(np.asarray(sparse.tokens), np.asarray(dense.tokens))
+    np.testing.assert_array_equal(np.asarray(sparse.logp), np.asarray(dense.logp))
+    np.testing.assert_array_equal(np.asarray(sparse.mask), np.asarray(dense.mask))
+    assert sparse_sampler.cache_slots(16, 16) == 32
+
+
+# ------------------------------------------------------------------------------------------------
+# Masked-dense equivalence and the schedule.
+
+
+def _run_chunk(sampler: Sampler, params: dict, prompts: list[list[int]], max_new_tokens: int,
+               key: jax.Array):
+    """One chunk of `Sampler.sample` (all rows at once, n = 1, plain sampling), returning the
+    response and the final decode state (a `CompressedCache`)."""
+    p_len = sampler.prompt_buckets[0]
+    assert max(map(len, prompts)) <= p_len
+    g_len = sampler.gen_buckets[-1]
+    tokens, mask = _left_pad(prompts, p_len, len(prompts), sampler.pad_id)
+    prefill, decode = sampler._programs_for(len(prompts), 1, p_len, g_len, SamplingMode(), 8)
+    logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(mask))
+    eos = jnp.full((8,), -1, jnp.int32)
+    response, state = decode(params, state, logits, jnp.arange(len(prompts), dtype=jnp.int32),
+                             key, jnp.float32(1.0), jnp.float32(1.0), jnp.int32(max_new_tokens),
+                             eos)
+    return jax.device_get(response), jax.device_get(state), tokens, mask
+
+
+@pytest.mark.parametrize(("policy", "prompts"), [
+    ("streaming", PROMPTS), ("snapkv", PROMPTS), ("rkv", PROMPTS), ("rkv", LONG_PROMPTS)])
+def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, policy,
+                                                                         prompts) -> None:
+    """Every sampled token's log-prob equals the one the model gives over a dense cache when the
+    positions the compressed cache had evicted before that step are masked out (prompts short
+    and longer than the budget; three compressions in 16 steps). Pins positions and RoPE: the cache
+    keeps keys rotated at their logical positions, and new tokens continue the logical count. A
+    mask on a single full-sequence forward would not do: a kept token's deeper keys were computed
+    while the evicted ones were still visible to it. Also checks the schedule: slots in use never
+    exceed budget + interval, are exactly the budget after each compression of a row that had
+    more, and grow by one on the step after."""
+    p_len = 16 if prompts is LONG_PROMPTS else 8
+    sampler = _sampler(_policy(policy), max_prompt_len=p_len, prompt_buckets=[p_len],
+                       max_new_tokens=32, gen_buckets=[32])
+    slots = sampler.cache_slots(p_len, 32)
+    assert slots == BUDGET + INTERVAL
+    key, steps = jax.random.key(11), 16
+    full, final, tokens, mask = _run_chunk(sampler, params, prompts, steps, key)
+    assert final.cache.k[0].shape[2] == slots
+
+    # The cache state each decode step s in (c, c + I] attends to: the one left by step c's
+    # compression (c = 0: after prefill, which compresses the prompts longer than the budget).
+    kept_after = {}
+    for c in range(0, steps, INTERVAL):
+        out, state, _, _ = _run_chunk(sampler, params, prompts, c + 1, key)
+        np.testing.assert_array_equal(out["tokens"][:, :c + 1], full["tokens"][:, :c + 1])
+        cache = state.cache
+        n_used, pos = np.asarray(cache.n_used), np.asarray(cache.pos)
+        logical = np.asarray(cache.next_pos)
+        if c > 0 or p_len > BUDGET:
+            # Rows whose tokens exceed the budget were just compressed to exactly the budget.
+            assert np.all(n_used[logical > BUDGET] == BUDGET), (c, n_used)
+        assert np.all(n_used <= slots)
+        kept_after[c] = [set(pos[r, :n_used[r]][pos[r, :n_used[r]] >= 0]) for r in
+                         range(len(prompts))]
+        # One step later, one more slot is in use (no compression between multiples of I).
+        later = _run_chunk(sampler, params, prompts, c + 2, key)[1].cache
+        np.testing.assert_array_equal(np.asarray(later.n_used), n_used + 1)
+    assert any(len(k) == BUDGET for k in kept_after[INTERVAL])  # something was evicted
+
+    # Reference: the model decoding the same tokens over a dense cache (slot i = i-th token, never
+    # compacted) in which each step masks out (pos = -1) the positions evicted before it.
+    seq = np.concatenate([tokens, full["tokens"]], axis=1)
+    model = Transformer(CFG)
+    rows = len(prompts)
+    cache = KVCache.zeros(CFG, rows, p_len + steps)
+    _, cache = model.apply({"params": params}, jnp.asarray(tokens),
+                           jnp.asarray(positions_from_mask(mask)), jnp.asarray(mask), cache=cache)
+    prompt_len = np.asarray(cache.next_pos)
+    for s in range(1, steps):
+        c = (s - 1) // INTERVAL * INTERVAL  # the last compression before step s
+        # Positions cached by then (the prompt and columns 0 .. c-1) that the row did not keep.
+        evicted = np.stack([np.isin(np.asarray(cache.pos[r]), [
+            q for q in range(prompt_len[r] + c) if q not in kept_after[c][r]])
+            for r in range(rows)])
+        cache = cache.replace(pos=jnp.where(jnp.asarray(evicted), -1, cache.pos))
+        logits, cache = model.apply({"params": params}, jnp.asarray(seq[:, p_len + s - 1, None]),
+                                    cache.next_pos[:, None], None, cache=cache)
+        expected = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits[:, 0])),
+                                      seq[:, p_len + s, None], axis=1)[:, 0]
+        np.testing.assert_allclose(full["logp"][:, s], expected, atol=2e-4, rtol=0,
+                                   err_msg=f"{policy}: step {s} after compression {c}")
+
+    # Without masking the compressed sampler's log-probs would differ from the dense ones.
+    seq_mask = np.concatenate([mask, np.ones_like(full["tokens"], bool)], axis=1)
+    dense_logits, _ = model.apply({"params": params}, jnp.asarray(seq),
+                                  jnp.asarray(positions_from_mask(seq_mask)), jnp.asarray(seq_mask))
+    dense = np.take_along_axis(np.asarray(jax.nn.log_softmax(dense_logits, axis=-1))[
+        :, p_len - 1:-1], seq[:, p_len:, None], axis=2)[..., 0]
+    assert np.abs(dense[:, :steps] - full["logp"][:, :steps]).max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------------------
+# On a mesh, with the CPU kernels' fallback.
+
+
+def test_sharded_compressed_sampler_matches_single_device(params) -> None:
+    kw = dict(key=jax.random.key(5), n=2, max_new_tokens=20, temperature=1.0)
+    policy = _policy("rkv")
+    expected = _sampler(policy).sample(params, PROMPTS * 2, **kw)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = shard_params(params, param_logical_axes(CFG), mesh)
+    out = _sampler(policy, mesh=mesh, max_concurrent_rows=8).sample(sharded, PROMPTS * 2, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
+    np.testing.assert_allclose(np.asarray(out.logp), np.asarray(expected.logp), atol=1e-5)
+
+
+def test_kv_bytes_per_row() -> None:
+    per_slot = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
+    assert _sampler().kv_bytes_per_row(7, 20) == (8 + 32) * per_slot
+    assert _sampler(_policy("rkv")).kv_bytes_per_row(7, 20) == (BUDGET + INTERVAL) * per_slot
+
+
+def test_decode_program_holds_budget_plus_interval_slots() -> None:
+    """The memory report's decode program (what the trainer's preflight checks) with the
+    configured policy: 16 rows over 2 devices, 64 + 1984 = 2048 dense slots vs 64 + 32 = 96. The
+    peak drops by the KV saved, less the compression's scratch, which does not grow with the
+    response: the gathered and selected copies of the small cache and R-KV's cosine matrix."""
+    c = base_config()
+    c.data.prompts_per_step, c.rollout.n = 8, 2
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 64, 1984
+    c.mesh.fsdp = 2
+    c.rollout.kv_budget, c.rollout.kv_interval = 64, 32
+    setup = memory.build_setup(c, CFG)
+
+    def decode_bytes(policy: str) -> int:
+        c.rollout.kv_policy = policy
+        compiled = memory.rollout_decode(setup).lowered.compile()
+        return memory.compiled_memory(compiled)["peak_bytes"]
+
+    rows, per_slot = 8, 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4  # per device
+    saved = rows * (2048 - 96) * per_slot
+    scratch = 4 * rows * 96 * per_slot + rows * CFG.num_kv_heads * 96 * 96 * 4
+    dense, rkv = decode_bytes("dense"), decode_bytes("rkv")
+    assert dense - rkv >= saved - scratch, (dense, rkv, saved, scratch)
+
+
+def test_refill_sampler_rejects_a_compressed_cache() -> None:
+    with pytest.raises(ValueError, match="RefillSampler: kv_policy='rkv' is not supported"):
+        RefillSampler(CFG, max_concurrent_rows=4, kv_policy=_policy("rkv"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Config.
+
+
+def test_config_builds_the_policy_and_rejects_bad_fields() -> None:
+    c = base_config()
+    assert kv_policy_from_config(c.rollout) == KVPolicyConfig()  # Sparse-RL's defaults, dense
+    c.rollout.kv_policy, c.rollout.kv_budget = "rkv", 64
+    assert kv_policy_from_config(c.rollout) == KVPolicyConfig(policy="rkv", budget=64)
+    bad = [({"rollout.kv_policy": "h2o"}, r"config\.rollout\.kv_policy: unknown value 'h2o'"),
+           ({"rollout.kv_policy": "streaming", "rollout.kv_budget": 11},
+            r"config\.rollout\.kv_budget: must be >= sinks \+ window = 12"),
+           ({"rollout.kv_policy": "rkv", "rollout.kv_budget": 8},
+            r"config\.rollout\.kv_budget: must be > window"),
+           ({"rollout.kv_pool_kernel": 4}, r"config\.rollout\.kv_pool_kernel: must be odd"),
+           ({"rollout.kv_selection": "each"}, r"config\.rollout\.kv_selection: unknown value"),
+           ({"rollout.rkv_alpha": 1.5}, r"config\.rollout\.rkv_alpha: must be in \[0, 1\]")]
+    for overrides, message in bad:
+        with pytest.raises(ValueError, match=message):
+            validate(tiny_config(**overrides))
+
+
+def test_rejection_counts() -> None:
+    cfg = ObjectiveConfig(mode="sparse_rl", veto_tau=1e-4, sparse_mask_band=(0.5, 1.5))
+    behav = np.zeros((3, 4), np.float32)
+    # Row 0: one token with w = e^-10 < 1e-4 (vetoed); row 1: w = 2 and w = 0.25 outside the
+    # band; row 2: all inside; the last column is padding (w = e^-10 there never counts).
+    prox = np.array([[0, -10, 0, -10], [np.log(2), np.log(0.25), 0, -10], [0.1, 0, 0, -10]],
+                    np.float32)
+    mask = np.array([[1, 1, 1, 0]] * 3, bool)
+    counts = jax.tree.map(float, sparse_rl_rejections(prox, behav, mask, cfg))
+    assert counts == {"vetoed_sequences": 1.0, "vetoed_tokens": 3.0, "band_masked_tokens": 2.0,
+                      "band_masked_sequences": 1.0}
+
+
+# ------------------------------------------------------------------------------------------------
+# RL steps on sparse rollouts.
+
+
+def _sparse_trainer(tmp_path, **overrides) -> Trainer:
+    kw = {"rollout.precision": "fp", "rollout.max_new_tokens": 12, "rollout.kv_policy": "rkv",
+          "rollout.kv_budget": 6, "rollout.kv_interval": 4, "rollout.kv_window": 2,
+          "rollout.kv_sinks": 2, "rl.loss_mode": "sparse_rl", "rl.sparse_mask_band": (0.5, 1.5),
+          "train.num_steps": 1} | overrides
+    return Trainer(tiny_config(**kw), str(tmp_path))
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param({}, id="rkv-sparse_rl"),
+    pytest.param({"rollout.kv_policy": "streaming", "rl.loss_mode": "acr"}, id="streaming-acr",
+                 marks=pytest.mark.slow),
+    pytest.param({"rollout.precision": "int8", "rl.sparse_base": "acr"},
+                 id="int8-rkv-sparse_rl_acr", marks=pytest.mark.slow),
+])
+def test_rl_step_on_sparse_rollouts(tmp_path, overrides) -> None:
+    t = _sparse_trainer(tmp_path, **overrides)
+    assert t.eval_sampler.kv_policy.compresses is False  # evaluation stays dense
+    m = t.step()
+    bad = {k: v for k, v in m.items() if not np.isfinite(v)}
+    assert not bad, bad
+    # budget + interval slots of one layer's K and V (1 KV head of 16 float32 values).
+    assert m["rollout/kv_bytes_per_row"] == (6 + 4) * 2 * 16 * 4
+    assert m["rollout/kv_bytes_per_row"] < t.eval_sampler.kv_bytes_per_row(8, 12)
+    assert m["update/skipped"] == 0.0
+    if t.objective.mode == "sparse_rl":
+        for k in ("vetoed_tokens", "band_masked_tokens"):
+            assert 0.0 <= m[f"sparse/{k}"] <= m["rollout/tokens"], k
+        for k in ("vetoed_sequences", "band_masked_sequences"):
+            assert 0.0 <= m[f"sparse/{k}"] <= 8, k
+        assert "is_weight_mean" in m and "kl_behav_prox_k1" in m
+    else:
+        assert not any(k.startswith("sparse/") for k in m)
