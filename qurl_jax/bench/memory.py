@@ -333,7 +333,8 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
 
 
 def report(config: ml_collections.ConfigDict, shapes_dir: str,
-           log: Callable[[str], None] = print) -> dict[str, Any]:
+           log: Callable[[str], None] = print,
+           programs: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Compiles every program of `PROGRAMS` for `config`; returns the JSON-able figures."""
     model_config = model_shape(config, shapes_dir)
     setup = build_setup(config, model_config)
@@ -345,7 +346,10 @@ def report(config: ml_collections.ConfigDict, shapes_dir: str,
         f"rollout {setup.rollout_rows} rows, minibatch {setup.minibatch_rows}, micro-batch "
         f"{setup.micro_batch_rows}")
     out: dict[str, Any] = {"devices": setup.mesh.size, "programs": {}}
-    for name, build in PROGRAMS.items():
+    unknown = set(programs or ()) - set(PROGRAMS)
+    if unknown:
+        raise ValueError(f"--programs: unknown {sorted(unknown)}; known: {list(PROGRAMS)}")
+    for name, build in ((n, b) for n, b in PROGRAMS.items() if not programs or n in programs):
         start = time.perf_counter()
         program = build(setup)
         compiled = program.lowered.compile()
@@ -416,7 +420,7 @@ def main(argv: list[str]) -> None:
     shapes_dir = _SHAPES.value or os.path.join(
         os.path.dirname(os.path.abspath(config_flags.get_config_filename(flags.FLAGS["config"]))),
         "shapes")
-    figures = report(config, shapes_dir)
+    figures = report(config, shapes_dir, programs=tuple(_PROGRAMS.value or ()))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)
@@ -431,5 +435,6 @@ if __name__ == "__main__":
     _SHAPES = flags.DEFINE_string(
         "shapes_dir", None,
         "Directory of model config.json files; default: shapes/ beside --config.")
+    _PROGRAMS = flags.DEFINE_list("programs", None, f"Only these programs: {list(PROGRAMS)}.")
     flags.mark_flags_as_required(["config"])
     app.run(main)
