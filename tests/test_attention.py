@@ -107,8 +107,7 @@ def test_model_switch_gives_the_same_logits_with_and_without_a_cache():
                         static_argnames="last_only")
         full, _ = apply({"params": params}, tokens, pos, mask)
         cache = KVCache.zeros(CFG, 2, 30)
-        last, _ = apply({"params": params}, tokens, pos, mask, cache=cache, cache_index=0,
-                        last_only=True)
+        last, _ = apply({"params": params}, tokens, pos, mask, cache=cache, last_only=True)
         return full, last
 
     # Blockwise with the library's block size would be one block here; blockwise_attention's
