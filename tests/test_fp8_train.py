@@ -570,6 +570,7 @@ def _learner_step(learner: Learner, params, batch):
     return np.asarray(batch["logp_prox"]), step, jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_fp8_learner_step_unchanged_by_remat_scan_and_chunks() -> None:
     """The scanned layers get stacked TrainKernels and still run the FP8 product: logits and
     update equal the unrolled FP8 learner's (same groups, so to float32 rounding), and both are

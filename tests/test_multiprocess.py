@@ -136,6 +136,7 @@ def runs(tmp_path_factory):
         children.kill_all()
 
 
+@pytest.mark.slow  # ~2 min: three CLI runs, two of them in parallel processes
 def test_two_processes_match_one_process(runs):
     two, one = _comparable(str(runs / "two")), _comparable(str(runs / "one"))
     assert {s for s, kind, _ in two if kind == "train"} == {1, 2, 3}

@@ -98,7 +98,10 @@ def _run_chunk(sampler: Sampler, params: dict, prompts: list[list[int]], max_new
 
 
 @pytest.mark.parametrize(("policy", "prompts"), [
-    ("streaming", PROMPTS), ("snapkv", PROMPTS), ("rkv", PROMPTS), ("rkv", LONG_PROMPTS)])
+    pytest.param("streaming", PROMPTS, marks=pytest.mark.slow),
+    pytest.param("snapkv", PROMPTS, marks=pytest.mark.slow),
+    pytest.param("rkv", PROMPTS, marks=pytest.mark.slow),
+    ("rkv", LONG_PROMPTS)])  # the default suite keeps the case with prompts past the budget
 def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, policy,
                                                                          prompts) -> None:
     """Every sampled token's log-prob equals the one the model gives over a dense cache when the

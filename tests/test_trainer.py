@@ -184,6 +184,7 @@ def _last_rows(workdir: str) -> dict[int, dict]:
     return rows
 
 
+@pytest.mark.slow  # ~2 min: three CLI runs
 def test_resume_after_sigkill_reproduces_metrics(tmp_path):
     steps = "--config.train.num_steps=5"
     every = "--config.train.checkpoint_every=2"
@@ -235,19 +236,21 @@ def test_bad_override_fails_before_compiling(tmp_path, override, message):
 
 
 @pytest.mark.parametrize("name, family_checks", [
-    ("deepscaler_r1_1p5b_int8", {"rollout.precision": "int8", "rl.loss_mode": "acr",
-                                 "rollout.invariant_scaling": 1.5, "rl.kl_coef": 1e-3,
-                                 "rl.kl_estimator": "k3", "optim.learning_rate": 1e-6,
-                                 "rl.advantage": "grpo", "rollout.n": 8}),
+    pytest.param("deepscaler_r1_1p5b_int8", {
+        "rollout.precision": "int8", "rl.loss_mode": "acr", "rollout.invariant_scaling": 1.5,
+        "rl.kl_coef": 1e-3, "rl.kl_estimator": "k3", "optim.learning_rate": 1e-6,
+        "rl.advantage": "grpo", "rollout.n": 8}, marks=pytest.mark.slow),
     ("dapo_qwen2p5_7b_fp8", {"rollout.precision": "fp8", "rl.eps_low": 0.2, "rl.eps_high": 0.28,
                              "rl.agg": "token_mean", "rl.dynamic_sampling": True,
                              "rl.kl_coef": 0.0, "rl.overlong_buffer": 4096,
                              "rollout.invariant_scaling": 1.5, "rl.cap": 5.0}),
-    ("gsm8k_qwen2p5_0p5b_int8", {"rollout.precision": "int8", "rollout.invariant_scaling": 1.0,
-                                 "optim.learning_rate": 1e-5, "rl.cap": 2.0}),
-    ("jetrl_r1_1p5b_fp8_block", {"rollout.precision": "fp8_block", "train.precision": "fp8_block",
-                                 "rl.loss_mode": "on_policy", "rollout.invariant_scaling": 1.0,
-                                 "train.scan_layers": True}),
+    pytest.param("gsm8k_qwen2p5_0p5b_int8", {
+        "rollout.precision": "int8", "rollout.invariant_scaling": 1.0,
+        "optim.learning_rate": 1e-5, "rl.cap": 2.0}, marks=pytest.mark.slow),
+    pytest.param("jetrl_r1_1p5b_fp8_block", {
+        "rollout.precision": "fp8_block", "train.precision": "fp8_block",
+        "rl.loss_mode": "on_policy", "rollout.invariant_scaling": 1.0,
+        "train.scan_layers": True}, marks=pytest.mark.slow),
 ])
 def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     c = _load_config(name)
@@ -293,6 +296,7 @@ def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     assert _params_changed(before, t.params) > 0
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
     t = Trainer(tiny_config(**{"train.num_steps": 6, "train.max_bad_steps": 2}), str(tmp_path))
     t.train(num_steps=1)
