@@ -157,16 +157,18 @@ def test_two_processes_match_one_process(runs):
 @pytest.mark.slow
 def test_two_process_checkpoint_resumes_on_one_process_with_another_mesh(runs, tmp_path):
     """Step 4 from the two-process checkpoint (saved on an FSDP 4 x tensor 2 mesh over two
-    processes, restored on data 2 x FSDP 4 in one process) equals step 4 from the one-process
-    run's own checkpoint on the same mesh."""
+    processes, restored on data 2 x FSDP 2 x tensor 2 in one process) equals step 4 from the
+    one-process run's own checkpoint on the same mesh. (4 batch shards: the rollout's 16-row chunks
+    hold whole groups of n = 4 on each.)"""
     children = _Children()
     try:
         dirs = {}
         for name in ("two", "one"):
             dirs[name] = str(tmp_path / name)
             shutil.copytree(runs / name, dirs[name])
-        procs = [children.start(dirs[name], "--config.mesh.data=2", "--config.mesh.fsdp=4",
-                                "--config.train.num_steps=4", devices=8, log=dirs[name] + ".log")
+        procs = [children.start(dirs[name], "--config.mesh.data=2", "--config.mesh.fsdp=2",
+                                "--config.mesh.tensor=2", "--config.train.num_steps=4", devices=8,
+                                log=dirs[name] + ".log")
                  for name in ("two", "one")]
         _wait_ok(procs, [dirs["two"] + ".log", dirs["one"] + ".log"])
     finally:
