@@ -23,6 +23,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from qurl_jax._enums import coerce_enum_fields
+
 Array = jax.Array
 
 
@@ -175,15 +177,7 @@ class ObjectiveConfig:
     batch_normalize: bool = False
 
     def __post_init__(self) -> None:
-        for name, kind in _ENUM_FIELDS.items():
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, kind(value))
-            except ValueError:
-                choices = ", ".join(repr(m.value) for m in kind)
-                raise ValueError(
-                    f"ObjectiveConfig.{name}: unknown value {value!r}; expected one of {choices}"
-                ) from None
+        coerce_enum_fields(self, _ENUM_FIELDS)
         if self.sparse_mask_band is not None:
             band = self.sparse_mask_band
             if not isinstance(band, tuple | list) or len(band) != 2 or not all(map(_real, band)):

@@ -57,6 +57,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qurl_jax._enums import coerce_enum_fields
+
 # The reference normalises keys by (norm + 1e-8), so an all-zero key has cosine 0 with everything.
 _NORM_EPS = 1e-8
 
@@ -122,15 +124,7 @@ class KVPolicyConfig:
     selection: Selection = Selection.SHARED
 
     def __post_init__(self) -> None:
-        for name, kind in _ENUM_FIELDS.items():
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, kind(value))
-            except ValueError:
-                choices = ", ".join(repr(m.value) for m in kind)
-                raise ValueError(
-                    f"KVPolicyConfig.{name}: unknown value {value!r}; expected one of {choices}"
-                ) from None
+        coerce_enum_fields(self, _ENUM_FIELDS)
         self.validate()
 
     def validate(self) -> KVPolicyConfig:
