@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax import quant
-from qurl_jax.bench.memory import GIB, build_setup, compiled_memory
-from qurl_jax.bench.sampler import sampler_timer
+from qurl_jax.bench.memory import GIB, build_setup, compiled_memory, model_shape
+from qurl_jax.bench.sampler import sampler_timer, tree_bytes
 from qurl_jax.models import cast_floats
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
@@ -78,27 +78,22 @@ ARGS = argparse.Namespace()
 SHAPES_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes")
 
 
+def _maybe_tiny(config: ModelConfig) -> ModelConfig:
+    """`--tiny`: the same family shrunk to 2 layers of width 256."""
+    if not ARGS.tiny:
+        return config
+    return config.replace(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                          num_kv_heads=2, head_dim=64, vocab_size=4096)
+
+
 def model_config(name: str) -> ModelConfig:
     with open(os.path.join(SHAPES_DIR, name + ".json"), encoding="utf-8") as f:
-        config = config_from_hf(json.load(f)).replace(dtype="bfloat16")
-    if ARGS.tiny:
-        config = config.replace(num_layers=2, hidden_size=256, intermediate_size=512,
-                                num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=4096)
-    return config
+        return _maybe_tiny(config_from_hf(json.load(f)).replace(dtype="bfloat16"))
 
 
 def random_params(config: ModelConfig, dtype: Any) -> Any:
     """Random weights made on the device in `dtype` (no float32 copy of a 7B model)."""
     return jax.jit(lambda k: cast_floats(init_params(config, k), dtype))(jax.random.key(0))
-
-
-def _tree_bytes(tree: Any) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def _kv_bytes_per_slot(config: ModelConfig) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
-        config.compute_dtype.itemsize
 
 
 def actor(config: ModelConfig, precision: str) -> tuple[Any, Any]:
@@ -128,8 +123,10 @@ def rollout(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
     first = min(run(1) for _ in range(ARGS.rounds))
     decode = full - first
     step = decode / (new - 1)
-    weight_bytes = _tree_bytes(rollout_params)
-    kv_bytes = batch * (p_len + new) * _kv_bytes_per_slot(config)
+    weight_bytes = tree_bytes(rollout_params)
+    # The buckets sampler_timer's sampler uses: exactly p_len + new slots per row.
+    kv_bytes = batch * Sampler(config, prompt_buckets=(p_len,), gen_buckets=(new,)
+                               ).kv_bytes_per_row(p_len, new)
     del rollout_params
     return {"precision": precision, "batch": batch, "prompt_len": p_len, "new_tokens": new,
             "decode_tokens_per_s": batch * (new - 1) / decode, "decode_step_ms": step * 1e3,
@@ -187,12 +184,8 @@ def learner(precision: str) -> dict[str, Any]:
     config.rl.num_minibatches, config.rl.num_micro_batches = 1, rows
     if precision != "fp":
         config.train.precision = precision
-    with open(os.path.join(SHAPES_DIR, os.path.basename(config.model.path) + ".json")) as f:
-        shape = config_from_hf(json.load(f)).replace(dtype=config.model.dtype,
-                                                     attention=config.model.attention)
+    shape = _maybe_tiny(model_shape(config, SHAPES_DIR))
     if ARGS.tiny:
-        shape = shape.replace(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
-                              num_kv_heads=2, head_dim=64, vocab_size=4096)
         config.data.max_prompt_len, config.rollout.max_new_tokens = 64, 192
     setup = build_setup(config, shape)
     t_len, g_len = setup.prompt_len + setup.response_len, setup.response_len

@@ -35,6 +35,7 @@ preallocates 75% of device memory by default (`XLA_PYTHON_CLIENT_MEM_FRACTION`),
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -84,6 +85,15 @@ class Setup:
     micro_batch_rows: int
     prompt_len: int
     response_len: int
+
+    @functools.cached_property
+    def actor(self) -> Any:
+        """The rollout actor's parameters as `jax.ShapeDtypeStruct`s with the shardings
+        requantize gives them (its program compiled once per Setup, not once per program)."""
+        fn = _requantize_fn(self)
+        shardings = fn.lower(self.params).compile().output_shardings
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(fn, self.params), shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,18 +222,9 @@ def requantize(setup: Setup) -> Program:
     """The rollout actor made from the learner's parameters, every step."""
     lowered = _requantize_fn(setup).lower(setup.params)
     s = _symbols(setup, setup.rollout_rows)
-    actor = _bytes_per_device(_actor_params(setup))
+    actor = _bytes_per_device(setup.actor)
     return Program(lowered, Estimate((("params (input)", "Pd", s["Pd"]),
                                       ("actor (output)", "codes + scales", actor)), s))
-
-
-def _actor_params(setup: Setup) -> Any:
-    """The rollout actor's parameters as `jax.ShapeDtypeStruct`s with the shardings requantize
-    gives them."""
-    fn = _requantize_fn(setup)
-    shardings = fn.lower(setup.params).compile().output_shardings
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        jax.eval_shape(fn, setup.params), shardings)
 
 
 def _rollout(setup: Setup, name: str) -> Program:
@@ -234,7 +235,7 @@ def _rollout(setup: Setup, name: str) -> Program:
                       mesh=setup.mesh, max_concurrent_rows=c.rollout.max_concurrent_rows,
                       platform="gpu", kv_policy=kv_policy_from_config(c.rollout))
     rows = sampler.rows_per_chunk(c.data.prompts_per_step, c.rollout.n)
-    actor = _actor_params(setup)
+    actor = setup.actor
     lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
                                      n=c.rollout.n)[name]
     s = _symbols(setup, rows)

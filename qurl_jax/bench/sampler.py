@@ -72,7 +72,8 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     return 2 * nbytes / best
 
 
-def _tree_bytes(tree: Any) -> int:
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array of a pytree (a quantized tensor's codes and scales)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
@@ -263,14 +264,14 @@ def main(argv: list[str] | None = None) -> None:
     if "fp32" in engines:
         runners["ours fp32"] = sampler_timer(cfg, params, jax.lax.dot_general, prompts,
                                              args.new_tokens, args.max_concurrent_rows)
-        weight_bytes["ours fp32"] = _tree_bytes(params)
+        weight_bytes["ours fp32"] = tree_bytes(params)
     if "int8" in engines:
         from qurl_jax.quant import make_dot_general, requantize
 
         qparams = jax.block_until_ready(requantize(params, "int8"))
         runners["ours int8"] = sampler_timer(cfg, qparams, make_dot_general("int8"), prompts,
                                              args.new_tokens, args.max_concurrent_rows)
-        weight_bytes["ours int8"] = _tree_bytes(qparams)
+        weight_bytes["ours int8"] = tree_bytes(qparams)
     if "transformers" in engines:
         for threads in (int(t) for t in args.torch_threads.split(",")):
             runners[f"hf torch x{threads}"] = _transformers(cfg, params, prompts, threads)
