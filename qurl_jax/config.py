@@ -68,6 +68,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.chain_min_steps = chain.min_steps  # chain: one-digit steps per problem
     c.data.chain_max_steps = chain.max_steps
     c.data.chain_carry10_share = chain.carry10_share  # chain: share drawn with a carry-10 step
+    # arithmetic / chain: seed of the train / held-out split; -1 = `seed`. A study that varies the
+    # RL seed fixes it, so every seed is evaluated on the same held-out problems.
+    c.data.split_seed = -1
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.precision = "int8"  # a quant.RECIPES name (fp | int8 | fp8 | fp8_block | ...)
@@ -181,6 +184,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.temperature = 0.6
     c.eval.greedy = False
     c.eval.max_new_tokens = 1024
+    c.eval.before = True  # evaluate before the first RL step too (off: after training only)
 
     c.sft = ml_collections.ConfigDict()  # supervised warm start (embedded default only)
     c.sft.steps = 0
@@ -247,6 +251,11 @@ def refill_enabled(c: ml_collections.ConfigDict) -> bool:
     return c.rollout.refill == "on"
 
 
+def split_seed(c: ml_collections.ConfigDict) -> int:
+    """The seed of a synthetic task's train / held-out split (`data.split_seed`, else `seed`)."""
+    return c.seed if c.data.split_seed < 0 else c.data.split_seed
+
+
 def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
     """The `ChainConfig` of the `data` section's chain_* fields (not validated)."""
     return ChainConfig(min_steps=data.chain_min_steps, max_steps=data.chain_max_steps,
@@ -280,6 +289,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 raise ValueError(f"config.data.train_files: {f!r} does not exist")
     if c.data.task == "chain":
         chain_config(c.data).validate(prefix="config.data.chain_")
+    if c.data.split_seed < -1:
+        raise ValueError(f"config.data.split_seed={c.data.split_seed} must be >= 0 (or -1: seed)")
     if not 0.0 <= c.sft.bug_rate <= 1.0:
         raise ValueError(f"config.sft.bug_rate={c.sft.bug_rate} must be in [0, 1]")
     for f in c.eval.files:

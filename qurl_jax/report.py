@@ -19,8 +19,8 @@ Rows: a step logged twice (a run resumed from an earlier checkpoint) keeps its l
 evaluation rows (only `eval/...` keys) are kept apart, so the evaluation after step k does not
 replace the training metrics of step k. "nan"/"inf" values are left out of the lines. Axes whose
 values span more than two decades are drawn on a log scale, and runs with many steps show the raw
-points faintly under a moving average. `compare_runs` draws one metric of several runs on one
-figure (a study of variants).
+points faintly under a moving average. `compare_runs` draws metrics of several runs (or of
+several seeds of each variant, as their mean and range) on one figure: a study of variants.
 
 matplotlib is imported on first use, and only its Agg canvas (no pyplot, no global backend), so
 importing this module or `qurl_jax` does not need it and plotting never opens a window.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -359,31 +360,66 @@ def write_plots(workdir: str | os.PathLike) -> list[str]:
     return written
 
 
-def compare_runs(runs: Mapping[str, str | os.PathLike], metric: str,
-                 path: str | os.PathLike, *, title: str | None = None) -> str:
-    """One metric of several runs on one figure (a study of variants); returns the path written.
+def _across_runs(series: Sequence[Series]) -> tuple[Series, np.ndarray, np.ndarray]:
+    """The mean of several runs' series over the steps every run logged, with their min and max
+    (a run's nan at a step leaves that step out of the mean: it is marked by the runs' own plots)."""
+    steps = functools.reduce(np.intersect1d, [s.steps for s in series])
+    values = np.stack([s.values[np.searchsorted(s.steps, steps)] for s in series])
+    with np.errstate(all="ignore"):
+        finite = np.where(np.isfinite(values), values, np.nan)
+        mean = np.nanmean(finite, axis=0) if len(steps) else np.zeros(0)
+        low, high = np.nanmin(finite, axis=0), np.nanmax(finite, axis=0)
+    return Series(steps, mean), low, high
+
+
+def compare_runs(runs: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]],
+                 metric: str | Sequence[str], path: str | os.PathLike, *,
+                 title: str | None = None) -> str:
+    """Metrics of several runs on one figure (a study of variants); returns the path written.
 
     Args:
-      runs: legend label -> workdir, drawn in this order.
-      metric: a metrics.jsonl key, e.g. "rollout/reward_mean" or "eval/all/avg@32".
+      runs: legend label -> a workdir, or a list of workdirs (seeds of one variant: their mean
+        is drawn, with their min-max range shaded), in drawing order.
+      metric: a metrics.jsonl key, e.g. "rollout/reward_mean" or "eval/all/avg@32", or a list of
+        keys: one panel each, two per row.
       path: the PNG to write (local or gs://).
       title: figure title (default: the metric).
 
     Raises:
-      ValueError: no run logged the metric.
+      ValueError: no run logged one of the metrics.
     """
-    series = {label: s for label, workdir in runs.items()
-              if (s := read_series(workdir).get(metric)) is not None}
-    if not series:
-        raise ValueError(f"compare_runs: no run logged {metric!r} (runs: {dict(runs)})")
-    missing = [label for label in runs if label not in series]
-    plot = _Plot(title or metric)
-    ax = plot.axes[0]
-    scale = _choose_scale(series.values())
-    for label, s in series.items():
-        plot.line(ax, s, label, scale, sparse=metric.startswith("eval/"))
-    plot.finish_axes(ax, f"{len(series)} runs" + (
-        f"; not logged by: {', '.join(missing)}" if missing else ""), metric, scale)
+    metrics = [metric] if isinstance(metric, str) else list(metric)
+    groups = {label: [w] if isinstance(w, str | os.PathLike) else list(w)
+              for label, w in runs.items()}
+    data = {w: read_series(w) for ws in groups.values() for w in ws}
+    cols = min(len(metrics), 2)
+    plot = _Plot(title or ", ".join(metrics), rows=-(-len(metrics) // cols), cols=cols)
+    for ax in plot.axes[len(metrics):]:
+        ax.set_visible(False)
+    for ax, key in zip(plot.axes, metrics):
+        found = {label: [s for w in ws if (s := data[w].get(key)) is not None]
+                 for label, ws in groups.items()}
+        found = {label: s for label, s in found.items() if s}
+        if not found:
+            raise ValueError(f"compare_runs: no run logged {key!r} (runs: {dict(runs)})")
+        scale = _choose_scale(s for ss in found.values() for s in ss)
+        seeds = []
+        for i, (label, ss) in enumerate(found.items()):
+            style = dict(color=f"C{i % 10}", linestyle="-" if i < 10 else "--",
+                         sparse=key.startswith("eval/"))
+            if len(ss) == 1:
+                plot.line(ax, ss[0], label, scale, **style)
+                continue
+            mean, low, high = _across_runs(ss)
+            plot.line(ax, mean, f"{label} (mean of {len(ss)})", scale, **style)
+            color = style["color"]
+            ax.fill_between(mean.steps, low, high, color=color, alpha=0.12, linewidth=0)
+            seeds.append(len(ss))
+        missing = [label for label in groups if label not in found]
+        note = f"{key}: {len(found)} runs" + (
+            ", shaded: min-max over seeds" if seeds else "") + (
+            f"; not logged by: {', '.join(missing)}" if missing else "")
+        plot.finish_axes(ax, note, key, scale)
     return plot.save(epath.Path(path))
 
 

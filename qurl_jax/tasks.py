@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax.config import chain_config
+from qurl_jax.config import chain_config, split_seed
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
@@ -210,12 +210,14 @@ def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
     """(model config, initial float32 params, task) for a validated run config."""
     eval_sets: dict[str, list[MathExample]] = {}
     if c.data.task == "arithmetic":
-        train, held_out = arith.arithmetic_splits(ARITH_TRAIN_SIZE, ARITH_EVAL_SIZE, seed=c.seed,
+        train, held_out = arith.arithmetic_splits(ARITH_TRAIN_SIZE, ARITH_EVAL_SIZE,
+                                                  seed=split_seed(c),
                                                   config=_arith_config(c))
         eval_sets["arith"] = held_out
         template = arith.ARITHMETIC_TEMPLATE
     elif c.data.task == "chain":
-        train, held_out = chains.chain_splits(CHAIN_TRAIN_SIZE, CHAIN_EVAL_SIZE, seed=c.seed,
+        train, held_out = chains.chain_splits(CHAIN_TRAIN_SIZE, CHAIN_EVAL_SIZE,
+                                              seed=split_seed(c),
                                               config=chain_config(c.data))
         eval_sets["chain"] = held_out
         eval_sets["chain_carry10"] = chains.carry10_subset(held_out)

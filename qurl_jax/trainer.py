@@ -497,11 +497,12 @@ class Trainer:
         self.writer.write(self.step_count, {f"eval/{k}": v for k, v in metrics.items()})
 
     def train(self, num_steps: int | None = None) -> dict[str, Any]:
-        """Runs to `num_steps` (default train.num_steps), evaluating before and after."""
+        """Runs to `num_steps` (default train.num_steps), evaluating before (`eval.before`) and
+        after."""
         c = self.config
         total = c.train.num_steps if num_steps is None else num_steps
         summary: dict[str, Any] = {"start_step": self.step_count}
-        if self.step_count == 0 and self.task.has_eval:
+        if self.step_count == 0 and self.task.has_eval and c.eval.before:
             summary["eval_before"] = self.evaluate()
             self._write_eval(summary["eval_before"])
         progress = _Progress(total, self.step_count, bar=c.train.progress and dist.is_primary())

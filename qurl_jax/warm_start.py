@@ -122,6 +122,8 @@ def _warm_start_key(c: ml_collections.ConfigDict) -> dict[str, Any]:
     """Everything the cached warm start depends on; a cache with another key is rebuilt."""
     key = {"seed": c.seed, "tiny": c.model.tiny.to_dict(), "sft": c.sft.to_dict(),
            "task": c.data.task, "digits": c.data.arith_digits, "ops": c.data.arith_ops}
+    if c.data.split_seed >= 0:  # the examples it trains on come from this split
+        key.update(split_seed=c.data.split_seed)
     if c.data.task == "chain":
         key.update(chain_steps=[c.data.chain_min_steps, c.data.chain_max_steps],
                    chain_carry10_share=c.data.chain_carry10_share,

@@ -155,6 +155,28 @@ def test_compare_runs_draws_each_run_and_needs_the_metric(tmp_path):
         report.compare_runs({"int8": tmp_path / "int8"}, "no/such_metric", tmp_path / "x.png")
 
 
+def test_compare_runs_draws_the_mean_and_range_of_seeds(tmp_path):
+    for seed, (offset, steps) in enumerate([(0.0, 5), (1.0, 4), (2.0, 5)]):
+        workdir = tmp_path / f"s{seed}"
+        workdir.mkdir()
+        with open(workdir / "metrics.jsonl", "w") as f:
+            for step in range(1, steps + 1):
+                value = "nan" if (seed, step) == (2, 3) else step + offset
+                f.write(json.dumps({"step": step, "r": value, "k": 1e-4 * step}) + "\n")
+    mean, low, high = report._across_runs([report.read_series(tmp_path / f"s{i}")["r"]
+                                           for i in range(3)])
+    np.testing.assert_array_equal(mean.steps, [1, 2, 3, 4])  # s1 stopped at step 4
+    np.testing.assert_allclose(mean.values, [2.0, 3.0, 3.5, 5.0])  # s2's nan left out at 3
+    np.testing.assert_allclose(low, [1, 2, 3, 4])
+    np.testing.assert_allclose(high, [3, 4, 4, 6])
+    out = report.compare_runs({"fp": [tmp_path / f"s{i}" for i in range(3)],
+                               "int8": tmp_path / "s0"}, ["r", "k"], tmp_path / "study.png",
+                              title="study")
+    assert _png_size(out)[0] >= 1200  # two panels side by side
+    with pytest.raises(ValueError, match="no run logged 'x'"):
+        report.compare_runs({"fp": [tmp_path / "s0"]}, ["r", "x"], tmp_path / "y.png")
+
+
 def _python(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
