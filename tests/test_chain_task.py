@@ -56,6 +56,7 @@ def tiny_chain_config(**overrides):
     ("data.chain_max_steps", 2, "config.data.chain_min_steps=5 <= config.data.chain_max_steps=2"),
     ("data.chain_carry10_share", 1.5, "config.data.chain_carry10_share=1.5"),
     ("sft.bug_rate", -0.1, "config.sft.bug_rate=-0.1"),
+    ("data.split_seed", -2, "config.data.split_seed=-2"),
 ])
 def test_bad_chain_fields_are_named(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -90,6 +91,21 @@ def test_warm_start_trains_on_the_buggy_teachers_chains(tmp_path, monkeypatch):
     build_model_and_task(tiny_chain_config(**{"sft.steps": 1, "sft.bug_rate": 0.5}),
                          str(tmp_path))[2].close()
     assert seen
+
+
+def test_split_seed_fixes_the_held_out_problems_across_seeds(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "supervised_warm_start", lambda m, params, *a, **k: params)
+
+    def held_out(seed: int, split_seed: int = -1) -> list[str]:
+        c = tiny_chain_config(**{"sft.steps": 1, "data.split_seed": split_seed})
+        c.seed = seed
+        _, _, task = build_model_and_task(c, str(tmp_path / f"{seed}_{split_seed}"))
+        task.close()
+        return [ex.problem for ex in task.eval_sets["chain"]]
+
+    fixed = held_out(1, split_seed=0)
+    assert fixed == held_out(2, split_seed=0) == held_out(0)
+    assert held_out(1) != fixed  # without it the split follows the seed
 
 
 def test_two_rl_steps_evaluate_both_sets_and_write_plots(tmp_path):
