@@ -396,6 +396,10 @@ def compare_runs(runs: Mapping[str, str | os.PathLike | Sequence[str | os.PathLi
     plot = _Plot(title or ", ".join(metrics), rows=-(-len(metrics) // cols), cols=cols)
     for ax in plot.axes[len(metrics):]:
         ax.set_visible(False)
+    names = {label: label + (f" (mean of {len(ws)})" if len(ws) > 1 else "")
+             for label, ws in groups.items()}
+    styles = {label: dict(color=f"C{i % 10}", linestyle="-" if i < 10 else "--")
+              for i, label in enumerate(groups)}
     for ax, key in zip(plot.axes, metrics):
         found = {label: [s for w in ws if (s := data[w].get(key)) is not None]
                  for label, ws in groups.items()}
@@ -403,23 +407,31 @@ def compare_runs(runs: Mapping[str, str | os.PathLike | Sequence[str | os.PathLi
         if not found:
             raise ValueError(f"compare_runs: no run logged {key!r} (runs: {dict(runs)})")
         scale = _choose_scale(s for ss in found.values() for s in ss)
-        seeds = []
-        for i, (label, ss) in enumerate(found.items()):
-            style = dict(color=f"C{i % 10}", linestyle="-" if i < 10 else "--",
-                         sparse=key.startswith("eval/"))
-            if len(ss) == 1:
-                plot.line(ax, ss[0], label, scale, **style)
-                continue
-            mean, low, high = _across_runs(ss)
-            plot.line(ax, mean, f"{label} (mean of {len(ss)})", scale, **style)
-            color = style["color"]
-            ax.fill_between(mean.steps, low, high, color=color, alpha=0.12, linewidth=0)
-            seeds.append(len(ss))
+        for label, ss in found.items():
+            mean, low, high = _across_runs(ss) if len(ss) > 1 else (ss[0], None, None)
+            plot.line(ax, mean, names[label], scale, **styles[label],
+                      sparse=key.startswith("eval/"))
+            if low is not None:
+                ax.fill_between(mean.steps, low, high, color=styles[label]["color"], alpha=0.12,
+                                linewidth=0)
         missing = [label for label in groups if label not in found]
-        note = f"{key}: {len(found)} runs" + (
-            ", shaded: min-max over seeds" if seeds else "") + (
-            f"; not logged by: {', '.join(missing)}" if missing else "")
+        note = key + (f"; not logged by: {', '.join(missing)}" if missing else "")
         plot.finish_axes(ax, note, key, scale)
+        # The variants are named once, under the panels; a panel keeps the entries that say more
+        # than a name (points hidden on a log scale, nan/inf markers).
+        extra = [(h, t) for h, t in zip(*ax.get_legend_handles_labels())
+                 if t not in names.values()]
+        ax.get_legend().remove()
+        if extra:
+            ax.legend(*zip(*extra), fontsize=7)
+    from matplotlib.lines import Line2D
+
+    shaded = any(len(ws) > 1 for ws in groups.values())
+    plot.fig.legend(handles=[Line2D([], [], linewidth=1.8, label=names[label], **styles[label])
+                             for label in groups],
+                    loc="outside lower center", ncol=2 if len(groups) > 3 else len(groups),
+                    fontsize=8, title="shaded: min-max over seeds" if shaded else None,
+                    title_fontsize=8)
     return plot.save(epath.Path(path))
 
 

@@ -373,11 +373,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = _before(runs)
     failed = [r.name for r in runs if r.done() is None]
     wall = time.monotonic() - start
+    run_wall = sum(done["wall_s"] for r in runs if (done := r.done()) is not None)
     text = "\n".join([
         f"# Rollout-precision study ({args.config})", "",
         f"{len(runs) - len(failed)} of {len(runs)} runs finished, {shared['train.num_steps']} RL "
-        f"steps each, seeds {base.seed}..{base.seed + seeds - 1} for the * rows; this "
-        f"invocation took {wall / 60:.1f} min with {args.jobs} runs at a time.",
+        f"steps each, seeds {base.seed}..{base.seed + seeds - 1} for the * rows. The runs took "
+        f"{run_wall / 60:.1f} min of wall time summed over runs; this invocation "
+        f"{wall / 60:.1f} min with {args.jobs} runs at a time (runs finished before it are not "
+        "run again).",
         "Accuracy: the full-precision policy after RL; reward: mean of the last quarter of the "
         "steps; other columns: mean over steps 2.. (step 1 compiles); vetoed seqs: total over "
         "the run; mean ± std over seeds.", "", table(results, before), ""]
@@ -386,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f.write(text)
     with open(os.path.join(args.out, "study.json"), "w", encoding="utf-8") as f:
         json.dump({"config": args.config, "steps": shared["train.num_steps"], "before": before,
-                   "variants": results, "failed": failed, "wall_s": wall}, f, indent=1)
+                   "variants": results, "failed": failed, "wall_s": wall,
+                   "run_wall_s": run_wall}, f, indent=1)
     plots = write_figures(runs, args.out)
     print(text)
     print("\n".join(plots))
