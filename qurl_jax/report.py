@@ -362,7 +362,7 @@ def write_plots(workdir: str | os.PathLike) -> list[str]:
 
 def _across_runs(series: Sequence[Series]) -> tuple[Series, np.ndarray, np.ndarray]:
     """The mean of several runs' series over the steps every run logged, with their min and max
-    (a run's nan at a step leaves that step out of the mean: it is marked by the runs' own plots)."""
+    (a run's nan at a step is left out of that step's mean; the run's own plots mark it)."""
     steps = functools.reduce(np.intersect1d, [s.steps for s in series])
     values = np.stack([s.values[np.searchsorted(s.steps, steps)] for s in series])
     with np.errstate(all="ignore"):

@@ -207,20 +207,16 @@ class Trainer:
                               pad_id=self.task.pad_id, mesh=self.mesh,
                               max_concurrent_rows=c.rollout.max_concurrent_rows)
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
-        # the learner's log-probs (logp_prox) stay dense. The refilling sampler has no compressed
-        # cache, and no process-local mode yet: those runs sample with the chunked one.
+        # the learner's log-probs (logp_prox) stay dense. The refilling sampler has no
+        # process-local mode yet: multi-process runs sample in chunks.
         kv_policy = kv_policy_from_config(c.rollout)
-        refill = refill_enabled(c) and jax.process_count() == 1 and not kv_policy.compresses
+        refill = refill_enabled(c) and jax.process_count() == 1
         if refill_enabled(c) and not refill:
-            logging.warning("rollout.refill is not supported across processes or with a "
-                            "compressed rollout.kv_policy yet; sampling in chunks of "
-                            "rollout.max_concurrent_rows rows instead")
-        if refill:
-            self.sampler = RefillSampler(self.model_config, quant.make_dot_general(self.recipe),
-                                         **sampler_kwargs)
-        else:
-            self.sampler = Sampler(self.model_config, quant.make_dot_general(self.recipe),
-                                   kv_policy=kv_policy, **sampler_kwargs)
+            logging.warning("rollout.refill is not supported across processes yet; sampling in "
+                            "chunks of rollout.max_concurrent_rows rows instead")
+        rollout_sampler = RefillSampler if refill else Sampler
+        self.sampler = rollout_sampler(self.model_config, quant.make_dot_general(self.recipe),
+                                       kv_policy=kv_policy, **sampler_kwargs)
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)

@@ -1,6 +1,6 @@
 """Tests for qurl_jax.sampling.RefillSampler (continuous batching): the same tokens and log-probs as
 the static Sampler for widely differing lengths, no stale cache read after a slot is refilled,
-batched and bounded insert programs, int8 actors and a mesh.
+batched and bounded insert programs, int8 actors, compressed-KV policies and a mesh.
 
 Expected values come from the static `Sampler` (itself tested against transformers and a plain
 forward pass in test_sampler.py); per-row length limits cut its rows at hand-made lengths.
@@ -150,16 +150,48 @@ def test_int8_actor_matches_static(qwen) -> None:
     _assert_prefix_equal(out, ref, LIMITS, atol=1e-4)
 
 
-def test_mesh_each_shard_refills_its_own_slots(qwen) -> None:
-    cfg, params, static = qwen
+@pytest.mark.parametrize("policy, selection", [
+    ("rkv", "shared"),
+    pytest.param("streaming", "shared", marks=pytest.mark.slow),
+    pytest.param("snapkv", "per_layer", marks=pytest.mark.slow)])
+def test_compressed_kv_matches_static(qwen, policy, selection) -> None:
+    # Budget 6 + interval 3 slots per row: the 11-token prompt is compressed after prefill and
+    # every row longer than a few tokens is compressed on its own schedule (its own step count),
+    # which must be the static sampler's for the same row whatever slot and time it runs at.
+    from qurl_jax.sampling import KVPolicyConfig
+
+    cfg, params, _ = qwen
+    kv = KVPolicyConfig(policy=policy, budget=6, interval=3, window=2, pool_kernel=3, sinks=1,
+                        selection=selection)
+    kw = dict(key=jax.random.key(6), n=2, max_new_tokens=16, temperature=0.9)
+    static = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, kv_policy=kv)
+    ref = static.sample(params, PROMPTS6, **kw)
+    dense = Sampler(cfg, max_prompt_len=16, max_new_tokens=16).sample(params, PROMPTS6, **kw)
+    assert not np.array_equal(np.asarray(ref.tokens), np.asarray(dense.tokens))  # it evicts
+    refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=4,
+                           refill_min=1, kv_policy=kv)
+    out = refill.sample(params, PROMPTS6, length_limits=LIMITS, **kw)
+    _assert_prefix_equal(out, ref, LIMITS)
+    assert max(len(rows) for rows in refill.last_run.slot_rows) >= 3
+    assert refill.kv_bytes_per_row(16, 16) == static.kv_bytes_per_row(16, 16)
+    assert refill.kv_bytes_per_row(16, 16) < Sampler(cfg).kv_bytes_per_row(16, 16)
+
+
+@pytest.mark.parametrize("policy", ["dense", "rkv"])
+def test_mesh_each_shard_refills_its_own_slots(qwen, policy) -> None:
+    from qurl_jax.sampling import KVPolicyConfig
+
+    cfg, params, _ = qwen
+    kv = KVPolicyConfig(policy=policy, budget=6, interval=3, window=2, pool_kernel=3)
     kw = dict(key=jax.random.key(0), n=2, max_new_tokens=16, greedy=True)
     prompts = PROMPTS6 + [[4, 4]]  # 7 prompts: padded to 8 for 4 batch shards
     limits = np.concatenate([LIMITS, [2, 14]])
-    ref = static.sample(params, prompts, **kw)
+    ref = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, kv_policy=kv).sample(
+        params, prompts, **kw)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     sharded = shard_params(params, param_logical_axes(cfg), mesh)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
-                           max_concurrent_rows=4)
+                           max_concurrent_rows=4, kv_policy=kv)
     out = refill.sample(sharded, prompts, length_limits=limits, **kw)
     _assert_prefix_equal(out, ref, limits)
     # 8 padded prompts over 4 shards: shard d owns slot d and the rows of prompts 2d, 2d + 1.

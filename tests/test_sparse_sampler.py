@@ -27,7 +27,7 @@ from qurl_jax.models import (
     positions_from_mask,
 )
 from qurl_jax.rl.objectives import ObjectiveConfig, sparse_rl_rejections
-from qurl_jax.sampling import KVPolicyConfig, RefillSampler, Sampler, SamplingMode
+from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingMode
 from qurl_jax.sampling._sampler import _left_pad
 from qurl_jax.sharding import make_mesh, shard_params
 from qurl_jax.trainer import Trainer
@@ -216,11 +216,6 @@ def test_decode_program_holds_budget_plus_interval_slots() -> None:
     scratch = 4 * rows * 96 * per_slot + rows * CFG.num_kv_heads * 96 * 96 * 4
     dense, rkv = decode_bytes("dense"), decode_bytes("rkv")
     assert dense - rkv >= saved - scratch, (dense, rkv, saved, scratch)
-
-
-def test_refill_sampler_rejects_a_compressed_cache() -> None:
-    with pytest.raises(ValueError, match="RefillSampler: kv_policy='rkv' is not supported"):
-        RefillSampler(CFG, max_concurrent_rows=4, kv_policy=_policy("rkv"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,6 +26,13 @@ positions. A finished slot stops advancing (its n_used is frozen, its writes are
 slots), and an insert overwrites all of its S cache slots, positions and counters, so nothing of
 the previous occupant is visible to the next one.
 
+Compressed-KV policies (Sparse-RL, `kv_policy`): a slot holds `physical_slots` = budget +
+interval cache slots and its observation window, both reset by the insert (a prompt longer than
+the budget is compressed once at its prefill, as `Sampler` does). Each live slot is compressed on
+its own schedule, when its occupant's generated-token count is a multiple of the interval (the
+static sampler's decode step for that row) and it holds more than the budget; the scoring and
+gathers run under `lax.cond` on the steps where some slot is due.
+
 Results equal the static sampler's: row i (prompt-major, row b * n + j is sample j of prompt b)
 draws its token t with `fold_in(fold_in(key, i), t)` whatever slot it lands in, the cache has the
 same p_len + g_len slots as the static sampler's, and the prefill and decode run the same model
@@ -52,8 +59,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qurl_jax.models.config import ModelConfig
-from qurl_jax.models.transformer import DotGeneral, KVCache, positions_from_mask
+from qurl_jax.models.transformer import DotGeneral, KVCache
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
+from qurl_jax.sampling._kv_policy import needs_compression, push_window
 from qurl_jax.sampling._sampler import (
     _ROW_AXES,
     FinishReason,
@@ -61,6 +69,7 @@ from qurl_jax.sampling._sampler import (
     SampleOutput,
     Sampler,
     _bucket,
+    _layer_queries,
     _left_pad,
     _power_of_two_buckets,
 )
@@ -72,7 +81,8 @@ _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows
 class RefillState:
     """The decode state of R row slots and the row-indexed outputs of N rows (G = gen bucket).
 
-    cache: KVCache of R rows, S = p_len + g_len slots each.
+    cache: KVCache of R rows, S = `kv_policy.physical_slots(p_len, g_len)` slots each (p_len +
+                       g_len for the dense policy).
     tok: i32[R]        each slot's last sampled token (the next step's input).
     step: i32[R]       tokens its occupant has generated (the output column of its next token).
     live: bool[R]      the slot holds a row that is still generating.
@@ -80,12 +90,13 @@ class RefillState:
     limit: i32[R]      its occupant's response length limit.
     tokens: i32[N, G]; logp, logp_untruncated: f32[N, G]; mask: bool[N, G] - `SampleOutput`'s
                        per-token fields, written in place as tokens are sampled.
-    held: KVCache of H = batch shards rows, p_len slots; held_logits: f32[H, V] - the prefill
-                       (cache and last-position logits) of a prompt with rows still waiting, one
-                       per shard, so its later rows are admitted without prefilling it again.
-
-    A compressed-KV policy would add its per-row state here (e.g. the query window), reset by the
-    insert like the cache row.
+    held: KVCache of H = batch shards rows, `prefill_slots(p_len)` slots; held_logits: f32[H, V]
+                       - the prefill (cache and last-position logits) of a prompt with rows still
+                       waiting, one per shard, so its later rows are admitted without prefilling
+                       it again.
+    win_q: tuple of f[R, heads, W, D]; win_valid: bool[R, W] - a compressed policy's observation
+                       window per slot (`CompressedCache`); () and bool[R, 0] for the dense one.
+    held_win_q, held_win_valid: the same for the held prefills.
     """
 
     cache: KVCache
@@ -100,6 +111,10 @@ class RefillState:
     mask: jax.Array
     held: KVCache
     held_logits: jax.Array
+    win_q: tuple[jax.Array, ...]
+    win_valid: jax.Array
+    held_win_q: tuple[jax.Array, ...]
+    held_win_valid: jax.Array
 
 
 @dataclasses.dataclass
@@ -143,9 +158,6 @@ class RefillSampler(Sampler):
     def __init__(self, config: ModelConfig, dot_general: DotGeneral = jax.lax.dot_general, *,
                  refill_min: int = 0, max_steps_per_call: int = 0, **kwargs: Any) -> None:
         super().__init__(config, dot_general, **kwargs)
-        if self.kv_policy.compresses:
-            raise ValueError(f"RefillSampler: kv_policy={self.kv_policy.policy.value!r} is not "
-                             f"supported (its cache is dense); use Sampler for Sparse-RL rollouts")
         if refill_min < 0 or max_steps_per_call < 0:
             raise ValueError(f"RefillSampler: refill_min={refill_min} and max_steps_per_call="
                              f"{max_steps_per_call} must be >= 0 (0 = default)")
@@ -210,7 +222,7 @@ class RefillSampler(Sampler):
         eos_arr[: len(eos)] = eos
         temp = temperature if temperature > 0 else 1.0
         settings = (key, jnp.float32(temp), jnp.float32(top_p), jnp.asarray(eos_arr))
-        cache_len = p_len + g_len
+        cache_len = self.kv_policy.physical_slots(p_len, g_len)
         refill_min = self.refill_min or max(1, slots // 8)
         max_steps = jnp.int32(self.max_steps_per_call or g_len)
 
@@ -222,7 +234,8 @@ class RefillSampler(Sampler):
                   for d in range(shards)]
         free = [list(range(d * per_shard, (d + 1) * per_shard)) for d in range(shards)]
         run = RefillRun(slot_rows=[[] for _ in range(slots)])
-        state = self._program("init", slots, rows, cache_len, g_len, shards, p_len)()
+        state = self._program("init", slots, rows, cache_len, g_len, shards,
+                              self.prefill_slots(p_len))()
         held = [-1] * shards  # the prompt whose prefill each shard holds
         decode = self._program("decode", slots, rows, cache_len, g_len, mode, eos_arr.size)
         live = np.zeros((slots,), np.bool_)
@@ -342,7 +355,7 @@ class RefillSampler(Sampler):
             if kind == "init":
                 fn = jax.jit(functools.partial(self._init_state, slots=slots, rows=rows,
                                                cache_len=cache_len, g_len=g_len,
-                                               held=static[0], p_len=static[1]))
+                                               held=static[0], held_len=static[1]))
             elif kind == "decode":
                 fn = jax.jit(functools.partial(self._decode_steps, mode=static[0]),
                              donate_argnums=(1,))
@@ -365,12 +378,23 @@ class RefillSampler(Sampler):
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES),
             held=state.held, held_logits=state.held_logits,
+            win_q=tuple(map(self._constrain_rows, state.win_q)),
+            win_valid=self._constrain_rows(state.win_valid),
+            held_win_q=state.held_win_q, held_win_valid=state.held_win_valid,
         )
 
     def _init_state(self, *, slots: int, rows: int, cache_len: int, g_len: int, held: int,
-                    p_len: int) -> RefillState:
+                    held_len: int) -> RefillState:
         """Every slot idle (row N: out of range), outputs empty, nothing held."""
         i32 = jnp.int32
+        cfg, kv = self.config, self.kv_policy
+        w = kv.window if kv.compresses else 0
+        layers = len(self._scored_layers()) if kv.compresses else 0
+
+        def window(r: int) -> tuple[tuple[jax.Array, ...], jax.Array]:
+            q = jnp.zeros((r, cfg.num_heads, w, cfg.head_dim), cfg.compute_dtype)
+            return (q,) * layers, jnp.zeros((r, w), jnp.bool_)
+
         return self._constrain_state(RefillState(
             cache=KVCache.zeros(self.config, slots, cache_len),
             tok=jnp.full((slots,), self.pad_id, i32), step=jnp.zeros((slots,), i32),
@@ -380,8 +404,10 @@ class RefillSampler(Sampler):
             logp=jnp.zeros((rows, g_len), jnp.float32),
             logp_untruncated=jnp.zeros((rows, g_len), jnp.float32),
             mask=jnp.zeros((rows, g_len), jnp.bool_),
-            held=KVCache.zeros(self.config, held, p_len),
+            held=KVCache.zeros(self.config, held, held_len),
             held_logits=jnp.zeros((held, self.config.vocab_size), jnp.float32),
+            win_q=window(slots)[0], win_valid=window(slots)[1],
+            held_win_q=window(held)[0], held_win_valid=window(held)[1],
         ))
 
     @staticmethod
@@ -422,14 +448,16 @@ class RefillSampler(Sampler):
         p, p_len = prompt_tokens.shape
         cache_len = state.cache.length
         held, held_logits = state.held, state.held_logits
+        held_win = (state.held_win_q, state.held_win_valid)
         if p:
-            logits, new = self.model.apply(
-                {"params": params}, prompt_tokens, positions_from_mask(prompt_mask), prompt_mask,
-                cache=KVCache.zeros(self.config, p, p_len), last_only=True,
-            )
-            held = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]), held, new)
-            held_logits = jnp.concatenate([held_logits, logits[:, 0]])
-        cache = jax.tree.map(lambda x: jnp.take(x, src, axis=0), held).repeat(1, cache_len)
+            logits, new, win_q, win_valid = self._prefill_prompts(
+                params, prompt_tokens, prompt_mask, KVCache.zeros(self.config, p, p_len))
+            concat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])  # noqa: E731
+            held = jax.tree.map(concat, held, new)
+            held_logits = concat(held_logits, logits)
+            held_win = jax.tree.map(concat, held_win, (win_q, win_valid))
+        take = lambda x: jnp.take(x, src, axis=0)  # noqa: E731
+        cache = jax.tree.map(take, held).repeat(1, cache_len)
 
         def admit(buf: jax.Array, new: jax.Array) -> jax.Array:
             return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
@@ -452,12 +480,15 @@ class RefillSampler(Sampler):
         def put(buf: jax.Array, x: jax.Array) -> jax.Array:
             return buf.at[slots].set(x.astype(buf.dtype), mode="drop")
 
+        hold = lambda x: jnp.take(x, hold_src, axis=0)  # noqa: E731
         return self._constrain_state(state.replace(
             cache=new_cache, tok=put(state.tok, tok), step=put(state.step, jnp.ones_like(rows)),
             live=put(state.live, ~ended), row=put(state.row, rows),
             limit=put(state.limit, limits),
-            held=jax.tree.map(lambda x: jnp.take(x, hold_src, axis=0), held),
-            held_logits=jnp.take(held_logits, hold_src, axis=0),
+            held=jax.tree.map(hold, held), held_logits=hold(held_logits),
+            win_q=tuple(map(admit, state.win_q, map(take, held_win[0]))),
+            win_valid=admit(state.win_valid, take(held_win[1])),
+            held_win_q=tuple(map(hold, held_win[0])), held_win_valid=hold(held_win[1]),
         ))
 
     def _decode_steps(
@@ -488,14 +519,34 @@ class RefillSampler(Sampler):
             finished = jnp.sum(~s.live & refillable, dtype=jnp.int32)
             return (i < max_steps) & jnp.any(s.live) & (finished < need)
 
+        def forward(s: RefillState) -> tuple[jax.Array, KVCache, RefillState]:
+            """The live slots' tokens through the model; a compressed policy then pushes the
+            window of the live slots and compresses those due at their own step (the static
+            sampler's decode step of the same row: tokens generated so far)."""
+            live = s.live
+            apply = functools.partial(model.apply, {"params": params}, s.tok[:, None],
+                                      s.cache.next_pos[:, None], live[:, None], cache=s.cache)
+            if not self.kv_policy.compresses:
+                logits, cache = apply()
+                return logits, cache.replace(
+                    n_used=jnp.where(live, cache.n_used, s.cache.n_used)), s
+            (logits, cache), inter = apply(mutable=["intermediates"])
+            cache = cache.replace(n_used=jnp.where(live, cache.n_used, s.cache.n_used))
+            queries = _layer_queries(inter, self._scored_layers())
+            keep = lambda new, old: jnp.where(  # noqa: E731
+                live.reshape(live.shape + (1,) * (new.ndim - 1)), new, old)
+            pushed = [push_window(w, s.win_valid, q[:, 0])
+                      for w, q in zip(s.win_q, queries, strict=True)]
+            win_q = tuple(keep(p[0], w) for p, w in zip(pushed, s.win_q, strict=True))
+            win_valid = keep(pushed[0][1], s.win_valid)
+            needs = needs_compression(self.kv_policy, s.step, cache.n_used) & live
+            cache = self._compress_due(cache, win_q, win_valid, needs)
+            return logits, cache, s.replace(win_q=win_q, win_valid=win_valid)
+
         def body(carry: tuple[jax.Array, RefillState]) -> tuple[jax.Array, RefillState]:
             i, s = carry
             live = s.live
-            logits, cache = model.apply(
-                {"params": params}, s.tok[:, None], s.cache.next_pos[:, None], live[:, None],
-                cache=s.cache,
-            )
-            cache = cache.replace(n_used=jnp.where(live, cache.n_used, s.cache.n_used))
+            logits, cache, s = forward(s)
             row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, s.row)
             step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.step)
             tok, lp, lp_full = sample_tokens(logits[:, 0], step_keys, temperature, top_p, mode)

@@ -631,32 +631,49 @@ class Sampler:
         also drops its left pads), so it fits the budget + interval slots of the decode cache.
         """
         b, p_len = tokens.shape
-        cache = self._constrain_cache(KVCache.zeros(self.config, b, p_len))
+        logits, cache, win_q, win_valid = self._prefill_prompts(
+            params, tokens, mask, self._constrain_cache(KVCache.zeros(self.config, b, p_len)))
+        logits = jnp.repeat(logits, n, axis=0)
+        if not self.kv_policy.compresses:
+            return logits, self._constrain_cache(cache.repeat(n, cache_len))
+        state = CompressedCache(
+            cache=self._constrain_cache(cache.repeat(n, cache_len)),
+            win_q=tuple(self._constrain_rows(jnp.repeat(q, n, axis=0)) for q in win_q),
+            win_valid=self._constrain_rows(jnp.repeat(win_valid, n, axis=0)))
+        return logits, state
+
+    def _prefill_prompts(self, params: Params, tokens: jax.Array, mask: jax.Array,
+                         cache: KVCache) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...],
+                                                  jax.Array]:
+        """The prompts' forward into `cache` (p_len empty slots per prompt): last-position logits
+        f32[P, V], the cache (p_len slots; `prefill_slots` for a compressed policy, whose prompts
+        longer than the budget are compressed to it) and the observation window (win_q, win_valid;
+        () and bool[P, 0] for the dense policy)."""
         positions = positions_from_mask(mask)
         kv = self.kv_policy
         if not kv.compresses:
             logits, cache = self.model.apply({"params": params}, tokens, positions, mask,
                                              cache=cache, last_only=True)
-            return jnp.repeat(logits[:, 0], n, axis=0), self._constrain_cache(
-                cache.repeat(n, cache_len))
+            return logits[:, 0], cache, (), jnp.zeros((tokens.shape[0], 0), bool)
         (logits, cache), inter = self.model.apply(
             {"params": params}, tokens, positions, mask, cache=cache, last_only=True,
             mutable=["intermediates"])
         queries = _layer_queries(inter, self._scored_layers())
         windows = [window_from_prompt(q, mask, kv.window) for q in queries]
         win_q, win_valid = tuple(w[0] for w in windows), windows[0][1]
-        if p_len > kv.budget:
+        if tokens.shape[1] > kv.budget:
             keys, values, pos, n_used = compress_cache(
                 kv, cache.k, cache.v, cache.pos, cache.n_used, win_q, win_valid,
                 cache.n_used > kv.budget)
             keep = lambda x: x[:, :, :kv.budget]  # noqa: E731
             cache = KVCache(k=tuple(map(keep, keys)), v=tuple(map(keep, values)),
                             pos=pos[:, :kv.budget], n_used=n_used, next_pos=cache.next_pos)
-        state = CompressedCache(
-            cache=self._constrain_cache(cache.repeat(n, cache_len)),
-            win_q=tuple(self._constrain_rows(jnp.repeat(q, n, axis=0)) for q in win_q),
-            win_valid=self._constrain_rows(jnp.repeat(win_valid, n, axis=0)))
-        return jnp.repeat(logits[:, 0], n, axis=0), state
+        return logits[:, 0], cache, win_q, win_valid
+
+    def prefill_slots(self, p_len: int) -> int:
+        """Cache slots a prompt bucket of p_len holds after prefill (a compressed policy keeps at
+        most `budget`)."""
+        return min(p_len, self.kv_policy.budget) if self.kv_policy.compresses else p_len
 
     def _scored_layers(self) -> range:
         """Layers whose queries score the cache: layer 0 (SHARED) or all (PER_LAYER)."""
@@ -780,7 +797,8 @@ class Sampler:
             pushed = [push_window(w, cache.win_valid, q[:, 0])
                       for w, q in zip(cache.win_q, queries, strict=True)]
             win_q, win_valid = tuple(p[0] for p in pushed), pushed[0][1]
-            return step_logits, CompressedCache(self._compress_due(kv, win_q, win_valid, step),
+            needs = needs_compression(self.kv_policy, step, kv.n_used)
+            return step_logits, CompressedCache(self._compress_due(kv, win_q, win_valid, needs),
                                                 win_q, win_valid)
 
         def body(state: tuple) -> tuple:
@@ -802,11 +820,10 @@ class Sampler:
         return response, cache
 
     def _compress_due(self, cache: KVCache, win_q: tuple[jax.Array, ...], win_valid: jax.Array,
-                      step: jax.Array) -> KVCache:
-        """Compresses the rows `needs_compression` marks at decode step `step`, under `lax.cond`
-        so the scoring and gathers run only on the steps where some row is due."""
+                      needs: jax.Array) -> KVCache:
+        """Compresses the rows with needs bool[R] (`needs_compression`), under `lax.cond` so the
+        scoring and gathers run only on the steps where some row is due."""
         kv = self.kv_policy
-        needs = needs_compression(kv, step, cache.n_used)
 
         def compress(c: KVCache) -> KVCache:
             keys, values, pos, n_used = compress_cache(kv, c.k, c.v, c.pos, c.n_used, win_q,
