@@ -10,7 +10,9 @@ and the rows marked * run under every seed (`--seeds`), the others under the fir
 tuned per variant. Each run is a `python -m qurl_jax.main` subprocess writing to
 `<out>/runs/<variant>_s<seed>` (`--jobs` at a time), so a run is what a user gets from the same
 command, with its own log, metrics and plots. A finished run is not run again: rerunning the
-command after a crash goes on where it stopped (an unfinished run resumes from its checkpoint).
+command after a crash goes on where it stopped (an unfinished run resumes from its checkpoint); a
+finished run made with another command (other steps, config or variant) stops the study instead of
+being reused.
 
 Written to `<out>`:
 - `study.md`: the table, mean +- std over seeds: held-out accuracy after RL (greedy and Avg@k per
@@ -365,6 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          **variant.overrides}
             runs.append(run)
             commands[run.name] = command(args.config, run, overrides)
+    stale = [r.name for r in runs if (done := r.done()) and done["command"] != commands[r.name]]
+    if stale:
+        sys.exit(f"python -m qurl_jax.study: {args.out} holds finished runs made with other "
+                 f"settings ({', '.join(stale)}); use another --out")
     print(f"[study] {len(runs)} runs of {shared['train.num_steps']} steps, {args.jobs} at a "
           f"time, in {args.out}", flush=True)
     run_all(runs, commands, args.jobs)

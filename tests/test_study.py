@@ -50,6 +50,13 @@ def test_quick_study_runs_two_variants_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[study] start" not in again.stdout
     assert (out / "study.md").read_text().split("\n", 3)[3] == table.split("\n", 3)[3]
+    # Finished runs are reused only for the same command; other settings stop the study.
+    other = _study("--config=configs/chain_tiny.py", f"--out={out}", "--quick", "--steps=5",
+                   "--variants=fp")
+    assert other.returncode == 0, other.stderr[-3000:]  # --quick keeps its own 2 steps
+    changed = _study(f"--config={REPO}/configs/chain_tiny.py", f"--out={out}", "--quick")
+    assert changed.returncode == 1
+    assert "finished runs made with other settings (fp_s0, int8_acr_s0)" in changed.stderr
 
 
 def test_study_rejects_an_unknown_variant(tmp_path):
