@@ -35,8 +35,9 @@ gathers run under `lax.cond` on the steps where some slot is due.
 
 Results equal the static sampler's: row i (prompt-major, row b * n + j is sample j of prompt b)
 draws its token t with `fold_in(fold_in(key, i), t)` whatever slot it lands in, the cache has the
-same slots per row as the static sampler's, and the prefill and decode run the same model calls. GRPO samples of one prompt may live in different slots and finish at different times; the
-outputs are indexed by row, so they come back prompt-major.
+same slots per row as the static sampler's, and the prefill and decode run the same model calls.
+GRPO samples of one prompt may live in different slots and finish at different times; the outputs
+are indexed by row, so they come back prompt-major.
 
 Under a mesh the slots are sharded over ('data', 'fsdp') like the static sampler's rows, and each
 batch shard has its own queue: the rows of its block of prompts refill only its own slots. An
