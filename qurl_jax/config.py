@@ -9,6 +9,7 @@ ranges, file paths) and raises `ValueError` naming the field, still before any J
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import ml_collections
@@ -249,6 +250,16 @@ def refill_enabled(c: ml_collections.ConfigDict) -> bool:
         rows = c.data.prompts_per_step * c.rollout.n
         return 0 < c.rollout.max_concurrent_rows < rows
     return c.rollout.refill == "on"
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """`get_config()` of a config file, as `--config=` takes it (for tools that run configs)."""
+    spec = importlib.util.spec_from_file_location("qurl_jax_config_file", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"config file {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def split_seed(c: ml_collections.ConfigDict) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from qurl_jax import report
+from qurl_jax.config import load_config_file, validate
 
 RKV = {"rollout.kv_policy": "rkv", "rollout.kv_budget": 64, "rollout.kv_interval": 16}
 
@@ -123,16 +123,6 @@ COLUMNS = (  # table column -> (summary key, format)
 DONE = "study_done.json"
 
 
-def load_config(path: str):
-    """`get_config()` of a config file (as `--config=` takes it)."""
-    spec = importlib.util.spec_from_file_location("study_config", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"--config={path!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def quick_overrides() -> dict[str, Any]:
     """What --quick shrinks: a short warm start, two steps of a small batch, a small evaluation."""
     return {"sft.steps": 30, "data.prompts_per_step": 4, "rollout.n": 4, "train.num_steps": 2,
@@ -140,22 +130,12 @@ def quick_overrides() -> dict[str, Any]:
             "eval.k": 2, "rl.num_minibatches": 1}
 
 
-def _set(c, overrides: Mapping[str, Any]):
-    for field, value in overrides.items():
-        section, name = field.rsplit(".", 1)
-        node = c
-        for part in section.split("."):
-            node = node[part]
-        node[name] = value
-    return c
-
-
 def build_warm_start(config_path: str, out: str, base: Mapping[str, Any]) -> str:
     """Builds (or reuses) the warm start every run loads; returns its Hugging Face directory."""
     from qurl_jax import tasks
-    from qurl_jax.config import validate
 
-    c = _set(load_config(config_path), base)
+    c = load_config_file(config_path)
+    c.update_from_flattened_dict(dict(base))
     if c.model.source != "tiny":
         return c.model.path  # a real checkpoint: every run starts from it as it is
     validate(c)
@@ -298,16 +278,18 @@ def write_figures(runs: Sequence[Run], out: str) -> list[str]:
     """The comparison PNGs of `FIGURES`, over the variants that finished."""
     groups: dict[str, list[str]] = {}
     labels = {v.name: v.label for v in VARIANTS}
+    logged: dict[str, set[str]] = {}  # workdir -> the metrics it logged
     for run in runs:
         if run.done() is not None:
             groups.setdefault(run.variant.name, []).append(run.workdir)
+            logged[run.workdir] = set(report.read_series(run.workdir))
     written = []
     for file, (title, variants, metrics) in FIGURES.items():
         selected = {labels[v]: groups[v] for v in variants if v in groups}
         if len(selected) < 2:
             continue
-        present = [m for m in metrics if any(
-            m in report.read_series(w) for ws in selected.values() for w in ws)]
+        present = [m for m in metrics if any(m in logged[w] for ws in selected.values()
+                                             for w in ws)]
         written.append(report.compare_runs(selected, present, os.path.join(out, "plots", file),
                                            title=title))
     return written
@@ -347,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := [n for n in names if n not in known]:
         parser.error(f"--variants: unknown {unknown}; known: {list(known)}")
     seeds = 1 if args.quick else args.seeds
-    base = load_config(args.config)
+    base = load_config_file(args.config)
     shared = {"train.num_steps": args.steps, **(quick_overrides() if args.quick else {})}
 
     start = time.monotonic()

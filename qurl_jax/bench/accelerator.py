@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -45,6 +44,7 @@ import numpy as np
 from qurl_jax import quant
 from qurl_jax.bench.memory import GIB, build_setup, compiled_memory, model_shape
 from qurl_jax.bench.sampler import sampler_timer, tree_bytes
+from qurl_jax.config import load_config_file
 from qurl_jax.models import cast_floats
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
@@ -174,10 +174,7 @@ def lowering(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
 
 
 def learner(precision: str) -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("learner_config", ARGS.learner_config)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = load_config_file(ARGS.learner_config)
     rows = ARGS.learner_rows
     config.mesh.data = config.mesh.fsdp = config.mesh.tensor = 1
     config.data.prompts_per_step, config.rollout.n = rows, 1
