@@ -184,7 +184,8 @@ def needs_compression(cfg: KVPolicyConfig, step: jax.Array | int,
     """bool[R]: rows to compress at decode step `step`.
 
     step: the batch's decode step counter, counting from 1 at the first decode step (as Sparse-RL's
-    scheduler does), so the first compression comes after `interval` generated tokens.
+    scheduler does), so the first compression comes after `interval` generated tokens; or i32[R],
+    each row's own counter (the refilling sampler's rows start at different times).
     n_used: i32[R] slots in use, counting the token written at this step.
 
     True iff step % interval == 0 and n_used > budget. Always False for DENSE. The decode loop

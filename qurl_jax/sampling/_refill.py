@@ -61,7 +61,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.transformer import DotGeneral, KVCache
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
-from qurl_jax.sampling._kv_policy import needs_compression, push_window
 from qurl_jax.sampling._sampler import (
     _ROW_AXES,
     FinishReason,
@@ -69,7 +68,6 @@ from qurl_jax.sampling._sampler import (
     SampleOutput,
     Sampler,
     _bucket,
-    _layer_queries,
     _left_pad,
     _power_of_two_buckets,
 )
@@ -395,6 +393,8 @@ class RefillSampler(Sampler):
             q = jnp.zeros((r, cfg.num_heads, w, cfg.head_dim), cfg.compute_dtype)
             return (q,) * layers, jnp.zeros((r, w), jnp.bool_)
 
+        (win_q, win_valid), (held_win_q, held_win_valid) = window(slots), window(held)
+
         return self._constrain_state(RefillState(
             cache=KVCache.zeros(self.config, slots, cache_len),
             tok=jnp.full((slots,), self.pad_id, i32), step=jnp.zeros((slots,), i32),
@@ -406,8 +406,7 @@ class RefillSampler(Sampler):
             mask=jnp.zeros((rows, g_len), jnp.bool_),
             held=KVCache.zeros(self.config, held, held_len),
             held_logits=jnp.zeros((held, self.config.vocab_size), jnp.float32),
-            win_q=window(slots)[0], win_valid=window(slots)[1],
-            held_win_q=window(held)[0], held_win_valid=window(held)[1],
+            win_q=win_q, win_valid=win_valid, held_win_q=held_win_q, held_win_valid=held_win_valid,
         ))
 
     @staticmethod
@@ -526,21 +525,14 @@ class RefillSampler(Sampler):
             live = s.live
             apply = functools.partial(model.apply, {"params": params}, s.tok[:, None],
                                       s.cache.next_pos[:, None], live[:, None], cache=s.cache)
-            if not self.kv_policy.compresses:
-                logits, cache = apply()
-                return logits, cache.replace(
-                    n_used=jnp.where(live, cache.n_used, s.cache.n_used)), s
-            (logits, cache), inter = apply(mutable=["intermediates"])
+            compresses = self.kv_policy.compresses
+            (logits, cache), inter = (apply(mutable=["intermediates"]) if compresses
+                                      else (apply(), None))
             cache = cache.replace(n_used=jnp.where(live, cache.n_used, s.cache.n_used))
-            queries = _layer_queries(inter, self._scored_layers())
-            keep = lambda new, old: jnp.where(  # noqa: E731
-                live.reshape(live.shape + (1,) * (new.ndim - 1)), new, old)
-            pushed = [push_window(w, s.win_valid, q[:, 0])
-                      for w, q in zip(s.win_q, queries, strict=True)]
-            win_q = tuple(keep(p[0], w) for p, w in zip(pushed, s.win_q, strict=True))
-            win_valid = keep(pushed[0][1], s.win_valid)
-            needs = needs_compression(self.kv_policy, s.step, cache.n_used) & live
-            cache = self._compress_due(cache, win_q, win_valid, needs)
+            if not compresses:
+                return logits, cache, s
+            cache, win_q, win_valid = self._observe_and_compress(
+                cache, inter, s.win_q, s.win_valid, s.step, live)
             return logits, cache, s.replace(win_q=win_q, win_valid=win_valid)
 
         def body(carry: tuple[jax.Array, RefillState]) -> tuple[jax.Array, RefillState]:

@@ -634,13 +634,12 @@ class Sampler:
         logits, cache, win_q, win_valid = self._prefill_prompts(
             params, tokens, mask, self._constrain_cache(KVCache.zeros(self.config, b, p_len)))
         logits = jnp.repeat(logits, n, axis=0)
+        cache = self._constrain_cache(cache.repeat(n, cache_len))
         if not self.kv_policy.compresses:
-            return logits, self._constrain_cache(cache.repeat(n, cache_len))
-        state = CompressedCache(
-            cache=self._constrain_cache(cache.repeat(n, cache_len)),
-            win_q=tuple(self._constrain_rows(jnp.repeat(q, n, axis=0)) for q in win_q),
+            return logits, cache
+        return logits, CompressedCache(
+            cache=cache, win_q=tuple(self._constrain_rows(jnp.repeat(q, n, axis=0)) for q in win_q),
             win_valid=self._constrain_rows(jnp.repeat(win_valid, n, axis=0)))
-        return logits, state
 
     def _prefill_prompts(self, params: Params, tokens: jax.Array, mask: jax.Array,
                          cache: KVCache) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...],
@@ -793,13 +792,8 @@ class Sampler:
             (step_logits, kv), inter = model.apply(
                 {"params": params}, tok[:, None], cache.cache.next_pos[:, None], None,
                 cache=cache.cache, mutable=["intermediates"])
-            queries = _layer_queries(inter, self._scored_layers())
-            pushed = [push_window(w, cache.win_valid, q[:, 0])
-                      for w, q in zip(cache.win_q, queries, strict=True)]
-            win_q, win_valid = tuple(p[0] for p in pushed), pushed[0][1]
-            needs = needs_compression(self.kv_policy, step, kv.n_used)
-            return step_logits, CompressedCache(self._compress_due(kv, win_q, win_valid, needs),
-                                                win_q, win_valid)
+            return step_logits, CompressedCache(*self._observe_and_compress(
+                kv, inter, cache.win_q, cache.win_valid, step))
 
         def body(state: tuple) -> tuple:
             step, tok, done, buffers, cache = state
@@ -818,6 +812,27 @@ class Sampler:
         response = dict(tokens=toks, logp=lps, logp_untruncated=lps_full, mask=masks,
                         lengths=lengths, finish_reason=finish, num_steps=step)
         return response, cache
+
+    def _observe_and_compress(
+        self, cache: KVCache, intermediates: dict, win_q: tuple[jax.Array, ...],
+        win_valid: jax.Array, step: jax.Array, live: jax.Array | None = None,
+    ) -> tuple[KVCache, tuple[jax.Array, ...], jax.Array]:
+        """A compressed policy's work after one decode step's forward: pushes the step's queries
+        (sown in `intermediates`) into the observation window, then compresses the rows due at
+        `step` (i32[], or i32[R]: each row's own step). With live bool[R], rows that are not live
+        keep their window and are not compressed. Returns (cache, win_q, win_valid)."""
+        queries = _layer_queries(intermediates, self._scored_layers())
+        pushed = [push_window(w, win_valid, q[:, 0]) for w, q in zip(win_q, queries, strict=True)]
+        new_q, new_valid = tuple(p[0] for p in pushed), pushed[0][1]
+        needs = needs_compression(self.kv_policy, step, cache.n_used)
+        if live is not None:
+            def keep(new: jax.Array, old: jax.Array) -> jax.Array:
+                return jnp.where(live.reshape(live.shape + (1,) * (new.ndim - 1)), new, old)
+
+            new_q = tuple(map(keep, new_q, win_q))
+            new_valid = keep(new_valid, win_valid)
+            needs = needs & live
+        return self._compress_due(cache, new_q, new_valid, needs), new_q, new_valid
 
     def _compress_due(self, cache: KVCache, win_q: tuple[jax.Array, ...], win_valid: jax.Array,
                       needs: jax.Array) -> KVCache:
