@@ -63,6 +63,8 @@ def test_same_tokens_as_static_for_long_tailed_lengths(qwen, kw) -> None:
     assert max(len(rows) for rows in run.slot_rows) >= 3
     # Continuous batching: far fewer slot-steps than 3 chunks x 15 steps x 4 rows would take.
     assert run.decode_steps < 3 * 15 and run.occupancy > 0.6
+    # Once nothing waited, the last rows were moved into fewer slots (see the shrink test).
+    assert run.shrinks >= 1 and run.slot_steps < run.decode_steps * 4
     # Without limits every row runs to max_new_tokens: the static result exactly.
     full = refill.sample(params, PROMPTS6, **kw)
     _assert_prefix_equal(full, ref, np.full(12, 16))
@@ -110,6 +112,34 @@ def test_refilled_slot_never_reads_its_previous_contents(qwen, monkeypatch) -> N
     out = refill.sample(params, PROMPTS6, length_limits=LIMITS, **kw)
     assert refill.last_run.slot_rows == [list(range(12))]
     _assert_prefix_equal(out, ref, LIMITS)
+
+
+def test_shrink_moves_the_last_rows_into_fewer_slots(qwen) -> None:
+    # The two longest rows (16 and 12 tokens) are admitted last, after a few short ones finish;
+    # once nothing waits, calls return as the live rows fit half the slots, and the state is
+    # gathered down until the last row decodes alone in one slot.
+    cfg, params, static = qwen
+    limits = np.array([3, 2, 5, 1, 4, 2, 3, 6, 2, 1, 16, 12])
+    kw = dict(key=jax.random.key(2), n=2, max_new_tokens=16, temperature=1.0)
+    ref = static.sample(params, PROMPTS6, **kw)
+    runs = {}
+    for shrink in (True, False):
+        refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=8,
+                               refill_min=1, shrink=shrink)
+        out = refill.sample(params, PROMPTS6, length_limits=limits, **kw)
+        _assert_prefix_equal(out, ref, limits)
+        runs[shrink] = refill.last_run
+        decodes = sorted(k[1] for k in refill._refill_programs if k[0] == "decode")
+        if shrink:  # halvings of 8 only, down to the last row's 1
+            assert decodes[0] == 1 and set(decodes) <= {1, 2, 4, 8}, decodes
+            assert refill.last_run.shrinks == len(decodes) - 1
+        else:
+            assert decodes == [8] and refill.last_run.shrinks == 0
+    on, off = runs[True], runs[False]
+    assert on.decode_steps == off.decode_steps
+    # The same tokens in fewer slot-steps: the last 4 steps of the 16-token row alone.
+    assert on.slot_steps <= off.slot_steps - 4 * 7 and on.occupancy > off.occupancy
+    assert 2 * on.slot_steps < off.slot_steps  # measured: 50 vs 128
 
 
 def test_insert_prefill_is_batched_and_bounded(qwen) -> None:
@@ -191,12 +221,14 @@ def test_mesh_each_shard_refills_its_own_slots(qwen, policy) -> None:
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     sharded = shard_params(params, param_logical_axes(cfg), mesh)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
-                           max_concurrent_rows=4, kv_policy=kv)
+                           max_concurrent_rows=8, kv_policy=kv)
     out = refill.sample(sharded, prompts, length_limits=limits, **kw)
     _assert_prefix_equal(out, ref, limits)
-    # 8 padded prompts over 4 shards: shard d owns slot d and the rows of prompts 2d, 2d + 1.
+    # 8 padded prompts over 4 shards: shard d owns slots 2d, 2d + 1 and the rows of prompts 2d,
+    # 2d + 1; at the end each shard moved its last live row into its one remaining slot.
     for slot, rows in enumerate(refill.last_run.slot_rows):
-        assert rows and all(r // 4 == slot for r in rows), (slot, rows)
+        assert rows and all(r // 4 == slot // 2 for r in rows), (slot, rows)
+    assert refill.last_run.shrinks == 1
     assert out.tokens.shape == (14, 16)
 
 

@@ -686,7 +686,14 @@ class Sampler:
         return jax.lax.with_sharding_constraint(x, batch_sharding(self.mesh, x.ndim))
 
     def _decode_model(self, params: Params) -> tuple[Transformer, Params]:
-        """The decode loop's model and parameters, with loop-invariant work done once.
+        """The decode loop's model and parameters, with loop-invariant work done once:
+        `_decode_params(params)` and the model that runs them (`_decode_transformer`)."""
+        params = self._decode_params(params)
+        return self._decode_transformer(params), params
+
+    def _decode_params(self, params: Params) -> Params:
+        """The decode loop's parameters: loop-invariant work on `params`, done once per decode
+        program (`Sampler`) or once per `sample` call (`RefillSampler`, which runs many).
 
         Float parameters are cast to the compute dtype here rather than by the model every step.
 
@@ -695,30 +702,41 @@ class Sampler:
         - A tied LM head multiplies by the embedding transposed ([V, E] contracted on E); XLA's
           CPU matmuls read such a transposed operand far slower than a [E, V] kernel (the LM head
           is the largest matrix of a small model), so the loop runs the same model untied, with
-          the head kernel materialised once as embedding.T (a second copy of the embedding). The
-          optimization barrier keeps XLA from folding the transpose back into the product.
-        - On a single device, qurl_jax's CPU kernels (`qurl_jax.cpu_kernels`) where this machine
-          can run them: int8 kernels are stored once in the int8 matmul kernel's packed layout
-          (`quant.pack_for_decode`, a packed copy of those weights), and attention runs on the
-          decode attention kernel, which reads only the cache slots in use.
+          the head kernel materialised once as embedding.T (a second copy of the embedding) under
+          `lm_head`. The optimization barrier keeps XLA from folding the transpose back into the
+          product.
+        - On a single device, int8 kernels are stored once in qurl_jax's int8 matmul kernel's
+          packed layout (`quant.pack_for_decode`, a packed copy of those weights) where this
+          machine can run it.
         """
         cfg = self.config
         params = cast_floats(params, cfg.compute_dtype)
         if self.platform != "cpu":
-            return self.model, params
-        decode_attention = None
-        if self.mesh is None or self.mesh.size == 1:
+            return params
+        if self._single_device():
             params = pack_for_decode(params)
-            if cpu_attention.usable(cfg.compute_dtype, cfg.head_dim):
-                decode_attention = cpu_attention.decode_attention
         embedding = params["embed_tokens"]["embedding"]
         if not (cfg.tie_word_embeddings and isinstance(embedding, jax.Array)):
-            return Transformer(cfg, self.model.dot_general, decode_attention), params
+            return params
         head = jax.lax.optimization_barrier(jnp.transpose(embedding))
-        head = self._constrain(head, ("embed", "vocab"))
-        untied = Transformer(cfg.replace(tie_word_embeddings=False), self.model.dot_general,
-                             decode_attention)
-        return untied, {**params, "lm_head": {"kernel": head}}
+        return {**params, "lm_head": {"kernel": self._constrain(head, ("embed", "vocab"))}}
+
+    def _decode_transformer(self, params: Params) -> Transformer:
+        """The model that runs `_decode_params`' output: untied when they carry the head kernel,
+        and on a single CPU device with qurl_jax's decode attention kernel where this machine can
+        run it (it reads only the cache slots in use)."""
+        cfg = self.config
+        if self.platform != "cpu":
+            return self.model
+        decode_attention = None
+        if self._single_device() and cpu_attention.usable(cfg.compute_dtype, cfg.head_dim):
+            decode_attention = cpu_attention.decode_attention
+        if cfg.tie_word_embeddings and "lm_head" in params:
+            cfg = cfg.replace(tie_word_embeddings=False)
+        return Transformer(cfg, self.model.dot_general, decode_attention)
+
+    def _single_device(self) -> bool:
+        return self.mesh is None or self.mesh.size == 1
 
     def _decode(
         self,
