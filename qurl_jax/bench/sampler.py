@@ -203,8 +203,8 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
         tail, equal_rate = rate[f"{name} refill tail"], rate[f"{name} static equal"]
         run = refill_runs[f"{name} refill tail"]
         print(f"{name} refill tail: occupancy {run.occupancy:.2f}, {run.decode_calls} decode "
-              f"calls, {run.inserts} inserts, {run.decode_steps} decode steps, "
-              f"{run.prefilled} prompts prefilled")
+              f"calls, {run.inserts} inserts, {run.shrinks} shrinks, {run.decode_steps} decode "
+              f"steps ({run.slot_steps} slot-steps), {run.prefilled} prompts prefilled")
         print(f"{name}: refill tail / static tail {tail / rate[f'{name} static tail']:.2f}x "
               f"(goal >= 1.8); refill tail / static equal {tail / equal_rate:.2f} (goal >= 0.85);"
               f" refill equal / static equal {rate[f'{name} refill equal'] / equal_rate:.2f}")
