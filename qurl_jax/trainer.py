@@ -207,16 +207,13 @@ class Trainer:
                               pad_id=self.task.pad_id, mesh=self.mesh,
                               max_concurrent_rows=c.rollout.max_concurrent_rows)
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
-        # the learner's log-probs (logp_prox) stay dense. The refilling sampler has no
-        # process-local mode yet: multi-process runs sample in chunks.
+        # the learner's log-probs (logp_prox) stay dense.
         kv_policy = kv_policy_from_config(c.rollout)
-        refill = refill_enabled(c) and jax.process_count() == 1
-        if refill_enabled(c) and not refill:
-            logging.warning("rollout.refill is not supported across processes yet; sampling in "
-                            "chunks of rollout.max_concurrent_rows rows instead")
-        rollout_sampler = RefillSampler if refill else Sampler
+        rollout_sampler = RefillSampler if refill_enabled(c) else Sampler
         self.sampler = rollout_sampler(self.model_config, quant.make_dot_general(self.recipe),
                                        kv_policy=kv_policy, **sampler_kwargs)
+        logging.info("rollout sampler: %s, %s concurrent rows", rollout_sampler.__name__,
+                     c.rollout.max_concurrent_rows or "all")
         self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)

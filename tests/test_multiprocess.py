@@ -38,10 +38,10 @@ HEARTBEAT_S = 5
 RUN_TIMEOUT_S = 900  # one child's wall-clock limit (a loaded 2-core machine compiles slowly)
 
 # A tiny config over 8 devices: FSDP 4 x tensor 2, so the FSDP axis spans both processes and the
-# batch (8 prompts x 4 samples) has 4 shards, 2 per process. Rollouts run in two chunks of 16 rows
-# (a chunk of the two-process run holds other prompts than the one-process run's: each row must
-# keep its key). The entropy bonus gives every step a gradient even when the untrained policy
-# earns no reward.
+# batch (8 prompts x 4 samples) has 4 shards, 2 per process. Rollouts run 16 rows at a time: the
+# two-process run refills its slots (rollout.refill 'auto', RefillSampler), the one-process run
+# samples in two chunks of 16 rows (refill off, Sampler); each row must keep its key. The
+# entropy bonus gives every step a gradient even when the untrained policy earns no reward.
 TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
         "--config.model.tiny.hidden_size=32", "--config.model.tiny.intermediate_size=64",
         "--config.model.tiny.head_dim=16", "--config.data.prompts_per_step=8",
@@ -50,7 +50,7 @@ TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
         "--config.train.progress=False", "--config.train.report_speed=False",
         "--config.rl.entropy_coef=0.05", "--config.optim.learning_rate=3e-3",
         "--config.optim.warmup_steps=0", "--config.train.checkpoint_every=1",
-        "--config.rollout.max_concurrent_rows=16", "--config.rollout.refill=off")
+        "--config.rollout.max_concurrent_rows=16")
 MESH = ("--config.mesh.fsdp=4", "--config.mesh.tensor=2")
 
 
@@ -128,6 +128,7 @@ def runs(tmp_path_factory):
         procs = children.start_group(two, *MESH, "--config.train.num_steps=3",
                                      f"--export_hf={root / 'two_hf'}", num=2, logs=two + ".log")
         single = children.start(one, *MESH, "--config.train.num_steps=3",
+                                "--config.rollout.refill=off",
                                 f"--export_hf={root / 'one_hf'}", devices=8, log=one + ".log")
         _wait_ok([*procs, single], [two + ".log.0", two + ".log.1", one + ".log"])
         print(f"2-process and 1-process runs: {time.time() - start:.0f} s")
@@ -147,6 +148,8 @@ def test_two_processes_match_one_process(runs):
     # Process 1 wrote nothing in the workdir: one metrics file, one summary (process 0's).
     logs = [open(f"{runs / 'two'}.log.{i}").read() for i in range(2)]
     assert "per-step means" in logs[0] and "per-step means" not in logs[1]
+    assert "rollout sampler: RefillSampler" in logs[0]  # process 1 logs warnings only
+    assert "rollout sampler: Sampler" in open(f"{runs / 'one'}.log").read()
     a, b = load_file(str(runs / "two_hf" / "model.safetensors")), \
         load_file(str(runs / "one_hf" / "model.safetensors"))
     assert a.keys() == b.keys()

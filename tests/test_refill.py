@@ -250,7 +250,7 @@ def test_trainer_switch() -> None:
 
     c = base_config()
     c.data.prompts_per_step, c.rollout.n = 8, 8
-    assert c.rollout.refill == "off" and not refill_enabled(c)
+    assert c.rollout.refill == "auto" and not refill_enabled(c)  # max_concurrent_rows 0: all
     c.rollout.refill = "on"
     assert refill_enabled(c)
     c.rollout.refill = "auto"
@@ -262,3 +262,23 @@ def test_trainer_switch() -> None:
     c.rollout.refill = "sometimes"
     with pytest.raises(ValueError, match="rollout.refill"):
         validate(c)
+
+
+def test_trainer_rollout_refills_by_default_with_the_static_result(tmp_path) -> None:
+    # 2 prompts x 4 samples through 4 slots: 'auto' (the default) refills; the step's metrics,
+    # which come from the rollout's tokens and log-probs, are those of the static sampler.
+    from qurl_jax.trainer import Trainer
+    from tests.test_trainer import tiny_config
+
+    metrics = {}
+    for refill in ("auto", "off"):
+        c = tiny_config(**{"rollout.max_concurrent_rows": 4, "rollout.max_new_tokens": 6,
+                           "rollout.refill": refill, "train.num_steps": 1})
+        t = Trainer(c, str(tmp_path / refill))
+        assert isinstance(t.sampler, RefillSampler) == (refill == "auto")
+        m = t.step()
+        metrics[refill] = {k: v for k, v in m.items()
+                           if not k.startswith("time/") and "per_s" not in k}
+    assert metrics["auto"].keys() == metrics["off"].keys()
+    for k, v in metrics["off"].items():
+        assert metrics["auto"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k

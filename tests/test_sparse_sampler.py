@@ -54,9 +54,10 @@ def _policy(policy: str, **kw) -> KVPolicyConfig:
     return KVPolicyConfig(policy=policy, **kw)
 
 
-def _sampler(policy: KVPolicyConfig | None = None, **kw) -> Sampler:
+def _sampler(policy: KVPolicyConfig | None = None, dot_general=jax.lax.dot_general, **kw
+             ) -> Sampler:
     kw = dict(max_prompt_len=16, max_new_tokens=32, min_bucket=8) | kw
-    return Sampler(CFG, kv_policy=policy, **kw)
+    return Sampler(CFG, dot_general, kv_policy=policy, **kw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,13 +98,17 @@ def _run_chunk(sampler: Sampler, params: dict, prompts: list[list[int]], max_new
     return jax.device_get(response), jax.device_get(state), tokens, mask
 
 
-@pytest.mark.parametrize(("policy", "prompts"), [
-    pytest.param("streaming", PROMPTS, marks=pytest.mark.slow),
-    pytest.param("snapkv", PROMPTS, marks=pytest.mark.slow),
-    pytest.param("rkv", PROMPTS, marks=pytest.mark.slow),
-    ("rkv", LONG_PROMPTS)])  # the default suite keeps the case with prompts past the budget
-def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, policy,
-                                                                         prompts) -> None:
+@pytest.mark.parametrize(("policy", "prompts", "precision"), [
+    pytest.param("streaming", PROMPTS, "fp", marks=pytest.mark.slow),
+    pytest.param("snapkv", PROMPTS, "fp", marks=pytest.mark.slow),
+    pytest.param("rkv", PROMPTS, "fp", marks=pytest.mark.slow),
+    ("rkv", LONG_PROMPTS, "fp"),  # the default suite keeps the case with prompts past the budget
+    # A quantized actor on a compressed cache (a combination none of the papers has): the
+    # reference is the same quantized model over the masked dense cache.
+    pytest.param("rkv", LONG_PROMPTS, "int8", marks=pytest.mark.slow),
+    pytest.param("snapkv", LONG_PROMPTS, "fp8", marks=pytest.mark.slow)])
+def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, policy, prompts,
+                                                                         precision) -> None:
     """Every sampled token's log-prob equals the one the model gives over a dense cache when the
     positions the compressed cache had evicted before that step are masked out (prompts short
     and longer than the budget; three compressions in 16 steps). Pins positions and RoPE: the cache
@@ -112,9 +117,14 @@ def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, 
     while the evicted ones were still visible to it. Also checks the schedule: slots in use never
     exceed budget + interval, are exactly the budget after each compression of a row that had
     more, and grow by one on the step after."""
+    from qurl_jax.quant import make_dot_general, requantize
+
+    hook = make_dot_general(precision)
+    if precision != "fp":
+        params = requantize(params, precision)
     p_len = 16 if prompts is LONG_PROMPTS else 8
     sampler = _sampler(_policy(policy), max_prompt_len=p_len, prompt_buckets=[p_len],
-                       max_new_tokens=32, gen_buckets=[32])
+                       max_new_tokens=32, gen_buckets=[32], dot_general=hook)
     slots = sampler.cache_slots(p_len, 32)
     assert slots == BUDGET + INTERVAL
     key, steps = jax.random.key(11), 16
@@ -144,7 +154,7 @@ def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, 
     # Reference: the model decoding the same tokens over a dense cache (slot i = i-th token, never
     # compacted) in which each step masks out (pos = -1) the positions evicted before it.
     seq = np.concatenate([tokens, full["tokens"]], axis=1)
-    model = Transformer(CFG)
+    model = Transformer(CFG, hook)
     rows = len(prompts)
     cache = KVCache.zeros(CFG, rows, p_len + steps)
     _, cache = model.apply({"params": params}, jnp.asarray(tokens),
@@ -271,6 +281,8 @@ def _sparse_trainer(tmp_path, **overrides) -> Trainer:
                  marks=pytest.mark.slow),
     pytest.param({"rollout.precision": "int8", "rl.sparse_base": "acr"},
                  id="int8-rkv-sparse_rl_acr", marks=pytest.mark.slow),
+    pytest.param({"rollout.precision": "fp8", "rl.sparse_base": "acr"},
+                 id="fp8-rkv-sparse_rl_acr", marks=pytest.mark.slow),
 ])
 def test_rl_step_on_sparse_rollouts(tmp_path, overrides) -> None:
     t = _sparse_trainer(tmp_path, **overrides)

@@ -76,6 +76,7 @@ from qurl_jax.sampling._sampler import (
     _left_pad,
     _power_of_two_buckets,
 )
+from qurl_jax.sharding import batch_sharding
 
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
 
@@ -89,7 +90,8 @@ class RefillState:
     tok: i32[R]        each slot's last sampled token (the next step's input).
     step: i32[R]       tokens its occupant has generated (the output column of its next token).
     live: bool[R]      the slot holds a row that is still generating.
-    row: i32[R]        its occupant's row index (random stream and output row); N when never filled.
+    row: i32[R]        its occupant's output row; N when never filled.
+    stream: i32[R]     its occupant's random stream (its row in a one-process call).
     limit: i32[R]      its occupant's response length limit.
     tokens: i32[N, G]; logp, logp_untruncated: f32[N, G]; mask: bool[N, G] - `SampleOutput`'s
                        per-token fields, written in place as tokens are sampled.
@@ -107,6 +109,7 @@ class RefillState:
     step: jax.Array
     live: jax.Array
     row: jax.Array
+    stream: jax.Array
     limit: jax.Array
     tokens: jax.Array
     logp: jax.Array
@@ -211,26 +214,97 @@ class RefillSampler(Sampler):
         greedy: bool = False,
         eos_ids: Sequence[int] = (),
         length_limits: Sequence[int] | None = None,
+        process_local: bool = False,
     ) -> SampleOutput:
         """`Sampler.sample`, with refilled slots. `length_limits` (optional, B * n ints in [1,
         max_new_tokens], prompt-major) caps each row's response length on its own (benchmarks and
-        tests use it to make long-tailed lengths); `num_steps` is the longest response."""
+        tests use it to make long-tailed lengths); `num_steps` is the longest response.
+
+        process_local: as `Sampler.sample`'s: `prompts` (and `length_limits`) are this process's
+        block of a global batch; every process passes as many and calls together, and gets its
+        own rows back as host numpy arrays, the tokens of a one-process call with the whole
+        batch. The processes exchange their prompts once (a small all-gather), then run the same
+        host loop: each reads the slots' live flags, replicated, after every decode call.
+        """
         eos = self._check_inputs(prompts, n, max_new_tokens, temperature, top_k, top_p, greedy,
                                  eos_ids)
-        b, v, shards = len(prompts), self.config.vocab_size, self._batch_shards()
+        b = len(prompts)
         limits = np.full((b * n,), max_new_tokens, np.int32)
         if length_limits is not None:
             limits = np.asarray(length_limits, np.int32).reshape(-1)
             if limits.shape != (b * n,) or limits.min() < 1 or limits.max() > max_new_tokens:
                 raise ValueError(f"length_limits must be B * n = {b * n} ints in [1, "
                                  f"max_new_tokens={max_new_tokens}]")
+        blocks, local_prompts = 1, prompts
+        if process_local and self.mesh is not None and jax.process_count() > 1:
+            from qurl_jax import distributed
+
+            block, blocks = distributed.row_block(self.mesh)
+            prompts, limits = _gather_blocks(prompts, limits, block, blocks)
+        out, rows = self._run(params, prompts, limits, blocks, key=key, n=n,
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, greedy=greedy, eos=eos)
+        per_token = ("tokens", "logp", "logp_untruncated", "mask")
+        if blocks > 1:
+            from qurl_jax import distributed
+
+            host = {name: distributed.local_rows(x)[: b * n] for name, x in out.items()}
+            tokens, mask = _left_pad(local_prompts, rows["p_len"], b, self.pad_id)
+            return SampleOutput(
+                **{name: host[name][:, :max_new_tokens] for name in per_token},
+                lengths=host["lengths"], finish_reason=host["finish_reason"],
+                prompt_tokens=np.repeat(tokens, n, axis=0), prompt_mask=np.repeat(mask, n, axis=0),
+                num_steps=np.int32(distributed.agree_max(int(host["lengths"].max()))))
+
+        def crop(x: jax.Array, columns: int | None = None) -> jax.Array:
+            if x.shape[0] != b * n:
+                x = x[: b * n]
+            if columns is not None and x.shape[1] != columns:
+                x = x[:, :columns]
+            return x
+
+        prompt_tokens = self._put_batch(rows["tokens"])
+        prompt_mask = self._put_batch(rows["mask"])
+        if n > 1:
+            prompt_tokens = jnp.repeat(prompt_tokens, n, axis=0)
+            prompt_mask = jnp.repeat(prompt_mask, n, axis=0)
+        lengths = crop(out["lengths"])
+        return SampleOutput(
+            **{name: crop(out[name], max_new_tokens) for name in per_token},
+            lengths=lengths, finish_reason=crop(out["finish_reason"]),
+            prompt_tokens=crop(prompt_tokens), prompt_mask=crop(prompt_mask),
+            num_steps=jnp.max(lengths),
+        )
+
+    def _run(self, params: Params, prompts: Sequence[Sequence[int]], limits: np.ndarray,
+             blocks: int, *, key: jax.Array, n: int, max_new_tokens: int, temperature: float,
+             top_k: int, top_p: float, greedy: bool, eos: Sequence[int]
+             ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+        """The host loop over the whole batch: `prompts` (and `limits`, B * n) are `blocks`
+        equal blocks, one per process block of the mesh (1 on one process). Each block is padded
+        to whole batch shards; row i of block k's prompt j draws the stream of row (k * B / blocks
+        + j) * n + i % n of a one-process call. Returns the finished output buffers (global,
+        the padded rows included) and the padded prompts {'tokens', 'mask', 'p_len'}."""
+        b, v, shards = len(prompts), self.config.vocab_size, self._batch_shards()
         p_len = _bucket(max(len(p) for p in prompts), self.prompt_buckets)
         g_len = _bucket(max_new_tokens, self.gen_buckets)
-        b_pad = -(-b // shards) * shards
+        per_block = b // blocks  # real prompts per block
+        block_pad = -(-per_block // (shards // blocks)) * (shards // blocks)
+        b_pad = block_pad * blocks
         rows = b_pad * n
+        # Per padded prompt: its block k and index j in the block; real when j < per_block.
+        k_of, j_of = np.divmod(np.arange(b_pad), block_pad)
+        real_prompt = j_of < per_block
+        source = np.where(real_prompt, k_of * per_block + j_of, 0)  # index into `prompts`
+        real = np.repeat(real_prompt, n)
+        streams = (np.repeat(source, n) * n + np.tile(np.arange(n), b_pad)).astype(np.int32)
+        row_limits = np.where(real, limits[streams], 1).astype(np.int32)
+        padded = [_left_pad(prompts[k * per_block:(k + 1) * per_block], p_len, block_pad,
+                            self.pad_id) for k in range(blocks)]
+        tokens = np.concatenate([t for t, _ in padded])
+        mask = np.concatenate([m for _, m in padded])
         slots = min(self.max_concurrent_rows or rows, rows)
         per_shard = slots // shards
-        tokens, mask = _left_pad(prompts, p_len, b_pad, self.pad_id)
         mode = SamplingMode(
             greedy=bool(greedy),
             top_k=0 if greedy or top_k >= v else int(top_k),
@@ -248,7 +322,7 @@ class RefillSampler(Sampler):
         prompts_per_shard = b_pad // shards
         queues = [collections.deque(r for r in range(d * prompts_per_shard * n,
                                                      (d + 1) * prompts_per_shard * n)
-                                    if r < b * n)
+                                    if real[r])
                   for d in range(shards)]
         free = [list(range(d * per_shard, (d + 1) * per_shard)) for d in range(shards)]
         run = RefillRun(slot_rows=[[] for _ in range(slots)])
@@ -268,8 +342,8 @@ class RefillSampler(Sampler):
                     admit.append((free[d].pop(0), queues[d].popleft()))
             if admit:
                 state, run.prefilled = self._insert(
-                    params, state, admit, held, queues, tokens, mask, limits, n, mode, settings,
-                    run.prefilled)
+                    params, state, admit, held, queues, tokens, mask, row_limits, streams, n,
+                    mode, settings, run.prefilled)
                 run.inserts += 1
             for slot, row in admit:
                 run.slot_rows[slot].append(row)
@@ -287,10 +361,10 @@ class RefillSampler(Sampler):
             state, live_dev, steps = decode(decode_params, state, self._put_batch(refillable),
                                             jnp.int32(max(need, 1)), jnp.int32(smaller),
                                             max_steps, *settings)
-            live = np.array(live_dev)
+            live, steps = _replicated_to_host(live_dev), int(_replicated_to_host(steps))
             run.decode_calls += 1
-            run.decode_steps += int(steps)
-            run.slot_steps += int(steps) * slots
+            run.decode_steps += steps
+            run.slot_steps += steps * slots
             if need == 0 and self.shrink and live.any():
                 most = live.reshape(shards, per_shard).sum(1).max()
                 target = min(size for size in sizes if size >= most)
@@ -305,37 +379,18 @@ class RefillSampler(Sampler):
         out = self._program("finish", 0, rows, cache_len, g_len, eos_arr.size)(
             state, settings[-1])
         # Tokens the decode loop produced (each row's first token comes from its insert).
-        decoded = int(np.asarray(out["lengths"]).sum()) - b * n
+        decoded = int(_replicated_to_host(jnp.sum(out["lengths"]))) - b * n
         run.occupancy = decoded / max(run.slot_steps, 1)
         self.last_run = run
-
-        def crop(x: jax.Array, columns: int | None = None) -> jax.Array:
-            if x.shape[0] != b * n:
-                x = x[: b * n]
-            if columns is not None and x.shape[1] != columns:
-                x = x[:, :columns]
-            return x
-
-        prompt_tokens, prompt_mask = self._put_batch(tokens), self._put_batch(mask)
-        if n > 1:
-            prompt_tokens = jnp.repeat(prompt_tokens, n, axis=0)
-            prompt_mask = jnp.repeat(prompt_mask, n, axis=0)
-        per_token = ("tokens", "logp", "logp_untruncated", "mask")
-        lengths = crop(out["lengths"])
-        return SampleOutput(
-            **{name: crop(out[name], max_new_tokens) for name in per_token},
-            lengths=lengths, finish_reason=crop(out["finish_reason"]),
-            prompt_tokens=crop(prompt_tokens), prompt_mask=crop(prompt_mask),
-            num_steps=jnp.max(lengths),
-        )
+        return out, {"tokens": tokens, "mask": mask, "p_len": p_len}
 
     # ----------------------------------------------------------------------------------------------
     # Host side of an insert.
 
     def _insert(self, params: Params, state: RefillState, admit: list[tuple[int, int]],
                 held: list[int], queues: list[collections.deque], tokens: np.ndarray,
-                mask: np.ndarray, limits: np.ndarray, n: int, mode: SamplingMode,
-                settings: tuple, prefilled: int) -> tuple[RefillState, int]:
+                mask: np.ndarray, limits: np.ndarray, streams: np.ndarray, n: int,
+                mode: SamplingMode, settings: tuple, prefilled: int) -> tuple[RefillState, int]:
         """Admits rows into slots (`admit`: (slot, row) pairs, at most R) and updates `held` (each
         shard's held prompt) in place. Prompts neither held nor seen in this insert are
         prefilled, padded to buckets of rows K and new prompts P. Returns the state and the
@@ -353,8 +408,10 @@ class RefillSampler(Sampler):
         row_arr = np.full((k,), rows, np.int32)
         src = np.zeros((k,), np.int32)
         lim = np.ones((k,), np.int32)
+        stream = np.zeros((k,), np.int32)
         for i, (slot, row) in enumerate(admit):
             slot_arr[i], row_arr[i], src[i], lim[i] = slot, row, index[row // n], limits[row]
+            stream[i] = streams[row]
         # Each shard now holds the prefill of its next waiting row's prompt, if it has one.
         hold_src = np.arange(shards, dtype=np.int32)
         for d, queue in enumerate(queues):
@@ -371,7 +428,7 @@ class RefillSampler(Sampler):
                                mode, settings[-1].size, k, p, tokens.shape[1])
         put = self._put_replicated
         state = insert(params, state, put(new_tokens), put(new_mask), put(src), put(slot_arr),
-                       put(row_arr), put(lim), put(hold_src), *settings)
+                       put(row_arr), put(stream), put(lim), put(hold_src), *settings)
         return state, prefilled + len(new_ids)
 
     def _shrink(self, state: RefillState, live: np.ndarray, shards: int, per_shard: int
@@ -391,9 +448,17 @@ class RefillSampler(Sampler):
         return gather(state, self._put_replicated(index)), live[index]
 
     def _put_replicated(self, x: np.ndarray) -> jax.Array:
+        """A host array every process holds whole, replicated over the mesh."""
         if self.mesh is None:
             return jnp.asarray(x)
-        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
+        return _from_global_host(x, NamedSharding(self.mesh, PartitionSpec()))
+
+    def _put_batch(self, x: np.ndarray) -> jax.Array:
+        """A host array every process holds whole, its rows over the batch shards (also across
+        processes, unlike `Sampler._put_batch`)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return _from_global_host(x, batch_sharding(self.mesh, x.ndim))
 
     # ----------------------------------------------------------------------------------------------
     # The programs.
@@ -427,7 +492,8 @@ class RefillSampler(Sampler):
         return RefillState(
             cache=self._constrain_cache(state.cache), tok=c(state.tok, _ROW_AXES),
             step=c(state.step, _ROW_AXES), live=c(state.live, _ROW_AXES),
-            row=c(state.row, _ROW_AXES), limit=c(state.limit, _ROW_AXES),
+            row=c(state.row, _ROW_AXES), stream=c(state.stream, _ROW_AXES),
+            limit=c(state.limit, _ROW_AXES),
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES),
             held=state.held, held_logits=state.held_logits,
@@ -454,7 +520,7 @@ class RefillSampler(Sampler):
             cache=KVCache.zeros(self.config, slots, cache_len),
             tok=jnp.full((slots,), self.pad_id, i32), step=jnp.zeros((slots,), i32),
             live=jnp.zeros((slots,), jnp.bool_), row=jnp.full((slots,), rows, i32),
-            limit=jnp.ones((slots,), i32),
+            stream=jnp.zeros((slots,), i32), limit=jnp.ones((slots,), i32),
             tokens=jnp.full((rows, g_len), self.pad_id, i32),
             logp=jnp.zeros((rows, g_len), jnp.float32),
             logp_untruncated=jnp.zeros((rows, g_len), jnp.float32),
@@ -470,7 +536,8 @@ class RefillSampler(Sampler):
         take = lambda x: jnp.take(x, index, axis=0)  # noqa: E731
         return self._constrain_state(state.replace(
             cache=jax.tree.map(take, state.cache), tok=take(state.tok), step=take(state.step),
-            live=take(state.live), row=take(state.row), limit=take(state.limit),
+            live=take(state.live), row=take(state.row), stream=take(state.stream),
+            limit=take(state.limit),
             win_q=tuple(map(take, state.win_q)), win_valid=take(state.win_valid)))
 
     @staticmethod
@@ -493,6 +560,7 @@ class RefillSampler(Sampler):
         src: jax.Array,
         slots: jax.Array,
         rows: jax.Array,
+        streams: jax.Array,
         limits: jax.Array,
         hold_src: jax.Array,
         key: jax.Array,
@@ -503,11 +571,11 @@ class RefillSampler(Sampler):
         mode: SamplingMode,
     ) -> RefillState:
         """Prefills P new prompts (prompt_tokens i32[P, p_len], prompt_mask bool[P, p_len]; P may
-        be 0) and admits K rows: row rows[i] (limit limits[i]) goes to slot slots[i] with its
-        first token sampled, its prompt's prefill taken from source src[i] of the H held
-        prefills followed by the P new ones. Every field of an admitted slot is overwritten: all S
-        cache slots (the prompt in [0, p_len), the rest empty), positions, counters and the token
-        state. The held prefills become sources hold_src i32[H]."""
+        be 0) and admits K rows: row rows[i] (random stream streams[i], limit limits[i]) goes to
+        slot slots[i] with its first token sampled, its prompt's prefill taken from source src[i]
+        of the H held prefills followed by the P new ones. Every field of an admitted slot is
+        overwritten: all S cache slots (the prompt in [0, p_len), the rest empty), positions,
+        counters and the token state. The held prefills become sources hold_src i32[H]."""
         p, p_len = prompt_tokens.shape
         cache_len = state.cache.length
         held, held_logits = state.held, state.held_logits
@@ -533,7 +601,7 @@ class RefillSampler(Sampler):
             next_pos=admit(state.cache.next_pos, cache.next_pos),
         )
         # The first token, from the prefill logits: column 0 of each row's stream.
-        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
+        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, streams)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0)
         tok, lp, lp_full = sample_tokens(jnp.take(held_logits, src, axis=0), step_keys,
                                          temperature, top_p, mode)
@@ -547,7 +615,7 @@ class RefillSampler(Sampler):
         return self._constrain_state(state.replace(
             cache=new_cache, tok=put(state.tok, tok), step=put(state.step, jnp.ones_like(rows)),
             live=put(state.live, ~ended), row=put(state.row, rows),
-            limit=put(state.limit, limits),
+            stream=put(state.stream, streams), limit=put(state.limit, limits),
             held=jax.tree.map(hold, held), held_logits=hold(held_logits),
             win_q=tuple(map(admit, state.win_q, map(take, held_win[0]))),
             win_valid=admit(state.win_valid, take(held_win[1])),
@@ -608,7 +676,7 @@ class RefillSampler(Sampler):
             i, s = carry
             live = s.live
             logits, cache, s = forward(s)
-            row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, s.row)
+            row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, s.stream)
             step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.step)
             tok, lp, lp_full = sample_tokens(logits[:, 0], step_keys, temperature, top_p, mode)
             s = self._record(s, jnp.where(live, s.row, num_rows), s.step, tok, lp, lp_full)
@@ -619,7 +687,11 @@ class RefillSampler(Sampler):
             return i + 1, self._constrain_state(s)
 
         steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-        return state, state.live, steps
+        live = state.live
+        if self.mesh is not None:  # every process reads all of them
+            live = jax.lax.with_sharding_constraint(live, NamedSharding(self.mesh,
+                                                                        PartitionSpec()))
+        return state, live, steps
 
     def _finish(self, state: RefillState, eos_ids: jax.Array) -> dict[str, jax.Array]:
         """Per-row lengths and finish reasons, as the static sampler computes them."""
@@ -631,3 +703,43 @@ class RefillSampler(Sampler):
         return dict(tokens=state.tokens, logp=state.logp, logp_untruncated=state.logp_untruncated,
                     mask=state.mask, lengths=lengths, finish_reason=finish)
 
+
+
+def _from_global_host(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds whole (each process places the
+    pieces its devices hold)."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _replicated_to_host(x: jax.Array) -> np.ndarray:
+    """A replicated (or single-device) array as numpy, from this process's first copy."""
+    return np.array(x.addressable_data(0))  # a writable copy
+
+
+def _gather_blocks(prompts: Sequence[Sequence[int]], limits: np.ndarray, block: int,
+                   blocks: int) -> tuple[list[list[int]], np.ndarray]:
+    """Every process's prompts and length limits (a collective), ordered by the block of rows
+    each process owns (`distributed.row_block`; processes sharing a block pass the same
+    prompts): the global batch of a one-process call."""
+    from jax.experimental import multihost_utils
+
+    from qurl_jax import distributed
+
+    b = len(prompts)
+    if distributed.agree_max(b) != b or distributed.agree_max(-b) != -b:
+        raise ValueError(f"RefillSampler.sample(process_local=True): every process must pass as "
+                         f"many prompts (this one passed {b})")
+    longest = distributed.agree_max(max(len(p) for p in prompts))
+    tokens = np.zeros((b, longest), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    mine = {"tokens": tokens, "lengths": np.array([len(p) for p in prompts], np.int32),
+            "limits": limits.astype(np.int32), "block": np.array(block, np.int32)}
+    every = jax.tree.map(np.asarray, multihost_utils.process_allgather(mine))  # [processes, ...]
+    first = {int(k): i for i, k in reversed(list(enumerate(every["block"])))}
+    if sorted(first) != list(range(blocks)):
+        raise ValueError(f"RefillSampler.sample: process blocks {sorted(first)} do not cover "
+                         f"0..{blocks - 1}")
+    order = [first[k] for k in range(blocks)]
+    out = [list(every["tokens"][i, j, :every["lengths"][i, j]]) for i in order for j in range(b)]
+    return [[int(t) for t in p] for p in out], np.concatenate([every["limits"][i] for i in order])
