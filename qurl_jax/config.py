@@ -84,7 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Refill finished rows' slots with waiting rows (sampling.RefillSampler, continuous batching):
     # 'on', 'off' (the static chunked Sampler) or 'auto' = on when rows wait, i.e. when
     # max_concurrent_rows > 0 holds fewer rows than prompts_per_step * n. Both samplers draw the
-    # same tokens for the same key; single-process runs only (others sample in chunks).
+    # same tokens for the same key, in one process or several.
     c.rollout.refill = "auto"
     # pi_behav handed to the learner: 'sampled' = the log-prob under the distribution that drew the
     # token (truncated and renormalised by top-k/top-p), the correct importance-sampling

@@ -704,7 +704,6 @@ class RefillSampler(Sampler):
                     mask=state.mask, lengths=lengths, finish_reason=finish)
 
 
-
 def _from_global_host(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from a host array every process holds whole (each process places the
     pieces its devices hold)."""
