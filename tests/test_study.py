@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,6 +18,7 @@ def _study(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, env=env)
 
 
+@pytest.mark.slow  # ~2 min; CI runs it on its own (.ci/run), beside the embedded default
 def test_quick_study_runs_two_variants_and_resumes(tmp_path):
     out = tmp_path / "study"
     proc = _study("--config=configs/chain_tiny.py", f"--out={out}", "--quick")
