@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -357,6 +358,11 @@ def compact(keys: jax.Array, values: jax.Array, pos: jax.Array,
     return gather(keys), gather(values), new_pos, jnp.sum(kept, axis=1, dtype=jnp.int32)
 
 
+def where_rows(rows: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    """Row r of `new` where rows[r] (bool[R]), else row r of `old` (arrays with rows on axis 0)."""
+    return jnp.where(rows.reshape(rows.shape + (1,) * (old.ndim - 1)), new, old)
+
+
 def compress_cache(
     cfg: KVPolicyConfig,
     keys: Sequence[jax.Array],
@@ -394,7 +400,7 @@ def compress_cache(
                              f"each of the {len(keys)} layers, got {len(win_q)}")
         kept = [keep_slots(cfg, k, pos, n_used, q, win_valid) for k, q in zip(keys, win_q)]
     compacted = [compact(k, v, pos, keep) for k, v, keep in zip(keys, values, kept)]
-    row = lambda new, old: jnp.where(needs.reshape(needs.shape + (1,) * (old.ndim - 1)), new, old)
+    row = functools.partial(where_rows, needs)
     new_keys = tuple(row(c[0], k) for c, k in zip(compacted, keys))
     new_values = tuple(row(c[1], v) for c, v in zip(compacted, values))
     _, _, new_pos, new_n_used = compacted[0]

@@ -73,10 +73,10 @@ from qurl_jax.sampling._sampler import (
     SampleOutput,
     Sampler,
     _bucket,
+    _from_global_host,
     _left_pad,
     _power_of_two_buckets,
 )
-from qurl_jax.sharding import batch_sharding
 
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
 
@@ -285,7 +285,7 @@ class RefillSampler(Sampler):
         to whole batch shards; row i of block k's prompt j draws the stream of row (k * B / blocks
         + j) * n + i % n of a one-process call. Returns the finished output buffers (global,
         the padded rows included) and the padded prompts {'tokens', 'mask', 'p_len'}."""
-        b, v, shards = len(prompts), self.config.vocab_size, self._batch_shards()
+        b, shards = len(prompts), self._batch_shards()
         p_len = _bucket(max(len(p) for p in prompts), self.prompt_buckets)
         g_len = _bucket(max_new_tokens, self.gen_buckets)
         per_block = b // blocks  # real prompts per block
@@ -305,15 +305,8 @@ class RefillSampler(Sampler):
         mask = np.concatenate([m for _, m in padded])
         slots = min(self.max_concurrent_rows or rows, rows)
         per_shard = slots // shards
-        mode = SamplingMode(
-            greedy=bool(greedy),
-            top_k=0 if greedy or top_k >= v else int(top_k),
-            top_p=not greedy and top_p < 1.0,
-        )
-        eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
-        eos_arr[: len(eos)] = eos
-        temp = temperature if temperature > 0 else 1.0
-        settings = (key, jnp.float32(temp), jnp.float32(top_p), jnp.asarray(eos_arr))
+        mode, temp, eos_arr = self._sampling_settings(temperature, top_k, top_p, greedy, eos)
+        settings = (key, temp, jnp.float32(top_p), jnp.asarray(eos_arr))
         cache_len = self.kv_policy.physical_slots(p_len, g_len)
         refill_min = self.refill_min or max(1, slots // 8)
         max_steps = jnp.int32(self.max_steps_per_call or g_len)
@@ -452,13 +445,6 @@ class RefillSampler(Sampler):
         if self.mesh is None:
             return jnp.asarray(x)
         return _from_global_host(x, NamedSharding(self.mesh, PartitionSpec()))
-
-    def _put_batch(self, x: np.ndarray) -> jax.Array:
-        """A host array every process holds whole, its rows over the batch shards (also across
-        processes, unlike `Sampler._put_batch`)."""
-        if self.mesh is None:
-            return jnp.asarray(x)
-        return _from_global_host(x, batch_sharding(self.mesh, x.ndim))
 
     # ----------------------------------------------------------------------------------------------
     # The programs.
@@ -702,12 +688,6 @@ class RefillSampler(Sampler):
         finish = jnp.where(ended_on_eos, FinishReason.EOS, FinishReason.LENGTH).astype(jnp.int32)
         return dict(tokens=state.tokens, logp=state.logp, logp_untruncated=state.logp_untruncated,
                     mask=state.mask, lengths=lengths, finish_reason=finish)
-
-
-def _from_global_host(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global array from a host array every process holds whole (each process places the
-    pieces its devices hold)."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def _replicated_to_host(x: jax.Array) -> np.ndarray:

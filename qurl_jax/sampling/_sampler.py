@@ -50,6 +50,7 @@ from qurl_jax.sampling._kv_policy import (
     compress_cache,
     needs_compression,
     push_window,
+    where_rows,
     window_from_prompt,
 )
 from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
@@ -374,6 +375,14 @@ class Sampler:
                max_new_tokens: int, temperature: float, top_k: int, top_p: float, greedy: bool,
                eos: Sequence[int]) -> tuple[Any, Any, tuple]:
         """The (prefill, decode) programs of a call and the decode loop's traced settings."""
+        mode, temp, eos_arr = self._sampling_settings(temperature, top_k, top_p, greedy, eos)
+        prefill, decode = self._programs_for(group, int(n), p_len, g_len, mode, eos_arr.size)
+        settings = (key, temp, jnp.float32(top_p), jnp.int32(max_new_tokens), jnp.asarray(eos_arr))
+        return prefill, decode, settings
+
+    def _sampling_settings(self, temperature: float, top_k: int, top_p: float, greedy: bool,
+                           eos: Sequence[int]) -> tuple[SamplingMode, jax.Array, np.ndarray]:
+        """(static sampling mode, traced temperature f32[], EOS ids i32[E]) of a call."""
         mode = SamplingMode(
             greedy=bool(greedy),
             top_k=0 if greedy or top_k >= self.config.vocab_size else int(top_k),
@@ -384,11 +393,8 @@ class Sampler:
         eos_arr = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
         eos_arr[: len(eos)] = eos
         # Greedy decoding reports log-probs at the given temperature, or at 1 if it is not > 0.
-        temp = temperature if temperature > 0 else 1.0
-        prefill, decode = self._programs_for(group, int(n), p_len, g_len, mode, eos_arr.size)
-        settings = (key, jnp.float32(temp), jnp.float32(top_p), jnp.int32(max_new_tokens),
-                    jnp.asarray(eos_arr))
-        return prefill, decode, settings
+        temp = jnp.float32(temperature if temperature > 0 else 1.0)
+        return mode, temp, eos_arr
 
     def _sample_process_local(self, params: Params, prompts: Sequence[Sequence[int]], block: int,
                               blocks: int, longest: int, *, key: jax.Array, n: int,
@@ -552,9 +558,11 @@ class Sampler:
         return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
 
     def _put_batch(self, x: np.ndarray) -> jax.Array:
+        """A host array every process holds whole, its rows over the batch shards (also on a
+        mesh spanning processes)."""
         if self.mesh is None:
             return jnp.asarray(x)
-        return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
+        return _from_global_host(x, batch_sharding(self.mesh, x.ndim))
 
     def _abstract_batch(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         """What `_put_batch` makes of a host array of this shape, abstractly."""
@@ -844,11 +852,8 @@ class Sampler:
         new_q, new_valid = tuple(p[0] for p in pushed), pushed[0][1]
         needs = needs_compression(self.kv_policy, step, cache.n_used)
         if live is not None:
-            def keep(new: jax.Array, old: jax.Array) -> jax.Array:
-                return jnp.where(live.reshape(live.shape + (1,) * (new.ndim - 1)), new, old)
-
-            new_q = tuple(map(keep, new_q, win_q))
-            new_valid = keep(new_valid, win_valid)
+            new_q = tuple(where_rows(live, new, old) for new, old in zip(new_q, win_q, strict=True))
+            new_valid = where_rows(live, new_valid, win_valid)
             needs = needs & live
         return self._compress_due(cache, new_q, new_valid, needs), new_q, new_valid
 
@@ -871,3 +876,9 @@ def _layer_queries(intermediates: dict, layers: range) -> list[jax.Array]:
     """The post-RoPE queries f[R, T, H, D] that the model sowed in each of `layers`."""
     tree = intermediates["intermediates"]
     return [tree[f"layers_{i}"]["self_attn"]["queries"][0] for i in layers]
+
+
+def _from_global_host(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array from a host array every process holds whole (each process places the
+    pieces its devices hold)."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
