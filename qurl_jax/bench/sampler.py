@@ -151,6 +151,10 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
     buckets = dict(prompt_buckets=(args.prompt_len,), gen_buckets=(max_new,))
 
     cases: dict[str, Callable[[], float]] = {}
+    # Compile / warm up: the timed runs reuse these programs. One chunk builds the static
+    # sampler's two; the refilling sampler's long tail builds its inserts, decodes and shrinks,
+    # a superset of what its equal-length run needs.
+    warm_ups: list[Callable[[], float]] = []
     refill_runs: dict[str, Any] = {}  # case name -> RefillRun of its last call
     for name, (params, dot_general) in engines.items():
         static = Sampler(config, dot_general, max_concurrent_rows=slots, **buckets)
@@ -181,13 +185,10 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
         for kind, lim in (("tail", limits), ("equal", equal)):
             case = f"{name} refill {kind}"
             cases[case] = functools.partial(refill_run, lim, case)
+        warm_ups += [functools.partial(static_run, equal, chunks=1), cases[f"{name} refill tail"]]
 
-    # Compile / warm up: the timed runs reuse these programs. One chunk builds the static
-    # sampler's two; the refilling sampler's long tail builds its inserts, decodes and shrinks,
-    # a superset of what its equal-length run needs.
-    for name in engines:
-        cases[f"{name} static equal"].func(equal, chunks=1)
-        cases[f"{name} refill tail"]()
+    for warm_up in warm_ups:
+        warm_up()
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, run in cases.items():
