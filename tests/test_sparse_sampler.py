@@ -183,6 +183,31 @@ def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, 
     assert np.abs(dense[:, :steps] - full["logp"][:, :steps]).max() > 1e-2
 
 
+@pytest.mark.parametrize(("interval", "window", "policy", "selection"), [
+    (5, 2, "rkv", "shared"),  # blocks of 3 steps that push no query, then 2 that do
+    (3, 3, "snapkv", "per_layer"),  # every step of a block pushes
+    (2, 4, "snapkv", "shared")])  # the window spans two blocks
+def test_blocked_decode_equals_compressing_inside_every_step(params, interval, window, policy,
+                                                             selection) -> None:
+    """The static sampler decodes in blocks ending at multiples of the interval and pushes only
+    the queries that reach the window by the block's end (see `Sampler._decode`); the refilling
+    sampler, with a slot for every row, pushes every step's queries and asks on every step
+    which rows are due. The two give the same tokens and log-probs, prompts past the budget
+    included."""
+    from qurl_jax.sampling import RefillSampler
+
+    kv = _policy(policy, interval=interval, window=window, selection=selection)
+    kw = dict(key=jax.random.key(5), n=2, max_new_tokens=16, temperature=1.0)
+    sizes = dict(max_prompt_len=16, max_new_tokens=16, min_bucket=8)
+    blocked = _sampler(kv, **sizes).sample(params, LONG_PROMPTS, **kw)
+    per_step = RefillSampler(CFG, kv_policy=kv, max_concurrent_rows=6, **sizes).sample(
+        params, LONG_PROMPTS, **kw)
+    np.testing.assert_array_equal(np.asarray(blocked.tokens), np.asarray(per_step.tokens))
+    np.testing.assert_allclose(np.asarray(blocked.logp), np.asarray(per_step.logp), atol=1e-5)
+    dense = _sampler(**sizes).sample(params, LONG_PROMPTS, **kw)
+    assert not np.array_equal(np.asarray(blocked.tokens), np.asarray(dense.tokens))  # it evicts
+
+
 # ------------------------------------------------------------------------------------------------
 # On a mesh, with the CPU kernels' fallback.
 

@@ -66,6 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.transformer import DotGeneral, KVCache
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
+from qurl_jax.sampling._kv_policy import needs_compression
 from qurl_jax.sampling._sampler import (
     _ROW_AXES,
     FinishReason,
@@ -654,8 +655,9 @@ class RefillSampler(Sampler):
             cache = cache.replace(n_used=jnp.where(live, cache.n_used, s.cache.n_used))
             if not compresses:
                 return logits, cache, s
-            cache, win_q, win_valid = self._observe_and_compress(
-                cache, inter, s.win_q, s.win_valid, s.step, live)
+            win_q, win_valid = self._observe(inter, s.win_q, s.win_valid, live)
+            cache = self._compress_due(cache, win_q, win_valid, needs_compression(
+                self.kv_policy, s.step, cache.n_used) & live)
             return logits, cache, s.replace(win_q=win_q, win_valid=win_valid)
 
         def body(carry: tuple[jax.Array, RefillState]) -> tuple[jax.Array, RefillState]:

@@ -197,12 +197,14 @@ class Sampler:
         = at most budget + interval slots per row. After prefill, a row with more than `budget`
         slots (a prompt bucket longer than the budget) is compressed once with its last `window`
         prompt queries, so decoding starts with at most `budget` slots. Each decode step feeds
-        the previous token through the model (attending to the cache as it is), pushes that
-        step's post-RoPE queries into the window and then, under `lax.cond`, compresses the rows
-        `needs_compression` marks; so on a compression step the token's own query still sees
-        the uncompressed cache and the next one sees the compressed set (Sparse-RL compresses
-        before that step's attention; the kept set is the same). Positions stay logical; the
-        reported log-probs are those of the sparse forward that sampled each token.
+        the previous token through the model (attending to the cache as it is); the last
+        `window` steps before each multiple of `interval` push their post-RoPE queries into the
+        window, and after such a multiple one `lax.cond` compresses the rows
+        `needs_compression` marks (see `_decode`); so on a compression step the token's own
+        query still sees the uncompressed cache and the next one sees the compressed set
+        (Sparse-RL compresses before that step's attention; the kept set is the same).
+        Positions stay logical; the reported log-probs are those of the sparse forward that
+        sampled each token.
     """
 
     def __init__(
@@ -803,32 +805,51 @@ class Sampler:
         # token through the model and samples the next one, so no forward pass is wasted.
         tok, done, buffers = pick(jnp.int32(0), logits, done, buffers)
 
-        def cond(state: tuple) -> jax.Array:
+        def running(state: tuple, last: jax.Array | None = None) -> jax.Array:
+            """The loop goes on to decode step `step` (up to `last`, when given)."""
             step, _, done, _, _ = state
-            return (step < max_new_tokens) & ~jnp.all(done)
+            go = (step < max_new_tokens) & ~jnp.all(done)
+            return go if last is None else go & (step <= last)
 
-        def forward(step: jax.Array, tok: jax.Array, cache: KVCache | CompressedCache
-                    ) -> tuple[jax.Array, KVCache | CompressedCache]:
-            """One token per row through the model; compressed policies then push the window
-            and compress the rows that are due (decode step `step`, counted from 1)."""
-            if not isinstance(cache, CompressedCache):
-                step_logits, cache = model.apply(
-                    {"params": params}, tok[:, None], cache.next_pos[:, None], None, cache=cache)
-                return step_logits, cache
-            (step_logits, kv), inter = model.apply(
-                {"params": params}, tok[:, None], cache.cache.next_pos[:, None], None,
-                cache=cache.cache, mutable=["intermediates"])
-            return step_logits, CompressedCache(*self._observe_and_compress(
-                kv, inter, cache.win_q, cache.win_valid, step))
-
-        def body(state: tuple) -> tuple:
+        def step_body(state: tuple, observe: bool = False) -> tuple:
+            """Decode step `step` (counted from 1): the previous token through the model, then
+            the next one sampled. A compressed policy's step with `observe` also pushes the
+            step's queries into the observation window; no step compresses (see below)."""
             step, tok, done, buffers, cache = state
-            step_logits, cache = forward(step, tok, cache)
+            kv = cache.cache if isinstance(cache, CompressedCache) else cache
+            apply = functools.partial(model.apply, {"params": params}, tok[:, None],
+                                      kv.next_pos[:, None], None, cache=kv)
+            if not observe:
+                step_logits, kv = apply()
+                cache = cache.replace(cache=kv) if isinstance(cache, CompressedCache) else kv
+            else:
+                (step_logits, kv), inter = apply(mutable=["intermediates"])
+                cache = CompressedCache(kv, *self._observe(inter, cache.win_q, cache.win_valid))
             tok, done, buffers = pick(step, step_logits[:, 0], done, buffers)
             return step + 1, tok, done, buffers, cache
 
+        def block_body(state: tuple) -> tuple:
+            """A compressed policy decodes in blocks that end at the next multiple of `interval`
+            (the only steps at which rows compress): first the steps whose queries cannot reach
+            the observation window by then (the same program as a dense step), then the last
+            `window` steps, which push their queries, then one `lax.cond` that compresses the
+            rows due if the block ran to its end. The result is that of compressing inside
+            every step, without a conditional on every step."""
+            interval, window = self.kv_policy.interval, self.kv_policy.window
+            boundary = (state[0] + interval - 1) // interval * interval
+            state = jax.lax.while_loop(functools.partial(running, last=boundary - window),
+                                       step_body, state)
+            state = jax.lax.while_loop(functools.partial(running, last=boundary),
+                                       functools.partial(step_body, observe=True), state)
+            step, tok, done, buffers, cache = state
+            kv = cache.cache
+            kv = self._compress_due(kv, cache.win_q, cache.win_valid,
+                                    needs_compression(self.kv_policy, step - 1, kv.n_used))
+            return step, tok, done, buffers, cache.replace(cache=kv)
+
+        body = block_body if isinstance(cache, CompressedCache) else step_body
         step, _, _, buffers, cache = jax.lax.while_loop(
-            cond, body, (jnp.int32(1), tok, done, buffers, cache)
+            running, body, (jnp.int32(1), tok, done, buffers, cache)
         )
         toks, lps, lps_full, masks = buffers
         lengths = jnp.sum(masks, axis=1, dtype=jnp.int32)
@@ -839,23 +860,18 @@ class Sampler:
                         lengths=lengths, finish_reason=finish, num_steps=step)
         return response, cache
 
-    def _observe_and_compress(
-        self, cache: KVCache, intermediates: dict, win_q: tuple[jax.Array, ...],
-        win_valid: jax.Array, step: jax.Array, live: jax.Array | None = None,
-    ) -> tuple[KVCache, tuple[jax.Array, ...], jax.Array]:
-        """A compressed policy's work after one decode step's forward: pushes the step's queries
-        (sown in `intermediates`) into the observation window, then compresses the rows due at
-        `step` (i32[], or i32[R]: each row's own step). With live bool[R], rows that are not live
-        keep their window and are not compressed. Returns (cache, win_q, win_valid)."""
+    def _observe(self, intermediates: dict, win_q: tuple[jax.Array, ...], win_valid: jax.Array,
+                 live: jax.Array | None = None) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        """Pushes one decode step's queries (sown in `intermediates`) into the observation
+        window; with live bool[R], rows that are not live keep theirs. Returns (win_q,
+        win_valid)."""
         queries = _layer_queries(intermediates, self._scored_layers())
         pushed = [push_window(w, win_valid, q[:, 0]) for w, q in zip(win_q, queries, strict=True)]
         new_q, new_valid = tuple(p[0] for p in pushed), pushed[0][1]
-        needs = needs_compression(self.kv_policy, step, cache.n_used)
         if live is not None:
             new_q = tuple(where_rows(live, new, old) for new, old in zip(new_q, win_q, strict=True))
             new_valid = where_rows(live, new_valid, win_valid)
-            needs = needs & live
-        return self._compress_due(cache, new_q, new_valid, needs), new_q, new_valid
+        return new_q, new_valid
 
     def _compress_due(self, cache: KVCache, win_q: tuple[jax.Array, ...], win_valid: jax.Array,
                       needs: jax.Array) -> KVCache:
