@@ -123,3 +123,16 @@ def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
     setup = memory.build_setup(c, CFG.replace(vocab_size=64))
     figures = memory.preflight(setup, 1 << 30, log=lambda _: None)
     assert set(figures) == set(memory.PROGRAMS)
+
+
+def test_accelerator_bench_learner_runs_its_default_precisions(tmp_path):
+    """`bench.accelerator --parts=learner` trains with the training precisions (fp, fp8_block),
+    not the rollout actors' (int8 is no training precision; it used to stop the run)."""
+    from qurl_jax.bench import accelerator
+
+    out = tmp_path / "acc.json"
+    accelerator.main(["--parts=learner", "--tiny", "--rounds=1", f"--json={out}"])
+    rows = json.loads(out.read_text())["learner"]
+    assert [r["precision"] for r in rows] == ["fp", "fp8_block"]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and jnp.isfinite(r["loss"]), r

@@ -5,7 +5,7 @@ Run on a GPU (or TPU) machine, one part or several in one process:
 
     python -m qurl_jax.bench.accelerator --parts=rollout,lowering \
         --models=DeepSeek-R1-Distill-Qwen-1.5B --batches=64,256 --json=out.json
-    python -m qurl_jax.bench.accelerator --parts=learner --precisions=fp,fp8_block
+    python -m qurl_jax.bench.accelerator --parts=learner --train_precisions=fp,fp8_block
 
 Parts:
 - `rollout`: decode tokens/s of the bf16, int8 (W8A8) and fp8 (E4M3 W8A8) actors on a random-weight
@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=lambda s: [int(x) for x in csv(s)], default=[64],
                    help="rollout rows")
     p.add_argument("--precisions", type=csv, default=["fp", "int8", "fp8"],
-                   help="rollout actors (fp = bf16); for `learner`, training precisions")
+                   help="rollout actors of `rollout` and `lowering` (fp = bf16)")
+    p.add_argument("--train_precisions", type=csv, default=["fp", "fp8_block"],
+                   help="training precisions of `learner` (config.train.precision values)")
     p.add_argument("--prompt_len", type=int, default=512)
     p.add_argument("--new_tokens", type=int, default=1024, help="EOS disabled")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds; the fastest counts")
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
                     out["lowering"].append(row)
                     save()
                     print(f"  decode matmuls {precision}: {row['decode_matmuls']}", flush=True)
-    for precision in ARGS.precisions if "learner" in parts else ():
+    for precision in ARGS.train_precisions if "learner" in parts else ():
         row = learner(precision)
         out["learner"].append(row)
         save()
