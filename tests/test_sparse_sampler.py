@@ -26,6 +26,7 @@ from qurl_jax.models import (
     param_logical_axes,
     positions_from_mask,
 )
+from qurl_jax.models.transformer import write_rows
 from qurl_jax.rl.objectives import ObjectiveConfig, sparse_rl_rejections
 from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingMode
 from qurl_jax.sampling._sampler import _left_pad
@@ -181,6 +182,116 @@ def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, 
     dense = np.take_along_axis(np.asarray(jax.nn.log_softmax(dense_logits, axis=-1))[
         :, p_len - 1:-1], seq[:, p_len:, None], axis=2)[..., 0]
     assert np.abs(dense[:, :steps] - full["logp"][:, :steps]).max() > 1e-2
+
+
+def _layered_step(params: dict, tok: np.ndarray, kv: list, pos: list, write_slots: jax.Array,
+                  positions: jax.Array) -> tuple[jax.Array, list, list]:
+    """One decode step of the model (fp, tied head) over a dense cache whose layers each have their
+    own slot positions pos[i] i32[R, S] (-1 = masked): the per-layer masks that the model's one
+    shared `KVCache.pos` cannot express. Runs the model's own submodules; returns (logits f32[R, V],
+    kv, pos) with this step's token written at `write_slots`."""
+    from qurl_jax.models.transformer import DecoderLayer, Embed, RMSNorm
+
+    embed = Embed(CFG, parent=None)
+    x = embed.apply({"params": params["embed_tokens"]}, jnp.asarray(tok))
+    new_kv, new_pos = [], []
+    for i in range(CFG.num_layers):
+        layer_pos = write_rows(pos[i], positions, write_slots, 0)
+        x, layer_kv = DecoderLayer(CFG, jax.lax.dot_general, parent=None).apply(
+            {"params": params[f"layers_{i}"]}, x, positions, None, kv[i], layer_pos, write_slots)
+        new_kv.append(layer_kv)
+        new_pos.append(layer_pos)
+    x = RMSNorm(CFG.rms_norm_eps, CFG.compute_dtype, CFG.params_dtype, parent=None).apply(
+        {"params": params["norm"]}, x)
+    logits = embed.apply({"params": params["embed_tokens"]}, x, jax.lax.dot_general,
+                         method="attend")
+    return logits[:, 0].astype(jnp.float32), new_kv, new_pos
+
+
+@pytest.mark.parametrize(("policy", "prompts"), [
+    ("rkv", LONG_PROMPTS),
+    pytest.param("snapkv", PROMPTS, marks=pytest.mark.slow)])
+def test_per_layer_selection_equals_a_dense_forward_with_each_layers_evictions_masked(
+        params, policy, prompts) -> None:
+    """PER_LAYER selection: each layer keeps its own positions in slots [0, budget) (the cache's
+    pos records layer 0's). Every sampled log-prob equals that of a dense decode in which each
+    layer masks the positions *it* evicted before the step. Which positions layer i kept is read
+    off its cached keys: each equals exactly one of the reference's layer-i keys (keys are stored
+    once, post-RoPE), which holds only if every layer below attended to what the sampler's did.
+    The layers do keep different sets, and masking layer 0's set in every layer instead gives
+    other log-probs, so the per-layer masks are what is checked."""
+    p_len = 16 if prompts is LONG_PROMPTS else 8
+    sampler = _sampler(_policy(policy, selection="per_layer"), max_prompt_len=p_len,
+                       prompt_buckets=[p_len], max_new_tokens=32, gen_buckets=[32])
+    key, steps, rows, layers = jax.random.key(13), 16, len(prompts), CFG.num_layers
+    full, _, tokens, mask = _run_chunk(sampler, params, prompts, steps, key)
+    seq = np.concatenate([tokens, full["tokens"]], axis=1)
+
+    # The dense reference after prefill (every layer sees the whole prompt, as the sampler's
+    # prefill does before it compresses a prompt longer than the budget).
+    cache = KVCache.zeros(CFG, rows, p_len + steps)
+    _, cache = Transformer(CFG).apply({"params": params}, jnp.asarray(tokens),
+                                      jnp.asarray(positions_from_mask(mask)), jnp.asarray(mask),
+                                      cache=cache)
+    prompt_len = np.asarray(cache.next_pos)
+
+    def kept_positions(c: int, ref_keys: list, ref_pos: np.ndarray) -> list[list[set]]:
+        """kept[i][r]: the positions layer i of row r holds after compression c (c = 0: after
+        prefill), identified by matching the sampler's cached keys to the reference's."""
+        cache_c = _run_chunk(sampler, params, prompts, c + 1, key)[1].cache
+        n_used, pos0 = np.asarray(cache_c.n_used), np.asarray(cache_c.pos)
+        kept = []
+        for i in range(layers):
+            ks, kr = np.asarray(cache_c.k[i]), np.asarray(ref_keys[i])
+            per_row = []
+            for r in range(rows):
+                found = set()
+                for slot in np.flatnonzero(pos0[r, :n_used[r]] >= 0):
+                    cand = np.flatnonzero((ref_pos[r] >= 0) & (ref_pos[r] < prompt_len[r] + c))
+                    dist = np.linalg.norm(kr[r][:, cand] - ks[r][:, slot, None], axis=(0, 2))
+                    assert dist.min() <= 1e-4 * (1 + np.linalg.norm(ks[r][:, slot])), (
+                        f"layer {i} row {r} slot {slot} holds no key of the reference "
+                        f"(nearest {dist.min():.3g}) after compression {c}")
+                    found.add(int(ref_pos[r, cand[np.argmin(dist)]]))
+                if i == 0:
+                    assert found == set(pos0[r, :n_used[r]][pos0[r, :n_used[r]] >= 0].tolist())
+                per_row.append(found)
+            kept.append(per_row)
+        return kept
+
+    def decode(kept_for: dict | None) -> tuple[np.ndarray, dict]:
+        """Log-probs of the sampled tokens at steps 1..steps-1 under per-layer masks: the sets
+        identified on the way (kept_for None), or the given ones."""
+        kv = [(cache.k[i], cache.v[i]) for i in range(layers)]
+        pos = [cache.pos] * layers
+        all_pos = np.asarray(cache.pos)  # every position written so far, never masked
+        write, kept_after, logp = cache.n_used, {}, np.zeros((rows, steps))
+        for s in range(1, steps):
+            c = (s - 1) // INTERVAL * INTERVAL
+            if c not in kept_after:
+                kept_after[c] = (kept_positions(c, [k for k, _ in kv], all_pos)
+                                 if kept_for is None else kept_for[c])
+            masked = []
+            for i in range(layers):
+                evicted = np.stack([np.isin(all_pos[r], [
+                    q for q in range(prompt_len[r] + c) if q not in kept_after[c][i][r]])
+                    for r in range(rows)])
+                masked.append(jnp.where(jnp.asarray(evicted), -1, pos[i]))
+            positions = jnp.asarray(prompt_len + s - 1)[:, None]
+            logits, kv, pos = _layered_step(params, seq[:, p_len + s - 1, None], kv, masked,
+                                            write, positions)
+            all_pos = np.asarray(write_rows(jnp.asarray(all_pos), positions, write, 0))
+            write = write + 1
+            logp[:, s] = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                                            seq[:, p_len + s, None], axis=1)[:, 0]
+        return logp, kept_after
+
+    logp, kept_after = decode(None)
+    np.testing.assert_allclose(full["logp"][:, 1:steps], logp[:, 1:], atol=2e-4, rtol=0)
+    assert any(kept_after[c][1][r] != kept_after[c][0][r] for c in kept_after
+               for r in range(rows)), "the layers kept the same positions: nothing was tested"
+    shared = {c: [kept[0]] * layers for c, kept in kept_after.items()}
+    assert np.abs(decode(shared)[0][:, 1:] - full["logp"][:, 1:steps]).max() > 1e-2
 
 
 @pytest.mark.parametrize(("interval", "window", "policy", "selection"), [
