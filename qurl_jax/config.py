@@ -178,6 +178,11 @@ def base_config() -> ml_collections.ConfigDict:
     # 'on' also on the CPU (then memory_limit_gib must be set), 'off'.
     c.train.preflight = "auto"
     c.train.memory_limit_gib = 0.0  # per device; 0 = the device's own limit
+    # JAX's persistent compilation cache (`qurl_jax.compilation`), which `python -m qurl_jax.main`
+    # turns on: 'auto' = <workdir>/compile_cache, '' = none, else a directory or URL (share one
+    # across runs of the same shapes). A restarted run, and the first step after the memory
+    # preflight, load their programs from it instead of compiling them again.
+    c.train.compilation_cache_dir = "auto"
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none

@@ -13,6 +13,10 @@ workers, SLURM under `srun`, Open MPI, xpk GPU pods); `--coordinator_address=HOS
 --num_processes=N --process_id=I` (and `--local_device_ids=0,1,...`) join one explicitly. A peer
 that dies makes the others abort within `--heartbeat_timeout_s`; restarting every process resumes
 from the last checkpoint. Only process 0 prints the summary and writes metrics and logs.
+
+Compiled programs are kept in JAX's persistent compilation cache at
+`config.train.compilation_cache_dir` (default `<workdir>/compile_cache`; `qurl_jax.compilation`),
+so a restarted run loads them instead of compiling again.
 """
 
 from __future__ import annotations
@@ -91,8 +95,13 @@ def main(argv: list[str]) -> None:
         config.unlock()
         config.train.export_hf = _EXPORT_HF.value
         config.lock()
+    from qurl_jax import compilation
     from qurl_jax.metrics import format_summary
     from qurl_jax.trainer import Trainer
+
+    # Before anything compiles: the memory preflight's programs and a restart's are loaded again.
+    compilation.enable_persistent_cache(
+        compilation.cache_dir(config.train.compilation_cache_dir, _WORKDIR.value))
 
     try:
         trainer = Trainer(config, _WORKDIR.value)

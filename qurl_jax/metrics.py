@@ -182,6 +182,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.extend(f"  {k:<34}{v:>12.1f}" for k, v in speed.items() if k != "speedup")
         if "speedup" in speed:
             lines.append(f"  {'quantized / fp32':<34}{speed['speedup']:>12.2f}x")
+    comp = summary.get("compile", {})
+    if comp:
+        lines.append(f"compile: {comp['programs']:.0f} programs, {comp['seconds']:.1f} s "
+                     f"(persistent cache: {comp['cache_hits']:.0f} loaded, "
+                     f"{comp['saved_s']:.1f} s saved)")
     means = summary.get("means", {})
     if means:
         lines.append("per-step means")

@@ -9,10 +9,11 @@ train / held-out split (`data.split_seed`); a variant changes only the fields li
 and the rows marked * run under every seed (`--seeds`), the others under the first. Nothing is
 tuned per variant. Each run is a `python -m qurl_jax.main` subprocess writing to
 `<out>/runs/<variant>_s<seed>` (`--jobs` at a time), so a run is what a user gets from the same
-command, with its own log, metrics and plots. A finished run is not run again: rerunning the
-command after a crash goes on where it stopped (an unfinished run resumes from its checkpoint); a
-finished run made with another command (other steps, config or variant) stops the study instead of
-being reused.
+command, with its own log, metrics and plots; the runs share one compilation cache
+(`<out>/compile_cache`), so a program compiled by one run is loaded by the next. A finished run
+is not run again: rerunning the command after a crash goes on where it stopped (an unfinished run
+resumes from its checkpoint); a finished run made with another command (other steps, config or
+variant) stops the study instead of being reused.
 
 Written to `<out>`:
 - `study.md`: the table, mean +- std over seeds: held-out accuracy after RL (greedy and Avg@k per
@@ -337,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = build_warm_start(args.config, args.out, shared)
     shared.update({
         "model.source": "hf", "model.path": model_path, "data.split_seed": base.seed,
-        "train.progress": False, "train.checkpoint_every": shared["train.num_steps"]})
+        "train.progress": False, "train.checkpoint_every": shared["train.num_steps"],
+        # One persistent compilation cache for all runs: most programs are the same in every run.
+        "train.compilation_cache_dir": os.path.join(os.path.abspath(args.out), "compile_cache")})
     runs, commands = [], {}
     for seed in range(seeds):  # every variant's first seed before any second one
         for name in names:

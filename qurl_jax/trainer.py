@@ -36,8 +36,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from qurl_jax import compilation, quant, report
 from qurl_jax import distributed as dist
-from qurl_jax import quant, report
 from qurl_jax import sharding as shd
 from qurl_jax.bench import memory
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
@@ -200,6 +200,7 @@ class Trainer:
         # A checkpoint of another model or optimizer stops the run here, before the warm-start
         # cache, metrics or a new checkpoint are written.
         self.checkpointer.check_compatible(self._abstract_state())
+        self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
         sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
@@ -377,6 +378,7 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics (already written to metrics.jsonl)."""
         timer = PhaseTimer()
+        compiled_before = compilation.compile_stats()
         with timer.phase("requantize"):
             rollout_params = jax.block_until_ready(quant.requantize(self.params, self.recipe))
         r, metrics = self.collect(rollout_params, timer)
@@ -402,6 +404,9 @@ class Trainer:
             capture = quant.update_capture(old_params, self.params, self.recipe)
             metrics.update({f"quant/{k}": float(v) for k, v in capture.items()})
         metrics.update(self._step_metrics(r, timer, metrics))
+        # Programs compiled (or loaded from the persistent cache) in this step: after the first
+        # step, a new one means a shape or setting changed.
+        metrics.update(compilation.compile_stats().since(compiled_before).metrics())
         self.step_count += 1
         self.writer.write(self.step_count, metrics)
         self.last_metrics = metrics
@@ -539,6 +544,7 @@ class Trainer:
         self.task.close()  # verifier worker processes
         if dist.is_primary():
             summary["plots"] = self._write_plots()
+        summary["compile"] = compilation.compile_stats().since(self._compiled_before).metrics("")
         return summary
 
     def _write_plots(self) -> list[str]:

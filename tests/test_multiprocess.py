@@ -99,12 +99,13 @@ def _wait_ok(procs: list[subprocess.Popen], logs: list[str]) -> None:
 
 
 def _comparable(workdir: str) -> dict[tuple[int, str], float]:
-    """Metrics that do not measure time, keyed by (step, name) (evaluation rows included)."""
+    """Metrics that measure neither time nor compilation, keyed by (step, name) (evaluation rows
+    included)."""
     out = {}
     for row in read_metrics(workdir):
         kind = "eval" if any(k.startswith("eval/") for k in row) else "train"
         for k, v in row.items():
-            if k == "step" or k.startswith("time/") or k == "rollout/tokens_per_s":
+            if k == "step" or k.startswith(("time/", "compile/")) or k == "rollout/tokens_per_s":
                 continue
             out[(row["step"], kind, k)] = float(v)
     return out

@@ -162,7 +162,8 @@ def test_one_step_each_precision(tmp_path, precision):
         assert "quant/code_change_fraction" in m
 
 
-def _main(workdir: str, *overrides: str, **popen) -> subprocess.Popen:
+def _main(workdir: str, *overrides: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """`python -m qurl_jax.main` on a tiny arithmetic run (extra environment variables in env)."""
     args = [sys.executable, "-m", "qurl_jax.main", f"--config={REPO}/configs/arith_tiny.py",
             f"--workdir={workdir}", "--config.sft.steps=0", "--config.model.tiny.num_layers=1",
             "--config.model.tiny.hidden_size=32", "--config.model.tiny.intermediate_size=64",
@@ -170,7 +171,7 @@ def _main(workdir: str, *overrides: str, **popen) -> subprocess.Popen:
             "--config.rollout.n=4", "--config.rollout.max_new_tokens=4",
             "--config.eval.max_examples=4", "--config.eval.max_new_tokens=4",
             "--config.train.progress=False", *overrides]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", **(env or {}))
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)
 
@@ -179,7 +180,7 @@ def _last_rows(workdir: str) -> dict[int, dict]:
     rows = {}
     for r in read_metrics(workdir):
         if "rollout/reward_mean" in r:
-            rows[r["step"]] = {k: v for k, v in r.items() if not k.startswith("time/")
+            rows[r["step"]] = {k: v for k, v in r.items() if not k.startswith(("time/", "compile/"))
                                and k != "rollout/tokens_per_s"}
     return rows
 
