@@ -319,6 +319,37 @@ def test_blocked_decode_equals_compressing_inside_every_step(params, interval, w
     assert not np.array_equal(np.asarray(blocked.tokens), np.asarray(dense.tokens))  # it evicts
 
 
+@pytest.mark.parametrize("policy", [pytest.param("streaming", marks=pytest.mark.slow), "rkv"])
+def test_bfloat16_cache(params, policy) -> None:
+    """The accelerator's compute dtype: keys, values and window queries in bfloat16. A budget that
+    holds the sequence gives exactly the dense bf16 sampler's tokens and log-probs. With a small
+    budget (prompts past it), the refilling sampler's per-step compression schedule gives exactly
+    the static sampler's blocked one. A slot per row: in bf16, other batch shapes (fewer slots,
+    other chunks) change roundings in the last bit, dense or compressed alike, and sampled
+    tokens drift apart after a few steps; in float32 they do not (test_refill)."""
+    from qurl_jax.sampling import RefillSampler
+
+    bf16 = CFG.replace(dtype="bfloat16")
+    kw = dict(key=jax.random.key(7), n=2, max_new_tokens=16, temperature=1.0)
+    sizes = dict(max_prompt_len=16, max_new_tokens=16, min_bucket=8)
+    dense = Sampler(bf16, **sizes).sample(params, LONG_PROMPTS, **kw)
+    wide = Sampler(bf16, kv_policy=_policy(policy, budget=32), **sizes).sample(
+        params, LONG_PROMPTS, **kw)
+    np.testing.assert_array_equal(np.asarray(wide.tokens), np.asarray(dense.tokens))
+    np.testing.assert_array_equal(np.asarray(wide.logp), np.asarray(dense.logp))
+
+    static = Sampler(bf16, kv_policy=_policy(policy), **sizes).sample(params, LONG_PROMPTS, **kw)
+    refill = RefillSampler(bf16, kv_policy=_policy(policy), max_concurrent_rows=6, **sizes
+                           ).sample(params, LONG_PROMPTS, **kw)
+    np.testing.assert_array_equal(np.asarray(refill.tokens), np.asarray(static.tokens))
+    np.testing.assert_array_equal(np.asarray(refill.logp), np.asarray(static.logp))
+    assert not np.array_equal(np.asarray(static.tokens), np.asarray(dense.tokens))  # it evicts
+    one = Sampler(bf16, kv_policy=_policy(policy), max_prompt_len=16, prompt_buckets=[16],
+                  max_new_tokens=16, gen_buckets=[16])
+    state = _run_chunk(one, params, LONG_PROMPTS, 16, jax.random.key(7))[1]
+    assert state.cache.k[0].dtype == jnp.bfloat16 and state.win_q[0].dtype == jnp.bfloat16
+
+
 # ------------------------------------------------------------------------------------------------
 # On a mesh, with the CPU kernels' fallback.
 
