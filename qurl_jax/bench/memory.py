@@ -87,10 +87,17 @@ class Setup:
     response_len: int
 
     @functools.cached_property
+    def requantize_fn(self) -> Callable:
+        """The jitted requantize of the rollout precision: one function per Setup, so the
+        `actor` shardings and the `requantize` program share one compile."""
+        recipe = quant.get_recipe(self.config.rollout.precision)
+        return jax.jit(lambda params: quant.requantize(params, recipe))
+
+    @functools.cached_property
     def actor(self) -> Any:
         """The rollout actor's parameters as `jax.ShapeDtypeStruct`s with the shardings
-        requantize gives them (its program compiled once per Setup, not once per program)."""
-        fn = _requantize_fn(self)
+        requantize gives them."""
+        fn = self.requantize_fn
         shardings = fn.lower(self.params).compile().output_shardings
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             jax.eval_shape(fn, self.params), shardings)
@@ -213,14 +220,9 @@ def learner_logprobs(setup: Setup) -> Program:
     return Program(lowered, Estimate(parts, s))
 
 
-def _requantize_fn(setup: Setup) -> Callable:
-    recipe = quant.get_recipe(setup.config.rollout.precision)
-    return jax.jit(lambda params: quant.requantize(params, recipe))
-
-
 def requantize(setup: Setup) -> Program:
     """The rollout actor made from the learner's parameters, every step."""
-    lowered = _requantize_fn(setup).lower(setup.params)
+    lowered = setup.requantize_fn.lower(setup.params)
     s = _symbols(setup, setup.rollout_rows)
     actor = _bytes_per_device(setup.actor)
     return Program(lowered, Estimate((("params (input)", "Pd", s["Pd"]),
