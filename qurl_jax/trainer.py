@@ -451,10 +451,13 @@ class Trainer:
         c = self.config
         size = batch["tokens"].shape[0]
         mb = size // c.rl.num_minibatches
-        sums: dict[str, float] = {}
-        count = 0
-        for epoch in range(c.rl.ppo_epochs):
-            order = np.asarray(jax.random.permutation(self.key(Stream.MINIBATCH, epoch), size))
+        # Every epoch's order before the first update, and the metrics fetched once after the
+        # last: the host enqueues all updates (and the minibatch gathers between them) without
+        # waiting for one to finish.
+        orders = [np.asarray(jax.random.permutation(self.key(Stream.MINIBATCH, epoch), size))
+                  for epoch in range(c.rl.ppo_epochs)]
+        pending = []
+        for order in orders:
             for i in range(c.rl.num_minibatches):
                 idx = np.sort(order[i * mb:(i + 1) * mb]) if c.rl.num_minibatches > 1 else None
                 mini = batch if idx is None else self.learner.shard_batch(
@@ -465,9 +468,12 @@ class Trainer:
                 else:
                     _, _, m = self.learner.update(jax.tree.map(jnp.copy, self.params),
                                                   jax.tree.map(jnp.copy, self.opt_state), mini)
-                for k, v in to_floats(m).items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
+                pending.append(m)
+        sums: dict[str, float] = {}
+        for m in jax.device_get(pending):
+            for k, v in to_floats(m).items():
+                sums[k] = sums.get(k, 0.0) + v
+        count = len(pending)
         # A step is bad when any of its updates was skipped for a non-finite loss or gradient.
         self._bad_steps = self._bad_steps + 1 if sums["update/skipped"] else 0
         return {k: v / count for k, v in sums.items()}
