@@ -100,9 +100,15 @@ def test_rollout_chunk_bounds_decode_memory(tmp_path):
         compiled = memory.rollout_decode(setup).lowered.compile()
         return memory.compiled_memory(compiled)["peak_bytes"]
 
-    whole, half = decode_bytes(0), decode_bytes(8)
+    whole, half = decode_bytes(0), decode_bytes(8)  # 8 of 16 rows: refill (rollout.refill auto)
     # 8 of 16 rows fewer, over 2 devices: 4 rows' caches per device, counted in and out.
     assert whole - half >= 4 * kv_row, (whole, half, kv_row)
+    # The refilling sampler's decode (what the run uses here) also holds every row's outputs:
+    # more than the static sampler's 8-row chunk by at least tokens, log-probs and mask of the 8
+    # rows that wait.
+    c.rollout.refill = "off"
+    static = decode_bytes(8)
+    assert half - static >= 8 // 2 * 448 * 13, (half, static)
 
 
 def test_preflight_names_the_knob_before_anything_is_written(tmp_path):

@@ -232,6 +232,53 @@ def test_mesh_each_shard_refills_its_own_slots(qwen, policy) -> None:
     assert out.tokens.shape == (14, 16)
 
 
+@pytest.mark.parametrize("policy", ["dense", "rkv"])
+def test_lower_programs_are_the_programs_sample_runs(qwen, policy) -> None:
+    """What the memory report and the trainer's preflight compile for a refill rollout
+    (`lower_programs`: the full insert and the decode on R slots, with the [rows, G] outputs) is
+    what `sample` runs: the compiled programs, put in place of the sampler's own, take the real
+    state (a compiled program rejects any other shape or sharding) and give the same tokens."""
+    from qurl_jax.sampling import KVPolicyConfig, SamplingMode
+
+    cfg, params, _ = qwen
+    kv = KVPolicyConfig(policy=policy, budget=6, interval=3, window=2, pool_kernel=3)
+    kw = dict(key=jax.random.key(0), n=2, max_new_tokens=16, greedy=True)
+    prompts = PROMPTS6 + [[4, 4]]
+    limits = np.concatenate([LIMITS, [2, 14]])
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = shard_params(params, param_logical_axes(cfg), mesh)
+
+    def sampler() -> RefillSampler:
+        return RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
+                             max_concurrent_rows=8, kv_policy=kv)
+
+    ref = sampler().sample(sharded, prompts, length_limits=limits, **kw)
+    refill = sampler()
+    rows = refill.rows_per_chunk(len(prompts), 2)
+    assert rows == 16  # 7 prompts padded to 8 for 4 batch shards, all in one call
+    before = set(refill._refill_programs)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            sharded)
+    lowered = refill.lower_programs(abstract, rows, 16, 16, n=2, mode=SamplingMode(greedy=True))
+    calls = {"insert": 0, "decode": 0}
+    for key in set(refill._refill_programs) - before:
+        if key[0] in calls:
+            name = "prefill" if key[0] == "insert" else "decode"
+            compiled = lowered[name].compile()
+
+            def counted(*args, _compiled=compiled, _kind=key[0]):
+                calls[_kind] += 1
+                return _compiled(*args)
+
+            refill._refill_programs[key] = counted
+    out = refill.sample(sharded, prompts, length_limits=limits, **kw)
+    assert calls["insert"] == 1 and calls["decode"] >= 1, calls  # the first insert fills all 8
+    _assert_prefix_equal(out, ref, limits, atol=0)
+    memory = lowered["decode"].compile().memory_analysis()
+    outputs = rows * 16 * (4 + 4 + 4 + 1) // 4  # tokens, logp, logp_untruncated, mask: 4 shards
+    assert memory.argument_size_in_bytes > outputs
+
+
 def test_bad_arguments_raise(qwen) -> None:
     cfg, params, _ = qwen
     with pytest.raises(ValueError, match="multiple of the batch shards"):

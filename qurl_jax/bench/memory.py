@@ -18,7 +18,10 @@ output, temp and peak bytes:
 - `requantize`: the rollout actor made from the learner's sharded parameters (`rollout.precision`);
 - `rollout_prefill` / `rollout_decode`: the sampler's programs for one rollout chunk
   (`rollout.max_concurrent_rows` rows, sharded over data x fsdp), built for an accelerator
-  platform (no CPU-only work), on the actor's parameters with their shardings.
+  platform (no CPU-only work), on the actor's parameters with their shardings. When the rollout
+  refills slots (`rollout.refill`, on by default when rows wait for a slot) they are the
+  `RefillSampler`'s: the insert that fills every slot at once and the decode loop over the slots,
+  whose state also holds every row's outputs and one held prompt prefill per batch shard.
 
 Adding a program is adding one entry to `PROGRAMS`: a function of the `Setup` that returns the
 lowered program and its analytic `Estimate`.
@@ -57,10 +60,11 @@ from qurl_jax.config import (
     learner_micro_batch_size,
     objective_from_config,
     optim_from_config,
+    refill_enabled,
 )
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, hf, init_params
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import RefillSampler, Sampler
 
 GIB = 1 << 30
 BUDGET_GIB = 60.0
@@ -231,16 +235,19 @@ def requantize(setup: Setup) -> Program:
 
 def _rollout(setup: Setup, name: str) -> Program:
     c = setup.config
-    sampler = Sampler(setup.model_config,
-                      quant.make_dot_general(quant.get_recipe(c.rollout.precision)),
-                      prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
-                      mesh=setup.mesh, max_concurrent_rows=c.rollout.max_concurrent_rows,
-                      platform="gpu", kv_policy=kv_policy_from_config(c.rollout))
+    refill = refill_enabled(c)
+    sampler = (RefillSampler if refill else Sampler)(
+        setup.model_config, quant.make_dot_general(quant.get_recipe(c.rollout.precision)),
+        prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,), mesh=setup.mesh,
+        max_concurrent_rows=c.rollout.max_concurrent_rows, platform="gpu",
+        kv_policy=kv_policy_from_config(c.rollout))
     rows = sampler.rows_per_chunk(c.data.prompts_per_step, c.rollout.n)
     actor = setup.actor
     lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
                                      n=c.rollout.n)[name]
-    s = _symbols(setup, rows)
+    # The rows decoded at once: a chunk of the static sampler, or the refilling sampler's slots.
+    slots = min(c.rollout.max_concurrent_rows or rows, rows) if refill else rows
+    s = _symbols(setup, slots)
     m = setup.model_config
     b, V, t = s["b"], s["V"], s["t"]
     kv_heads = max(m.num_kv_heads // t, 1)
@@ -255,17 +262,27 @@ def _rollout(setup: Setup, name: str) -> Program:
         ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
     ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
            b * setup.prompt_len * ((3 * s["M"] + 2 * (s["Q"] + 2 * s["K"])) // t + 2 * s["E"])
-           * s["cb"]),) if name == "prefill" else ())
-    return Program(lowered, Estimate(parts, {**s, "rows per chunk": rows}))
+           * s["cb"]),) if name == "prefill" else ()) + ((
+        ("row-indexed outputs of every row (refill)",
+         "rows/device * G * 13 (tokens, two log-probs, mask)",
+         max(rows // (c.mesh.data * c.mesh.fsdp), 1) * s["G"] * 13),
+        ("held prompt prefills (refill; one per batch shard, whole on every device)",
+         "data*fsdp * 2*L*P*max(Hkv/t,1)*D * cb",
+         c.mesh.data * c.mesh.fsdp * 2 * s["L"] * sampler.prefill_slots(setup.prompt_len)
+         * kv_heads * m.head_dim * s["cb"])) if refill else ())
+    counts = {"rows per call": rows, "slots": slots} if refill else {"rows per chunk": rows}
+    return Program(lowered, Estimate(parts, {**s, **counts}))
 
 
 def rollout_prefill(setup: Setup) -> Program:
-    """The prompt pass of one rollout chunk (n samples of a prompt share it)."""
+    """The prompt pass of one rollout chunk (n samples of a prompt share it); with
+    `rollout.refill`, the insert that prefills prompts into every slot at once."""
     return _rollout(setup, "prefill")
 
 
 def rollout_decode(setup: Setup) -> Program:
-    """The decode loop of one rollout chunk, every new token of it."""
+    """The decode loop of one rollout chunk, every new token of it; with `rollout.refill`, the
+    decode loop over the slots, which also holds every row's outputs."""
     return _rollout(setup, "decode")
 
 

@@ -80,6 +80,13 @@ from qurl_jax.sampling._sampler import (
 )
 
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
+# The held prefills (one per batch shard) are an insert's sources for any slot: whole on every
+# batch shard, heads over 'tensor' as in the cache. Constrained, so every program takes and gives
+# them alike (left to the compiler, the init program made them replicated and the insert
+# heads-sharded: a second compile of the insert, and a decode program no plan could foresee).
+_HELD_KV_AXES = (None, "kv_heads", "cache_length", "head_dim")
+_HELD_POS_AXES = (None, "cache_length")
+_HELD_ROW_AXES = (None,)
 
 
 @flax.struct.dataclass
@@ -378,6 +385,74 @@ class RefillSampler(Sampler):
         self.last_run = run
         return out, {"tokens": tokens, "mask": mask, "p_len": p_len}
 
+    def rows_per_chunk(self, num_prompts: int, n: int) -> int:
+        """Rows of a `sample` call of `num_prompts` prompts with `n` samples each, batch padding
+        included: all of them pass through the slots in one call (the row-indexed outputs hold
+        every row), so they are the rows `lower_programs` needs."""
+        shards = self._batch_shards()
+        return -(-num_prompts // shards) * shards * n
+
+    def lower_programs(
+        self,
+        abstract_params: Params,
+        rows: int,
+        p_len: int,
+        g_len: int,
+        *,
+        n: int = 1,
+        mode: SamplingMode | None = None,
+        lowering_platforms: tuple[str, ...] | None = None,
+    ) -> dict[str, jax.stages.Lowered]:
+        """The largest programs a `sample` call of `rows` rows (`rows_per_chunk`) runs, lowered
+        but neither compiled nor run, for memory and cost analysis (`Sampler.lower_programs`):
+
+          'prefill': the insert that fills every slot at once: K = R rows admitted, with as many
+            new prompts prefilled as K rows of prompt-major per-shard queues can need (P, at
+            most K), into a state of R slots holding the [rows, g_len] outputs;
+          'decode': the decode loop over the R slots of that state.
+
+        R = min(`max_concurrent_rows` or rows, rows). The state's shardings are those the
+        programs give it (the init program and the parameter preparation are compiled for them;
+        the held prefills are not constrained, so only a compile knows where they live).
+        """
+        shards = self._batch_shards()
+        if rows < 1 or rows % (n * shards):
+            raise ValueError(f"RefillSampler.lower_programs: rows={rows} must be a positive "
+                             f"multiple of n * batch shards = {n} * {shards}")
+        mode = mode or SamplingMode()
+        slots = min(self.max_concurrent_rows or rows, rows)
+        cache_len = self.kv_policy.physical_slots(p_len, g_len)
+        eos = 8  # `_sampling_settings` pads the EOS ids to a multiple of 8
+        init = self._program("init", slots, rows, cache_len, g_len, shards,
+                             self.prefill_slots(p_len))
+        state = _abstract_outputs(init)
+        decode_params = _abstract_outputs(self._prepare, abstract_params)
+        k = _bucket(slots, _power_of_two_buckets(1, slots))
+        # A shard's admitted rows are consecutive in its prompt-major queue, and the prompt at
+        # its head is held when it was partly admitted before: m rows need ceil(m / n) new
+        # prompts at most (exactly that many in the first insert).
+        new = min(k, rows // n, shards * -(-(slots // shards) // n))
+        p = _bucket(new, (0, *_power_of_two_buckets(1, k)))
+        i32 = jnp.int32
+        repl = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+        def host(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=repl)  # `_put_replicated`
+
+        scalar = functools.partial(jax.ShapeDtypeStruct, ())
+        settings = (jax.eval_shape(lambda: jax.random.key(0)), scalar(jnp.float32),
+                    scalar(jnp.float32), jax.ShapeDtypeStruct((eos,), i32))
+        insert = self._program("insert", slots, rows, cache_len, g_len, mode, eos, k, p, p_len)
+        insert_args = (abstract_params, state, host((p, p_len), i32), host((p, p_len), jnp.bool_),
+                       *(host((k,), i32) for _ in range(5)), host((shards,), i32), *settings)
+        decode = self._program("decode", slots, rows, cache_len, g_len, mode, eos)
+        decode_args = (decode_params, state, self._abstract_batch((slots,), jnp.bool_),
+                       scalar(i32), scalar(i32), scalar(i32), *settings)
+        return {
+            "prefill": insert.trace(*insert_args).lower(lowering_platforms=lowering_platforms),
+            "decode": decode.trace(*decode_args).lower(lowering_platforms=lowering_platforms),
+        }
+
     # ----------------------------------------------------------------------------------------------
     # Host side of an insert.
 
@@ -483,10 +558,16 @@ class RefillSampler(Sampler):
             limit=c(state.limit, _ROW_AXES),
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES),
-            held=state.held, held_logits=state.held_logits,
+            held=KVCache(k=tuple(c(x, _HELD_KV_AXES) for x in state.held.k),
+                         v=tuple(c(x, _HELD_KV_AXES) for x in state.held.v),
+                         pos=c(state.held.pos, _HELD_POS_AXES),
+                         n_used=c(state.held.n_used, _HELD_ROW_AXES),
+                         next_pos=c(state.held.next_pos, _HELD_ROW_AXES)),
+            held_logits=c(state.held_logits, (None, "vocab")),
             win_q=tuple(map(self._constrain_rows, state.win_q)),
             win_valid=self._constrain_rows(state.win_valid),
-            held_win_q=state.held_win_q, held_win_valid=state.held_win_valid,
+            held_win_q=tuple(c(x, (None, "heads", None, "head_dim")) for x in state.held_win_q),
+            held_win_valid=c(state.held_win_valid, (None, None)),
         )
 
     def _init_state(self, *, slots: int, rows: int, cache_len: int, g_len: int, held: int,
@@ -690,6 +771,14 @@ class RefillSampler(Sampler):
         finish = jnp.where(ended_on_eos, FinishReason.EOS, FinishReason.LENGTH).astype(jnp.int32)
         return dict(tokens=state.tokens, logp=state.logp, logp_untruncated=state.logp_untruncated,
                     mask=state.mask, lengths=lengths, finish_reason=finish)
+
+
+def _abstract_outputs(fn: Any, *args: Any) -> Any:
+    """The outputs of jitted `fn` on `args` as `jax.ShapeDtypeStruct`s with the shardings its
+    compiled program gives them."""
+    shardings = fn.lower(*args).compile().output_shardings
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(fn, *args), shardings)
 
 
 def _replicated_to_host(x: jax.Array) -> np.ndarray:
