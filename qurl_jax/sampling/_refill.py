@@ -760,7 +760,9 @@ class RefillSampler(Sampler):
         if self.mesh is not None:  # every process reads all of them
             live = jax.lax.with_sharding_constraint(live, NamedSharding(self.mesh,
                                                                         PartitionSpec()))
-        return state, live, steps
+        # The state leaves as it came (its live flags too, which the compiler would otherwise
+        # give the replicated copy's sharding: the next insert of a seen shape compiled again).
+        return self._constrain_state(state), live, steps
 
     def _finish(self, state: RefillState, eos_ids: jax.Array) -> dict[str, jax.Array]:
         """Per-row lengths and finish reasons, as the static sampler computes them."""
