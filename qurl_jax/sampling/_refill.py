@@ -46,7 +46,10 @@ are indexed by row, so they come back prompt-major.
 
 Under a mesh the slots are sharded over ('data', 'fsdp') like the static sampler's rows, and each
 batch shard has its own queue: the rows of its block of prompts refill only its own slots. An
-insert's new prompts are replicated (each shard prefills them; the scatter keeps its own slots).
+insert's new prompts are split over the batch shards (padded to a multiple of them), so each
+device prefills its share; their caches, and the held prefills, are then whole on every device,
+and each shard's scatter keeps its own slots. (When every device prefilled every new prompt, the
+insert that fills all slots of the 1.5B paper config compiled to 59.5 GiB per device.)
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows
 # The held prefills (one per batch shard) are an insert's sources for any slot: whole on every
 # batch shard, heads over 'tensor' as in the cache. Constrained, so every program takes and gives
 # them alike (left to the compiler, the init program made them replicated and the insert
-# heads-sharded: a second compile of the insert, and a decode program no plan could foresee).
+# heads-sharded, so an insert of a shape seen before compiled again).
 _HELD_KV_AXES = (None, "kv_heads", "cache_length", "head_dim")
 _HELD_POS_AXES = (None, "cache_length")
 _HELD_ROW_AXES = (None,)
@@ -411,9 +414,9 @@ class RefillSampler(Sampler):
             most K), into a state of R slots holding the [rows, g_len] outputs;
           'decode': the decode loop over the R slots of that state.
 
-        R = min(`max_concurrent_rows` or rows, rows). The state's shardings are those the
-        programs give it (the init program and the parameter preparation are compiled for them;
-        the held prefills are not constrained, so only a compile knows where they live).
+        R = min(`max_concurrent_rows` or rows, rows). The state's shardings and the prepared
+        decode parameters' are read off the compiled init and preparation programs, so the
+        lowered programs take exactly what `sample` hands them.
         """
         shards = self._batch_shards()
         if rows < 1 or rows % (n * shards):
@@ -431,8 +434,8 @@ class RefillSampler(Sampler):
         # A shard's admitted rows are consecutive in its prompt-major queue, and the prompt at
         # its head is held when it was partly admitted before: m rows need ceil(m / n) new
         # prompts at most (exactly that many in the first insert).
-        new = min(k, rows // n, shards * -(-(slots // shards) // n))
-        p = _bucket(new, (0, *_power_of_two_buckets(1, k)))
+        p = _new_prompts_bucket(min(k, rows // n, shards * -(-(slots // shards) // n)), k,
+                                shards)
         i32 = jnp.int32
         repl = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
 
@@ -443,7 +446,8 @@ class RefillSampler(Sampler):
         settings = (jax.eval_shape(lambda: jax.random.key(0)), scalar(jnp.float32),
                     scalar(jnp.float32), jax.ShapeDtypeStruct((eos,), i32))
         insert = self._program("insert", slots, rows, cache_len, g_len, mode, eos, k, p, p_len)
-        insert_args = (abstract_params, state, host((p, p_len), i32), host((p, p_len), jnp.bool_),
+        insert_args = (abstract_params, state, self._abstract_batch((p, p_len), i32),
+                       self._abstract_batch((p, p_len), jnp.bool_),
                        *(host((k,), i32) for _ in range(5)), host((shards,), i32), *settings)
         decode = self._program("decode", slots, rows, cache_len, g_len, mode, eos)
         decode_args = (decode_params, state, self._abstract_batch((slots,), jnp.bool_),
@@ -468,7 +472,7 @@ class RefillSampler(Sampler):
         shards = len(held)
         k = _bucket(len(admit), _power_of_two_buckets(1, slots))
         new_ids = sorted({row // n for _, row in admit} - set(held))
-        p = _bucket(len(new_ids), (0, *_power_of_two_buckets(1, k))) if new_ids else 0
+        p = _new_prompts_bucket(len(new_ids), k, shards)
         # Sources: the H held prefills, then the P new ones.
         index = {pid: shards + i for i, pid in enumerate(new_ids)}
         index.update({pid: d for d, pid in enumerate(held) if pid >= 0})
@@ -496,8 +500,10 @@ class RefillSampler(Sampler):
         insert = self._program("insert", slots, rows, state.cache.length, state.tokens.shape[1],
                                mode, settings[-1].size, k, p, tokens.shape[1])
         put = self._put_replicated
-        state = insert(params, state, put(new_tokens), put(new_mask), put(src), put(slot_arr),
-                       put(row_arr), put(stream), put(lim), put(hold_src), *settings)
+        # The new prompts over the batch shards: each device prefills its share, not all.
+        state = insert(params, state, self._put_batch(new_tokens), self._put_batch(new_mask),
+                       put(src), put(slot_arr), put(row_arr), put(stream), put(lim),
+                       put(hold_src), *settings)
         return state, prefilled + len(new_ids)
 
     def _shrink(self, state: RefillState, live: np.ndarray, shards: int, per_shard: int
@@ -650,13 +656,20 @@ class RefillSampler(Sampler):
         held_win = (state.held_win_q, state.held_win_valid)
         if p:
             logits, new, win_q, win_valid = self._prefill_prompts(
-                params, prompt_tokens, prompt_mask, KVCache.zeros(self.config, p, p_len))
+                params, prompt_tokens, prompt_mask,
+                self._constrain_cache(KVCache.zeros(self.config, p, p_len)))
+            # Pinned to the batch shards: the concatenation with the (batch-replicated) held
+            # prefills would otherwise pull the whole prefill onto every device.
+            new, logits = self._constrain_cache(new), self._constrain_rows(logits)
+            win_q = tuple(map(self._constrain_rows, win_q))
             concat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])  # noqa: E731
             held = jax.tree.map(concat, held, new)
             held_logits = concat(held_logits, logits)
             held_win = jax.tree.map(concat, held_win, (win_q, win_valid))
         take = lambda x: jnp.take(x, src, axis=0)  # noqa: E731
-        cache = jax.tree.map(take, held).repeat(1, cache_len)
+        # The admitted rows' caches over the batch shards (left to the compiler, all K rows of
+        # S slots were built on every device: 164 GiB per device for the 1.5B paper config).
+        cache = self._constrain_cache(jax.tree.map(take, held).repeat(1, cache_len))
 
         def admit(buf: jax.Array, new: jax.Array) -> jax.Array:
             return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
@@ -773,6 +786,14 @@ class RefillSampler(Sampler):
         finish = jnp.where(ended_on_eos, FinishReason.EOS, FinishReason.LENGTH).astype(jnp.int32)
         return dict(tokens=state.tokens, logp=state.logp, logp_untruncated=state.logp_untruncated,
                     mask=state.mask, lengths=lengths, finish_reason=finish)
+
+
+def _new_prompts_bucket(count: int, k: int, shards: int) -> int:
+    """Prompts an insert of `k` rows prefills for `count` new ones: 0, or a power of two up to k
+    rounded up to a multiple of the batch shards (the prompts are split over them)."""
+    if not count:
+        return 0
+    return -(-_bucket(count, _power_of_two_buckets(1, k)) // shards) * shards
 
 
 def _abstract_outputs(fn: Any, *args: Any) -> Any:
