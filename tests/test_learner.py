@@ -255,5 +255,7 @@ def test_scanned_layers_match_the_unrolled_model(remat):
     scan_grad, scan_logits = grad(Transformer(config, remat=remat, scan_layers=True))
     np.testing.assert_allclose(scan_logits, ref_logits, atol=1e-5)
     assert set(scan_grad) == set(params) and "layers_2" in scan_grad
+    # Gradients reach ~90 here, where float32's ulp is 7.6e-6: the two programs sum in different
+    # orders, so a few ulps apart is agreement (a fresh-clone CI run saw 2.3e-5 at 86.5).
     for a, b in zip(jax.tree.leaves(scan_grad), jax.tree.leaves(ref_grad), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5)
