@@ -33,7 +33,7 @@ def get_config():
     c.rollout.max_new_tokens = 8192
     # 1024 rows of 9216 tokens hold 32 GiB of bf16 KV cache per device on fsdp 8: the rollout runs
     # through 512 row slots, refilled as rows finish, so its programs stay under 60 GiB (insert
-    # 57.25, decode 47.97 GiB per device on XLA:CPU; `python -m qurl_jax.bench.memory`).
+    # 50.89, decode 47.97 GiB per device on XLA:CPU; `python -m qurl_jax.bench.memory`).
     c.rollout.max_concurrent_rows = 512
     c.rollout.temperature = 0.6
     c.rollout.invariant_scaling = 1.5

@@ -280,10 +280,8 @@ class Learner:
                 for k, v in batch.items()}
 
     def _shard_activation(self, x: jax.Array, logical: tuple[str, ...]) -> jax.Array:
-        if self.mesh.size == 1:  # nothing to pin; the annotation would only get in XLA's way
-            return x
-        spec = shd.logical_to_mesh_spec(PartitionSpec(*logical), x.shape, self.mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        pin = shd.activation_pinner(self.mesh)  # None on one device: nothing to pin
+        return x if pin is None else pin(x, logical)
 
     def _constrain_rows(self, rows: Batch) -> Batch:
         """Pins a slice of the batch (inside a scan) to the batch sharding, so the partitioner

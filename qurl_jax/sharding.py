@@ -106,3 +106,19 @@ def shard_params(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Shards the leading (batch) dimension over ('data', 'fsdp'); other dimensions replicated."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def activation_pinner(mesh: Mesh | None) -> Any:
+    """A model's `shard_activation` for `mesh`: (activation, logical axes) -> the activation
+    constrained to the rules' sharding, so the partitioner keeps the residual stream split over
+    the batch and gathers FSDP-sharded weights for each product (left free, it may instead split
+    every product over its contracting dimension with all tokens on every device and all-reduce
+    the partial sums). None (leave the partitioner free) without a mesh or on one device."""
+    if mesh is None or mesh.size == 1:
+        return None
+
+    def pin(x: jax.Array, logical: tuple[str, ...]) -> jax.Array:
+        spec = logical_to_mesh_spec(PartitionSpec(*logical), x.shape, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return pin

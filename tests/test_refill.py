@@ -346,3 +346,40 @@ def test_trainer_rollout_refills_by_default_with_the_static_result(tmp_path) -> 
     assert metrics["auto"].keys() == metrics["off"].keys()
     for k, v in metrics["off"].items():
         assert metrics["auto"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.parametrize("sampler_cls", [Sampler, RefillSampler])
+def test_prompt_pass_keeps_each_device_to_its_own_prompts(sampler_cls) -> None:
+    """On an FSDP mesh the prompt pass (the static prefill, the refill insert) runs like the
+    learner: the residual stream pinned to the batch shards, weights gathered. Left free, the
+    partitioner split the int8 projections over their contracting dimension with every prompt
+    token on every device (the 1.5B paper config's insert held s32[65536, 8960] partial sums per
+    MLP product, 8x its share). Checked on the compiled program's dot shapes: 64 prompts of 32
+    tokens over 8 devices, so no product may see all 2048 tokens, and the projections see 256."""
+    import re
+
+    from qurl_jax import quant
+    from qurl_jax.models import init_params
+    from qurl_jax.sharding import logical_shardings
+
+    cfg = TINY["llama"]
+    mesh = make_mesh(fsdp=8)
+    recipe = quant.get_recipe("int8")
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    master = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                          logical_shardings(param_logical_axes(cfg), shapes, mesh))
+    requantize = jax.jit(lambda p: quant.requantize(p, recipe))
+    actor = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(requantize, master),
+                         requantize.lower(master).compile().output_shardings)
+    sampler = sampler_cls(cfg, quant.make_dot_general(recipe), max_prompt_len=32,
+                          max_new_tokens=16, mesh=mesh, platform="gpu")
+    text = sampler.lower_programs(actor, 64, 32, 16)["prefill"].compile().as_text()
+    dots = [tuple(int(d) for d in shape.split(","))
+            for shape in re.findall(r"= [a-z0-9]+\[([0-9,]+)\]\S* dot\(", text)]
+    assert dots and not any(2048 in dims or 64 * 32 * 2 in dims for dims in dots), dots
+    # q / k / v / o and the MLP products: [tokens of one device's 8 prompts, features].
+    assert {(256, 64), (256, 32), (256, 128)} <= set(dots), dots
+    # Nor is any cache buffer of all 64 rows x 48 slots built on one device (the refill insert
+    # wrote its admitted rows' caches at full length, which the partitioner gathered whole).
+    assert not re.search(r"\[64,2,48,16\]", text)

@@ -58,7 +58,9 @@ class KVCache:
 
     Invariants: slots [n_used[r], S) of row r are empty; inside [0, n_used[r]) the non-empty slots
     hold strictly increasing positions, all < next_pos[r]. Attention reads only `pos`: a cached
-    key is visible to a query when its slot is non-empty and its position is <= the query's.
+    key is visible to a query when its slot is non-empty and its position is <= the query's. An
+    empty slot's keys and values are any finite numbers (zeros, or a finished row's values when
+    a slot is refilled): every reader masks them out with `where`, so they contribute exactly 0.
     Nothing assumes slot s holds position s, nor that rows are aligned, so the same structure
     serves a cache whose slots hold an arbitrary ordered subset of the past (KV compression:
     gather the kept slots to the front, set n_used, keep next_pos) and one whose rows are at

@@ -648,8 +648,9 @@ class RefillSampler(Sampler):
         be 0) and admits K rows: row rows[i] (random stream streams[i], limit limits[i]) goes to
         slot slots[i] with its first token sampled, its prompt's prefill taken from source src[i]
         of the H held prefills followed by the P new ones. Every field of an admitted slot is
-        overwritten: all S cache slots (the prompt in [0, p_len), the rest empty), positions,
-        counters and the token state. The held prefills become sources hold_src i32[H]."""
+        overwritten but the keys and values after its prompt's slots, which are left as they
+        were (empty by position: the prompt's slots, then pos -1), and the token state. The held
+        prefills become sources hold_src i32[H]."""
         p, p_len = prompt_tokens.shape
         cache_len = state.cache.length
         held, held_logits = state.held, state.held_logits
@@ -667,19 +668,28 @@ class RefillSampler(Sampler):
             held_logits = concat(held_logits, logits)
             held_win = jax.tree.map(concat, held_win, (win_q, win_valid))
         take = lambda x: jnp.take(x, src, axis=0)  # noqa: E731
-        # The admitted rows' caches over the batch shards (left to the compiler, all K rows of
-        # S slots were built on every device: 164 GiB per device for the 1.5B paper config).
-        cache = self._constrain_cache(jax.tree.map(take, held).repeat(1, cache_len))
+        # The admitted rows' prompt caches over the batch shards (left to the compiler, all K
+        # rows were built on every device: 164 GiB per device for the 1.5B paper config when
+        # they still spanned all S slots).
+        prompt = self._constrain_cache(jax.tree.map(take, held))
+        n = prompt.length
 
         def admit(buf: jax.Array, new: jax.Array) -> jax.Array:
             return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
 
+        def admit_prompt(buf: jax.Array, new: jax.Array) -> jax.Array:
+            # Keys / values of the prompt's n slots only: the slots after them are empty by
+            # their positions, and an empty slot's stale keys and values are never read
+            # (KVCache). Writing all S slots made the partitioner gather K rows x S slots.
+            return buf.at[slots, :, :n].set(new.astype(buf.dtype), mode="drop")
+
         new_cache = KVCache(
-            k=tuple(map(admit, state.cache.k, cache.k)),
-            v=tuple(map(admit, state.cache.v, cache.v)),
-            pos=admit(state.cache.pos, cache.pos),
-            n_used=admit(state.cache.n_used, cache.n_used),
-            next_pos=admit(state.cache.next_pos, cache.next_pos),
+            k=tuple(map(admit_prompt, state.cache.k, prompt.k)),
+            v=tuple(map(admit_prompt, state.cache.v, prompt.v)),
+            pos=admit(state.cache.pos, jnp.pad(prompt.pos, ((0, 0), (0, cache_len - n)),
+                                               constant_values=-1)),
+            n_used=admit(state.cache.n_used, prompt.n_used),
+            next_pos=admit(state.cache.next_pos, prompt.next_pos),
         )
         # The first token, from the prefill logits: column 0 of each row's stream.
         row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, streams)

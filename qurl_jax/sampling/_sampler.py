@@ -53,7 +53,7 @@ from qurl_jax.sampling._kv_policy import (
     where_rows,
     window_from_prompt,
 )
-from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
+from qurl_jax.sharding import activation_pinner, batch_sharding, logical_to_mesh_spec
 
 Params = dict[str, Any]
 
@@ -226,6 +226,12 @@ class Sampler:
         self.config = config.validate()
         self.kv_policy = KVPolicyConfig() if kv_policy is None else kv_policy.validate()
         self.model = Transformer(config, dot_general)
+        # Prompts run with the residual stream pinned to the batch shards, as in the learner (left
+        # free, the int8 prefill of the 1.5B paper config split its MLP products over the
+        # contracting dimension, every token on every device). Decode is left free: a step has
+        # one token per row.
+        self._prompt_model = Transformer(config, dot_general,
+                                         shard_activation=activation_pinner(mesh))
         self.prompt_buckets = _check_buckets(
             "prompt_buckets",
             prompt_buckets if prompt_buckets is not None
@@ -661,10 +667,10 @@ class Sampler:
         positions = positions_from_mask(mask)
         kv = self.kv_policy
         if not kv.compresses:
-            logits, cache = self.model.apply({"params": params}, tokens, positions, mask,
+            logits, cache = self._prompt_model.apply({"params": params}, tokens, positions, mask,
                                              cache=cache, last_only=True)
             return logits[:, 0], cache, (), jnp.zeros((tokens.shape[0], 0), bool)
-        (logits, cache), inter = self.model.apply(
+        (logits, cache), inter = self._prompt_model.apply(
             {"params": params}, tokens, positions, mask, cache=cache, last_only=True,
             mutable=["intermediates"])
         queries = _layer_queries(inter, self._scored_layers())
