@@ -648,9 +648,9 @@ class RefillSampler(Sampler):
         be 0) and admits K rows: row rows[i] (random stream streams[i], limit limits[i]) goes to
         slot slots[i] with its first token sampled, its prompt's prefill taken from source src[i]
         of the H held prefills followed by the P new ones. Every field of an admitted slot is
-        overwritten but the keys and values after its prompt's slots, which are left as they
-        were (empty by position: the prompt's slots, then pos -1), and the token state. The held
-        prefills become sources hold_src i32[H]."""
+        overwritten (its positions: the prompt's, then -1; its counters; the token state) except
+        the keys and values after its prompt's slots, which keep what they held: those slots are
+        empty by position. The held prefills become sources hold_src i32[H]."""
         p, p_len = prompt_tokens.shape
         cache_len = state.cache.length
         held, held_logits = state.held, state.held_logits

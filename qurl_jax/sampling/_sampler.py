@@ -667,8 +667,8 @@ class Sampler:
         positions = positions_from_mask(mask)
         kv = self.kv_policy
         if not kv.compresses:
-            logits, cache = self._prompt_model.apply({"params": params}, tokens, positions, mask,
-                                             cache=cache, last_only=True)
+            logits, cache = self._prompt_model.apply({"params": params}, tokens, positions,
+                                                     mask, cache=cache, last_only=True)
             return logits[:, 0], cache, (), jnp.zeros((tokens.shape[0], 0), bool)
         (logits, cache), inter = self._prompt_model.apply(
             {"params": params}, tokens, positions, mask, cache=cache, last_only=True,
