@@ -14,7 +14,7 @@ tokens, so a 64-token KV budget evicts part of every reply's history.
 
 Evaluation before and after RL, on 256 held-out problems ("chain") and on those of them with a
 carry-10 step ("chain_carry10", the sub-case): Avg@4 / Pass@4 at temperature 1 and greedy accuracy.
-Measured results: README, "Reasoning chains" (the goal: greedy and Avg@4 each up >= 10 points).
+Measured results: docs/study.md, "The chain task" (the goal: greedy and Avg@4 each up >= 10 points).
 
 This is the full-precision reference run of the rollout-precision study; the study runs it
 unchanged under other rollout precisions, loss modes and a compressed KV cache. The learning rate

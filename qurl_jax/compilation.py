@@ -3,10 +3,10 @@
 A run compiles each of its programs (rollout prefill and decode per bucket, log-probs, the learner
 update, requantize) when it first calls them, again in every restarted process, and, with the
 memory preflight (`train.preflight`), twice: the preflight compiles its own copies of the programs
-to read their memory. At the paper scales one program takes minutes (the README's 1.5B learner
-update: 104-239 s on XLA:CPU). JAX's persistent cache (`jax_compilation_cache_dir`) stores each
-executable under a key of its HLO, compile options, device kind and JAX version, so a program that
-compiles again in this process or a later one is loaded instead. `main.py` turns it on at
+to read their memory. At the paper scales one program takes tens of seconds to minutes. JAX's
+persistent cache (`jax_compilation_cache_dir`) stores each executable under a key of its HLO,
+compile options, device kind and JAX version, so a program that compiles again in this process or
+a later one is loaded instead. `main.py` turns it on at
 `train.compilation_cache_dir` (default `<workdir>/compile_cache`) before anything compiles.
 
 JAX's own rules apply: an executable is written only if it took at least

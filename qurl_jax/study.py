@@ -24,7 +24,7 @@ Written to `<out>`:
 - `plots/*.png`: reward, rollout accuracy and mismatch against step, one figure per comparison.
 
 `--quick` runs two variants, one seed and two steps of a shrunk run (its test is
-tests/test_study.py). Measured results: README, "Rollout-precision study".
+tests/test_study.py). Measured results: docs/study.md.
 """
 
 from __future__ import annotations

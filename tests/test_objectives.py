@@ -1,7 +1,7 @@
 """Tests for qurl_jax.rl.objectives: hand values, identities between modes, gradients, unbiasedness.
 
 Expected numbers are written by hand or computed by `np_reference`, a per-token float64 loop written
-straight from shared/docs/methods.md, never by the functions under test.
+straight from docs/methods.md, never by the functions under test.
 """
 
 from __future__ import annotations

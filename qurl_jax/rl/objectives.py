@@ -9,7 +9,7 @@ with a truncated importance weight (`tis`, FlashRL), masked importance sampling 
 verl rollout correction), QuRL's Adaptive Clipping Range (`acr`, the default) and Sparse-RL's
 rejection plus reweighting (`sparse_rl`). Everything here is a pure function of arrays that imports
 only jax and the standard library, so it jits, vmaps and can be imported into any JAX training
-loop. Formulas: shared/docs/methods.md sections 1, 2, 4 and the implementation checklist.
+loop. Formulas: docs/methods.md sections 1, 2 and 4.
 """
 
 from __future__ import annotations
