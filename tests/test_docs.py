@@ -81,3 +81,16 @@ def test_link_pattern_finds_links_and_skips_code():
             "```\n[nor](this.md)\n```\n[ref]: docs/memory.md\n")
     assert _relative_targets(text) == ["docs/methods.md#acr", "docs/study/study.png",
                                        "docs/memory.md"]
+
+
+def test_docs_pages_named_in_code_exist():
+    """A docstring or comment that sends the reader to docs/... names a page that exists."""
+    missing = set()
+    for folder in ("qurl_jax", "configs", "tests", "launch"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in (".py", ".sh", ".sbatch") or path.name == "test_docs.py":
+                continue
+            for name in re.findall(r"\bdocs/[\w./-]*\w", path.read_text()):
+                if not (ROOT / name).exists():
+                    missing.add(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, sorted(missing)

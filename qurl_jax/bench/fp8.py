@@ -8,7 +8,7 @@ load from other processes hits both alike; reports the median of each and their 
 On a CPU, XLA has no FP8 arithmetic: it upcasts the codes and runs float32 products, plus the
 quantizers and the per-group partial products of the block-scaled emulation. The ratio measures
 that emulation overhead, not FP8 speed; the speed-up needs FP8 tensor cores and a block-scaled GEMM
-kernel in place of `quant._dot_general.block_scaled_matmul` (see docs/fp8_training.md).
+kernel in place of `quant._dot_general.block_scaled_matmul` (see docs/jet_rl.md).
 
 `--learner` adds two learner-level measurements on a small model: the time of one jitted learner
 update (forward + backward + AdamW) with `train.precision` 'fp' vs 'fp8_block', and Jet-RL's

@@ -21,7 +21,7 @@ Same values as the sampler. The forward quantizes the weights with `quantize_ker
 kernels, so the learner's forward and the sampler's forward see identical codes and scales for the
 same float32 weights and activations. Per-token activation groups and per-block weight scales
 make the codes independent of the batch composition; only the float32 accumulation order can
-differ between two programs (see docs/fp8_training.md, "Limits").
+differ between two programs (see docs/jet_rl.md, "Limits").
 
 Residuals. The backward keeps the forward's FP8 activation codes and scales and the FP8 weight
 blocks, not float32 copies. The weight gradient re-groups X along tokens from the saved FP8
