@@ -68,7 +68,7 @@ GPU_VARIANTS: dict[str, dict[str, Any]] = {
     "cublas": {"xla_gpu_enable_triton_gemm": False},
 }
 
-_TPU_MXU = re.compile(r"\b(vmatmul(?:\.mubr)?\.([a-z0-9]+))\.")
+_TPU_MXU = re.compile(r"\b(vmatmul[.a-z0-9]*?\.(s8|s4|u8|bf16|f16|f32|f8[a-z0-9]*))\.")
 _TPU_UNPACK = re.compile(r"\bvunpack\.[a-z.0-9]*?(f8[a-z0-9]*|s8|s4)\b")
 _PTX = re.compile(r"\b(wgmma\.mma_async[.a-z0-9_]*|mma\.sync[.a-z0-9_]*|"
                   r"cvt\.rn\.f16x2\.e4m3x2)")  # the last: e4m3 codes widened to f16
@@ -170,7 +170,7 @@ def tpu_instructions(dump_dir: str, before: set[str]) -> collections.Counter:
         if os.path.basename(path) in before or "schedule-analysis" in path:
             continue
         text = open(path).read()
-        count.update(m.group(1) for m in _TPU_MXU.finditer(text))
+        count.update(f"vmatmul {m.group(2)}" for m in _TPU_MXU.finditer(text))
         count.update(f"vunpack {m.group(1)}" for m in _TPU_UNPACK.finditer(text))
     return count
 
@@ -186,7 +186,7 @@ def ptx_instructions(dump_dir: str) -> collections.Counter:
 def verdict(platform: str, low: str, matmuls: list[str], instrs: collections.Counter) -> str:
     """'native', or what the product is upcast to, from the compiler output (see module doc)."""
     if platform == "tpu":
-        kinds = {k.split(".")[-1] for k in instrs if k.startswith("vmatmul")}
+        kinds = {k.split()[1] for k in instrs if k.startswith("vmatmul")}
         want = {"s8": "s8", "f8e4m3fn": "f8", "bf16": "bf16"}[low]
         if any(k.startswith(want) for k in kinds):
             return "native"
