@@ -103,9 +103,13 @@ def step_flops(config: ModelConfig, batch: int, cache_slots: int) -> float:
     return float(batch * (2 * matrix_params + attention))
 
 
-def predict(target: targets.Target, model: str, batch: int, actor: str) -> dict[str, Any]:
-    """Compiles the decode program of one case for one device of `target` and predicts its step."""
-    config = model_config(model)
+def predict(target: targets.Target, model: str, batch: int, actor: str,
+            config: ModelConfig | None = None) -> dict[str, Any]:
+    """Compiles the decode program of one case for one device of `target` and predicts its step.
+
+    model: a `configs/shapes` name, whose shape is used unless `config` is given (then `model` is
+    only its label)."""
+    config = config or model_config(model)
     device = target.devices()[0]
     mesh = shd.make_mesh(1, 1, 1, devices=[device])
     params, dot_general = abstract_actor(config, actor)
