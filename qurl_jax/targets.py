@@ -191,6 +191,9 @@ def _topology_devices(target: Target) -> tuple[jax.Device, ...]:
         raise TargetError(f"target {target.name!r}: no {chip.platform.upper()} compiler "
                           f"installed; pip install -e .[{chip.extra}]")
     if chip.platform == "tpu":
+        # libtpu takes a machine-wide lock for the chips it drives; compile-only devices drive
+        # none, so other processes (pytest workers, a run beside it) may load it too.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
     else:
         spec = (XLA_SPECS_DIR / f"{chip.name}_sxm.txtpb").read_text()
