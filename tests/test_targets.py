@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from jax._src import hardware_utils
 
 from qurl_jax import memory_plan, targets
 from qurl_jax.config import base_config
@@ -113,7 +114,9 @@ def test_every_training_precision_compiles(target, train_precision, tmp_path):
                   kv_policy="dense", refill=False, programs=("learner_update", "learner_logprobs"))
 
 
-def test_cli_start_up_stays_on_cpu_without_an_accelerator(tmp_path):
+@pytest.mark.skipif(bool(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+                    or hardware_utils.has_visible_nvidia_gpu(), reason="an accelerator is attached")
+def test_cli_start_up_stays_on_cpu_without_an_accelerator():
     # With libtpu installed and no TPU attached, an entry point must not start the TPU backend
     # (libtpu's warnings, its start-up time): JAX_PLATFORMS unset, the CLI runs on the CPU.
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
