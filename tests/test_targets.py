@@ -18,7 +18,7 @@ from qurl_jax.config import base_config
 from qurl_jax.models import ModelConfig, hf
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-HAS_CUDA_PLUGIN = targets._backend_installed("gpu")
+HAS_CUDA_PLUGIN = targets.compiler_installed("gpu")
 # A Qwen2-shaped model small enough to compile in seconds, with an untied LM head and a head
 # size of 64 (TPU and GPU lay heads out in lanes of 128 and 64).
 SHAPE = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
