@@ -14,7 +14,7 @@ import pytest
 from jax._src import hardware_utils
 
 from qurl_jax import memory_plan, targets
-from qurl_jax.config import base_config
+from qurl_jax.config import base_config, validate
 from qurl_jax.models import ModelConfig, hf
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -126,3 +126,34 @@ def test_cli_start_up_stays_on_cpu_without_an_accelerator():
                          timeout=120, check=True)
     assert out.stdout.strip() == "cpu"
     assert "libtpu" not in out.stderr and "TPU" not in out.stderr, out.stderr
+
+
+def test_bad_target_is_one_line_naming_it():
+    out = subprocess.run([sys.executable, "-m", "qurl_jax.bench.memory",
+                          "--config=configs/arith_tiny.py", "--target=tpu:v4-8"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("qurl_jax: bad flag --target: target "
+                                                          "'tpu:v4-8'"), out.stderr
+    from test_trainer import tiny_config
+
+    c = tiny_config()
+    c.train.preflight_target = "gpu:a100-8"
+    with pytest.raises(ValueError, match=r"^config\.train\.preflight_target: target 'gpu:a100-8'"):
+        validate(c)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install -e .[tpu-compile])")
+def test_preflight_compiles_for_its_target(tmp_path):
+    # A CPU run's preflight with train.preflight_target checks the programs the TPU compiler
+    # plans for that slice, and stops before anything is written.
+    from test_trainer import tiny_config
+
+    from qurl_jax.trainer import Trainer
+
+    c = tiny_config()
+    c.train.preflight_target, c.train.memory_limit_gib = "tpu:v5e-4", 1e-6
+    with pytest.raises(memory_plan.MemoryPlanError, match=r"learner_update needs .*"
+                       r"rl\.num_micro_batches"):
+        Trainer(c, str(tmp_path / "run"))
+    assert not [p for p in (tmp_path / "run").glob("**/*") if p.is_file()]
