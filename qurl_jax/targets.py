@@ -169,7 +169,9 @@ def parse(text: str) -> Target:
     return Target(text, "gpu", chip, count, f"1x{hosts}x{min(count, GPUS_PER_HOST)}")
 
 
-def _backend_installed(platform: str) -> bool:
+def compiler_installed(platform: str) -> bool:
+    """Whether this Python can compile for `platform` ('tpu': libtpu; 'gpu': JAX's CUDA plugin),
+    with or without such a device attached."""
     if platform == "tpu":
         return importlib.util.find_spec("libtpu") is not None
     try:
@@ -187,10 +189,13 @@ def _topology_devices(target: Target) -> tuple[jax.Device, ...]:
 
     chip = target.chip
     assert chip is not None
-    if not _backend_installed(chip.platform):
+    if not compiler_installed(chip.platform):
         raise TargetError(f"target {target.name!r}: no {chip.platform.upper()} compiler "
                           f"installed; pip install -e .[{chip.extra}]")
     if chip.platform == "tpu":
+        # libtpu takes a machine-wide lock for the chips it drives; compile-only devices drive
+        # none, so other processes (pytest workers, a run beside it) may load it too.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
     else:
         spec = (XLA_SPECS_DIR / f"{chip.name}_sxm.txtpb").read_text()
