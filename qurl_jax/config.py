@@ -174,10 +174,16 @@ def base_config() -> ml_collections.ConfigDict:
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
     c.train.precision = "fp"
     # Before the first step, compile every program and stop if one needs more memory per device
-    # than the device has (naming the knob to change): 'auto' on an accelerator backend only,
-    # 'on' also on the CPU (then memory_limit_gib must be set), 'off'.
+    # than the device has (naming the knob to change): 'auto' when the programs are compiled for
+    # an accelerator only, 'on' also for the CPU (then memory_limit_gib must be set), 'off'.
     c.train.preflight = "auto"
-    c.train.memory_limit_gib = 0.0  # per device; 0 = the device's own limit
+    # What the preflight compiles for (`qurl_jax.targets`): '' = this run's own devices, or a
+    # machine this host need not have, by its compiler on compile-only devices (`tpu:v5p-16`,
+    # `gpu:h100-8`; needs `pip install -e .[tpu-compile]` / `.[gpu-compile]`), e.g. to check on a
+    # workstation that the run fits the slice it is meant for.
+    c.train.preflight_target = ""
+    # Per device; 0 = the device's own limit (a preflight target: 85% of its chip's memory).
+    c.train.memory_limit_gib = 0.0
     # JAX's persistent compilation cache (`qurl_jax.compilation`), which `python -m qurl_jax.main`
     # turns on: 'auto' = <workdir>/compile_cache, '' = none, else a directory or URL (share one
     # across runs of the same shapes). A restarted run, and the first step after the memory
@@ -325,6 +331,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rollout.refill, REFILL, "rollout.refill")
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
     _choice(c.train.preflight, ("auto", "on", "off"), "train.preflight")
+    if c.train.preflight_target:
+        from qurl_jax import targets
+
+        try:
+            targets.parse(c.train.preflight_target)
+        except targets.TargetError as e:
+            raise ValueError(f"config.train.preflight_target: {e}") from None
     _positive(c.train.memory_limit_gib, "train.memory_limit_gib", strict=False)
     for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
                   "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",

@@ -15,7 +15,8 @@ The update accumulates gradients over `num_micro_batches` slices of the batch wi
 gradient), clips the global norm, and applies AdamW. Memory is bounded by a few knobs (see
 `Learner`): micro-batches, per-layer rematerialisation, response-only log-probs computed in chunks
 of positions, and the model's attention implementation (blockwise above a length threshold);
-`python -m qurl_jax.bench.memory` compiles both programs for a config and reports their memory.
+`qurl_jax.memory_plan` (`python -m qurl_jax.bench.memory`) compiles both programs for a config and
+reports their memory.
 The training precision (`Learner(precision=...)`, `train.precision`) is bound inside both
 programs, per (micro-)batch: 'fp' runs float matmuls; 'fp8_block' runs every linear layer of the
 recipe in block-scaled FP8 in the forward and backward (`quant.bind_train_precision`), the same

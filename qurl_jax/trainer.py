@@ -36,11 +36,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import compilation, quant, report
+from qurl_jax import compilation, memory_plan, quant, report, targets
 from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
-from qurl_jax.bench import memory
-from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
     kv_policy_from_config,
@@ -55,6 +53,7 @@ from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metri
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
+from qurl_jax.rollout_speed import compare_rollout_speed
 from qurl_jax.sampling import RefillSampler, Sampler
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
@@ -237,20 +236,27 @@ class Trainer:
         return {"params": params, "opt_state": opt_state}
 
     def _preflight(self) -> None:
-        """Compiles the run's programs and stops (`memory.MemoryPlanError`, naming the knobs)
-        if one needs more memory per device than the device has; before anything is written."""
+        """Compiles the run's programs and stops (`memory_plan.MemoryPlanError`, naming the
+        knobs) if one needs more memory per device than the device has; before anything is
+        written. With `train.preflight_target` they are compiled for that target's devices (its
+        chip's compiler; the limit is `memory_plan.FIT_FRACTION` of its memory), else for the
+        run's own mesh."""
         c = self.config
-        if c.train.preflight == "off" or (c.train.preflight == "auto"
-                                          and jax.default_backend() == "cpu"):
+        target = targets.parse(c.train.preflight_target) if c.train.preflight_target else None
+        platform = target.platform if target else targets.platform_of(self.mesh)
+        if c.train.preflight == "off" or (c.train.preflight == "auto" and platform == "cpu"):
             return
-        limit = int(c.train.memory_limit_gib * memory.GIB)
-        if not limit:
-            limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+        limit = int(c.train.memory_limit_gib * memory_plan.GIB)
+        if target is not None:
+            setup = memory_plan.build_setup(c, self.model_config, target.devices())
+            limit = limit or memory_plan.budget_bytes(target)
+        else:
+            setup = memory_plan.setup_for(c, self.model_config, self.mesh, self.learner)
+            limit = limit or (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
         if not limit:
             raise ValueError("config.train.memory_limit_gib: the device reports no memory limit; "
                              "set one for train.preflight")
-        memory.preflight(memory.setup_for(c, self.model_config, self.mesh, self.learner), limit,
-                         log=logging.info)
+        memory_plan.preflight(setup, limit, log=logging.info)
 
     def _maybe_invariant_scaling(self, params: Any) -> Any:
         s = self.config.rollout.invariant_scaling
@@ -486,7 +492,7 @@ class Trainer:
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
         """Rollout tokens/s of the quantized actor vs the fp32 actor on the same prompts
-        (`qurl_jax.bench.rollout_speed`)."""
+        (`qurl_jax.rollout_speed`)."""
         c = self.config
         prompts, _ = self.task.sample_prompts(num_prompts or c.data.prompts_per_step)
         engines = [("fp", self.eval_sampler, self.params)]

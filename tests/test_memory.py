@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from qurl_jax import memory_plan as memory
 from qurl_jax import sharding as shd
-from qurl_jax.bench import memory
 from qurl_jax.config import base_config
 from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, hf, init_params

@@ -28,6 +28,7 @@ from qurl_jax.models.transformer import KVCache, Transformer
 from qurl_jax.quant import (
     QuantFormat,
     QuantizedTensor,
+    aqt_serving_config,
     get_recipe,
     invariant_scaling,
     quantization_error,
@@ -84,25 +85,54 @@ def np_block_codes(w: np.ndarray, fmt: QuantFormat, br: int, bc: int) -> tuple[n
 
 
 def np_w8a8(x: np.ndarray, w: np.ndarray, fmt: QuantFormat, block: tuple[int, int] | None,
-            weight_only: bool = False) -> np.ndarray:
-    """x[..., K] @ w[K, N] with quantized weights (per channel or blocks) and activations."""
+            weight_only: bool = False, abs_terms: bool = False) -> np.ndarray:
+    """x[..., K] @ w[K, N] with quantized weights (per channel or blocks) and activations,
+    accumulated in float64. With `abs_terms`, the same sum of |code products| x scales instead:
+    the magnitude an accumulator of limited precision rounds against."""
     k, n = w.shape
+    mag = np.abs if abs_terms else (lambda a: a)
     if block is None:
         wq, ws = np_quantize(w, fmt, (0,))
         w_deq = wq * ws
         if weight_only:
-            return x.astype(np.float64) @ w_deq
+            return mag(x.astype(np.float64)) @ mag(w_deq)
         xq, xs = np_quantize(x, fmt, (x.ndim - 1,))
-        return (xq @ wq) * xs * ws
+        return (mag(xq) @ mag(wq)) * xs * ws
     br, bc = min(block[0], k), min(block[1], n)
     wq, ws = np_block_codes(w, fmt, br, bc)
     out = np.zeros(x.shape[:-1] + (n,))
     for g in range(math.ceil(k / br)):
         xg = x[..., g * br:(g + 1) * br]
         xq, xs = np_quantize(xg, fmt, (x.ndim - 1,))
-        part = xq @ wq[g * br:(g + 1) * br]
+        part = mag(xq) @ mag(wq[g * br:(g + 1) * br])
         out += part * xs * np.repeat(ws[g], bc)[:n]
     return out
+
+
+def fp8_accumulation_rtol() -> float:
+    """Error an FP8 x FP8 -> f32 product may add, relative to the sum of its |terms|, on the
+    backend running the tests (see `test_rollout_dot_general_matches_numpy`).
+
+    0 where FP8 is emulated with float32 products and sums (CPU; TPUs without an FP8 MXU widen the
+    codes to f32). On a GPU, XLA runs FP8 GEMMs in the tensor cores' fast-accumulation mode: an
+    H100 keeps about 14 bits of the running sum inside an FP8 MMA (DeepSeek-V3 technical report,
+    section 3.3.2), and XLA asks for no promotion to float32 (Triton GEMMs always; cuBLASLt at the
+    DEFAULT precision). A model of such an accumulator (terms aligned to the largest exponent and
+    truncated to 13 fraction bits, per 32-deep MMA step) errs by at most 1.7e-4 of the |terms| on
+    this file's products; 2^-9 leaves ten times that."""
+    return 2.0**-9 if jax.default_backend() == "gpu" else 0.0
+
+
+def assert_product_close(got: np.ndarray, want: np.ndarray,
+                         fp8_terms: np.ndarray | None = None) -> None:
+    """|got - want| <= 2e-5 (|want| + max |want|), plus `fp8_accumulation_rtol()` x the sum of
+    |terms| for an FP8 x FP8 product (fp8_terms: `np_w8a8(..., abs_terms=True)`)."""
+    tol = 2e-5 * (np.abs(want) + np.abs(want).max())
+    if fp8_terms is not None:
+        tol = tol + fp8_accumulation_rtol() * fp8_terms
+    err = np.abs(got - want)
+    over = (err - tol).max()
+    assert over <= 0, f"max error {err.max():.3g}, over its bound by {over:.3g}"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -233,6 +263,21 @@ def test_quantize_kernel_matches_numpy(fmt: QuantFormat, block: tuple[int, int])
 @pytest.mark.parametrize("recipe", QUANT_RECIPES)
 @pytest.mark.parametrize("k", [64, 200])
 def test_rollout_dot_general_matches_numpy(recipe: str, k: int) -> None:
+    """The rollout product against a float64 NumPy emulation of the same codes and scales.
+
+    What both sides define identically: the codes and scales (AQT's abs-max scale, round to
+    nearest even, clip; this data keeps every scaled value at least 10 float32 ulps from a rounding
+    boundary, so the f32 arithmetic of the scale, 1/scale as XLA computes it, `rcp.approx` on a
+    GPU included, cannot move a code; `test_rollout_activation_codes_match_numpy` pins them
+    exactly), and the products of two codes, which are exact in float32. What they do not: how the
+    sum of those products is accumulated. int8 sums in int32 (exact); CPU and TPU sum FP8 products
+    in float32. An H100 sums FP8 products inside the tensor core with about 14 bits kept and no
+    promotion to float32 (XLA's choice for FP8 GEMMs, see `fp8_accumulation_rtol`). A model of
+    that accumulator puts these fp8 products 6e-5 to 4e-4 of max |want| from the float64 sum, over
+    the 2e-5 below, which explains why `[64-fp8]` and `[200-fp8]` failed on an H100 (the codes
+    could not differ, see above). FP8 products therefore get, on top, the accumulation error the
+    backend's FP8 GEMM may add, bounded by the sum of |terms| (the same for fp8_block).
+    """
     r = get_recipe(recipe)
     rng = np.random.default_rng(2)
     x = rng.normal(size=(3, 5, k)).astype(np.float32)
@@ -242,7 +287,22 @@ def test_rollout_dot_general_matches_numpy(recipe: str, k: int) -> None:
     got = np.asarray(rollout_dot_general(jnp.asarray(x), q, LINEAR_DN))
     want = np_w8a8(x, w, r.weight_format, r.weight_block, weight_only=r.act_format is None)
     assert got.shape == (3, 5, 150) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    fp8 = r.act_format is QuantFormat.FP8_E4M3
+    terms = np_w8a8(x, w, r.weight_format, r.weight_block, abs_terms=True) if fp8 else None
+    assert_product_close(got, want, terms)
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.INT8, QuantFormat.FP8_E4M3])
+def test_rollout_activation_codes_match_numpy(fmt: QuantFormat) -> None:
+    """The rollout product's per-token activation quantizer (AQT's, as `aqt_serving_config` sets
+    it) gives NumPy's codes exactly and its scales to float32 rounding, on data far from rounding
+    boundaries (see `test_rollout_dot_general_matches_numpy`)."""
+    x = np.random.default_rng(2).normal(size=(15, 200)).astype(np.float32)
+    qt, _ = aqt_serving_config(fmt).dg_quantizer.lhs.quant(jnp.asarray(x), calibration_axes=[1])
+    codes, scale = np_quantize(x, fmt, (1,))
+    assert qt.qvalue.dtype == fmt.dtype
+    np.testing.assert_array_equal(np.asarray(qt.qvalue).astype(np.float64), codes)
+    np.testing.assert_allclose(np.asarray(qt.scale[0]), scale, rtol=3e-7)
 
 
 def test_rollout_dot_general_single_row() -> None:
@@ -268,7 +328,8 @@ def test_rollout_dot_general_tied_head_pattern(fmt: QuantFormat, per_channel: bo
     q = quantize_kernel(jnp.asarray(emb), fmt, block, fmt)
     got = np.asarray(rollout_dot_general(jnp.asarray(x), q, TIED_HEAD_DN))
     want = np_w8a8(x, emb.T, fmt, None if per_channel else block[::-1])
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    terms = np_w8a8(x, emb.T, fmt, None if per_channel else block[::-1], abs_terms=True)
+    assert_product_close(got, want, terms if fmt is QuantFormat.FP8_E4M3 else None)
 
 
 def test_rollout_dot_general_float_rhs_is_plain_dot() -> None:

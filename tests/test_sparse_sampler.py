@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_trainer import tiny_config
 
-from qurl_jax.bench import memory
+from qurl_jax import memory_plan as memory
 from qurl_jax.config import base_config, kv_policy_from_config, validate
 from qurl_jax.models import (
     KVCache,

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax import quant
-from qurl_jax.bench.memory import GIB, build_setup, compiled_memory, model_shape
 from qurl_jax.bench.sampler import sampler_timer, tree_bytes
 from qurl_jax.config import load_config_file
+from qurl_jax.memory_plan import GIB, build_setup, compiled_memory, model_shape
 from qurl_jax.models import cast_floats
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
@@ -278,4 +278,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+
+    use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     main()

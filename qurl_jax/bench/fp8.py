@@ -197,4 +197,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+
+    use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     main()

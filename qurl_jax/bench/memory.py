@@ -1,426 +1,39 @@
-"""Per-device memory of a config's programs: XLA's compiled buffer sizes and an analytic estimate.
+"""Per-device memory of a config's programs, compiled by a target's compiler (qurl_jax.memory_plan).
 
-    python -m qurl_jax.bench.memory --config=configs/deepscaler_r1_1p5b_int8.py [--json=PATH]
+    python -m qurl_jax.bench.memory --config=configs/deepscaler_r1_1p5b_int8.py \
+        [--target=cpu|tpu:v5p-16|gpu:h100-8] [--programs=learner_update,...] [--json=PATH]
 
-Nothing is loaded or allocated: the model shape comes from `configs/shapes/<model dir name>.json`
-(the `config.json` of the model `model.path` names; a real checkpoint's own `config.json` wins when
-`model.path` exists), parameters and optimizer state are `jax.eval_shape` structures carrying
-their mesh shardings, and the config's mesh is built on host CPU devices (their count is set to the
-mesh size before JAX starts its backend; importing JAX does not start it). Each program is lowered
-and compiled at the config's largest shapes (prompt `data.max_prompt_len` + response
-`rollout.max_new_tokens`), and `compiled.memory_analysis()` gives its per-device argument,
-output, temp and peak bytes:
-
-- `learner_update`: one optimizer step on one minibatch (rollout batch / `rl.num_minibatches`
-  rows), gradients accumulated over `rl.num_micro_batches` micro-batches in a scan;
-- `learner_logprobs`: the log-prob recomputation of the whole rollout batch, in slices of one
-  micro-batch;
-- `requantize`: the rollout actor made from the learner's sharded parameters (`rollout.precision`);
-- `rollout_prefill` / `rollout_decode`: the sampler's programs for one rollout chunk
-  (`rollout.max_concurrent_rows` rows, sharded over data x fsdp), built for an accelerator
-  platform (no CPU-only work), on the actor's parameters with their shardings. When the rollout
-  refills slots (`rollout.refill`, on by default when rows wait for a slot) they are the
-  `RefillSampler`'s: the insert that fills every slot at once and the decode loop over the slots,
-  whose state also holds every row's outputs and one held prompt prefill per batch shard.
-
-Adding a program is adding one entry to `PROGRAMS`: a function of the `Setup` that returns the
-lowered program and its analytic `Estimate`.
-
-What differs on an accelerator: the numbers are XLA:CPU's buffer assignment for the same
-partitioned program. GPU and TPU compilers fuse and schedule differently (the latency-hiding
-scheduler prefetches the next layer's all-gathered FSDP weights, which costs one more gathered
-layer; collectives need their own buffers), XLA:CPU may carry some bf16 intermediates in f32, and
-cuDNN attention needs its own workspace; allocator fragmentation comes on top. JAX on GPU
-preallocates 75% of device memory by default (`XLA_PYTHON_CLIENT_MEM_FRACTION`), 60 GB of an
-80 GB H100, which is why the paper configs aim at <= 60 GiB per device here.
+`--target` (`qurl_jax.targets`) picks the compiler: `cpu` (default) builds the config's mesh on
+this host's CPU devices (their count set to the mesh size), `tpu:...` / `gpu:...` on compile-only
+devices of that slice (needs `pip install -e .[tpu-compile]` / `.[gpu-compile]`; no accelerator).
+Prints each program's compiled argument / output / temp / peak bytes per device (the compiler's
+memory plan) against the budget (85% of the chip's memory; 60 GiB on `cpu`) and an analytic
+estimate; `--json` also writes them, with the target's name, platform and device kind. A bad flag
+or target ends with one line naming it and a non-zero exit.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
-import time
-from collections.abc import Callable
-from typing import Any
+import sys
 
 import jax
-import jax.numpy as jnp
-import ml_collections
-import numpy as np
 from absl import app, flags
-from jax.sharding import Mesh
 from ml_collections import config_flags
 
-from qurl_jax import quant
-from qurl_jax import sharding as shd
-from qurl_jax.config import (
-    kv_policy_from_config,
-    learner_micro_batch_size,
-    objective_from_config,
-    optim_from_config,
-    refill_enabled,
-)
-from qurl_jax.learner import Learner
-from qurl_jax.models import ModelConfig, hf, init_params
-from qurl_jax.sampling import RefillSampler, Sampler
+from qurl_jax import memory_plan, targets
 
-GIB = 1 << 30
-BUDGET_GIB = 60.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """Everything a program needs: the run config, the model, mesh, learner and abstract state.
-
-    params / opt_state are `jax.ShapeDtypeStruct` trees with the learner's shardings; rollout_rows
-    is the rollout batch (prompts_per_step * n), prompt_len P and response_len G its widths.
-    """
-
-    config: ml_collections.ConfigDict
-    model_config: ModelConfig
-    mesh: Mesh
-    learner: Learner
-    params: Any
-    opt_state: Any
-    rollout_rows: int
-    minibatch_rows: int
-    micro_batch_rows: int
-    prompt_len: int
-    response_len: int
-
-    @functools.cached_property
-    def requantize_fn(self) -> Callable:
-        """The jitted requantize of the rollout precision: one function per Setup, so the
-        `actor` shardings and the `requantize` program share one compile."""
-        recipe = quant.get_recipe(self.config.rollout.precision)
-        return jax.jit(lambda params: quant.requantize(params, recipe))
-
-    @functools.cached_property
-    def actor(self) -> Any:
-        """The rollout actor's parameters as `jax.ShapeDtypeStruct`s with the shardings
-        requantize gives them."""
-        fn = self.requantize_fn
-        shardings = fn.lower(self.params).compile().output_shardings
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            jax.eval_shape(fn, self.params), shardings)
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    """Analytic bytes per device: (part, formula, bytes) rows, and the symbols' values."""
-
-    parts: tuple[tuple[str, str, int], ...]
-    symbols: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(row[2] for row in self.parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    lowered: jax.stages.Lowered
-    estimate: Estimate
-
-
-def _abstract_batch(setup: Setup, rows: int, keys: tuple[str, ...]) -> dict[str, Any]:
-    t, g = setup.prompt_len + setup.response_len, setup.response_len
-    shapes = {"tokens": ((rows, t), jnp.int32), "positions": ((rows, t), jnp.int32),
-              "attn_mask": ((rows, t), jnp.bool_), "resp_mask": ((rows, g), jnp.float32),
-              "logp_behav": ((rows, g), jnp.float32), "logp_prox": ((rows, g), jnp.float32),
-              "logp_ref": ((rows, g), jnp.float32), "advantages": ((rows,), jnp.float32)}
-    return {k: jax.ShapeDtypeStruct(shapes[k][0], shapes[k][1],
-                                    sharding=shd.batch_sharding(setup.mesh, len(shapes[k][0])))
-            for k in keys}
-
-
-def _bytes_per_device(tree: Any) -> int:
-    """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s."""
-    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-               for x in jax.tree.leaves(tree))
-
-
-def _symbols(setup: Setup, rows: int) -> dict[str, int]:
-    """b rows per device, T = P + G, G, L, E, M, Q = H*D, K = Hkv*D, V, t = tensor-parallel ways,
-    cb = compute dtype bytes, C = log-prob chunk, Pd = parameter bytes per device (f32),
-    Pl = the decoder layers' share of Pd, N1 = parameters of one layer (unsharded)."""
-    m, c = setup.model_config, setup.config
-    layers = {k: v for k, v in setup.params.items() if k.startswith("layers_")}
-    return dict(b=max(rows // (c.mesh.data * c.mesh.fsdp), 1),
-                T=setup.prompt_len + setup.response_len, G=setup.response_len, L=m.num_layers,
-                E=m.hidden_size, M=m.intermediate_size, Q=m.num_heads * m.head_dim,
-                K=m.num_kv_heads * m.head_dim, V=m.vocab_size, t=c.mesh.tensor,
-                cb=m.compute_dtype.itemsize, C=min(c.train.logprob_chunk, setup.response_len),
-                Pd=_bytes_per_device(setup.params), Pl=_bytes_per_device(layers),
-                N1=sum(x.size for x in jax.tree.leaves(layers["layers_0"])))
-
-
-# Values per token per layer the backward keeps, by remat policy (compute dtype).
-_SAVED = {"full": ("E", lambda s: s["E"]),
-          "dots": ("(Q+2K)/t + 2E + 2M/t",
-                   lambda s: (s["Q"] + 2 * s["K"] + 2 * s["M"]) // s["t"] + 2 * s["E"]),
-          "none": ("2(Q+2K)/t + 4E + 5M/t",
-                   lambda s: (2 * (s["Q"] + 2 * s["K"]) + 5 * s["M"]) // s["t"] + 4 * s["E"])}
-
-
-def _weights_at_work(s: dict[str, int]) -> tuple[str, str, int]:
-    # FSDP: one layer's weights and the LM head are all-gathered (in the compute dtype) while used.
-    return ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
-            (s["N1"] + s["E"] * s["V"]) // s["t"] * s["cb"])
-
-
-def learner_update(setup: Setup) -> Program:
-    """One optimizer step on one minibatch, micro-batches scanned inside."""
-    keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
-            "advantages") + (("logp_ref",) if setup.config.rl.kl_coef else ())
-    batch = _abstract_batch(setup, setup.minibatch_rows, keys)
-    fn = setup.learner.update_fn(setup.params, setup.opt_state, batch)
-    lowered = fn.lower(setup.params, setup.opt_state, batch)
-    s = _symbols(setup, setup.micro_batch_rows)
-    b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
-    accumulate = setup.learner.num_micro_batches > 1
-    remat = str(setup.learner.model.remat)
-    saved_formula, saved_values = _SAVED[remat]
-    parts = (
-        ("params", "Pd", s["Pd"]),
-        ("optimizer state (Adam mu, nu)", "2Pd", 2 * s["Pd"]),
-        ("gradients (accumulator + micro-batch)" if accumulate else "gradients",
-         "2Pd" if accumulate else "Pd", (2 if accumulate else 1) * s["Pd"]),
-        ("stacked layer weights + their gradients", "2Pl * cb/4", 2 * s["Pl"] * cb // 4),
-        _weights_at_work(s),
-        ("LM head + embedding gradients before reduce-scatter", "2E*V/t * 4", 2 * E * V // t * 4),
-        (f"saved activations (remat={remat})", f"L*b*T*[{saved_formula}] * cb",
-         s["L"] * b * T * saved_values(s) * cb),
-        ("one layer's backward at work", "b*T*(8M/t + 4E + 3(Q+2K)/t) * cb",
-         b * T * ((8 * M + 3 * (Q + 2 * K)) // t + 4 * E) * cb),
-        ("logits chunk (logits, probabilities, gradient)", "3*b*C*V/t * 4",
-         3 * b * s["C"] * V // t * 4),
-    )
-    return Program(lowered, Estimate(parts, s))
-
-
-def learner_logprobs(setup: Setup) -> Program:
-    """Log-probs of the whole rollout batch under the learner's parameters (no gradient)."""
-    keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav")
-    batch = _abstract_batch(setup, setup.rollout_rows, keys)
-    lowered = setup.learner.logprobs_fn(setup.params, batch).lower(setup.params, batch)
-    s = _symbols(setup, setup.learner.logprob_batch_size or setup.rollout_rows)
-    b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
-    rows_per_device = setup.rollout_rows // (setup.config.mesh.data * setup.config.mesh.fsdp)
-    parts = (
-        ("params", "Pd", s["Pd"]),
-        ("stacked layer weights", "Pl * cb/4", s["Pl"] * cb // 4),
-        _weights_at_work(s),
-        ("hidden states (residual stream in and out)", "2*b*T*E * cb", 2 * b * T * E * cb),
-        ("one layer's forward at work", "b*T*(3M/t + 2E + 2(Q+2K)/t) * cb",
-         b * T * ((3 * M + 2 * (Q + 2 * K)) // t + 2 * E) * cb),
-        ("logits chunk (f32 and compute-dtype logits)", "b*C*V/t * (4 + cb)",
-         b * s["C"] * V // t * (4 + cb)),
-        ("log-probs of the whole rollout (output)", "rows/device * G * 4",
-         rows_per_device * s["G"] * 4),
-    )
-    return Program(lowered, Estimate(parts, s))
-
-
-def requantize(setup: Setup) -> Program:
-    """The rollout actor made from the learner's parameters, every step."""
-    lowered = setup.requantize_fn.lower(setup.params)
-    s = _symbols(setup, setup.rollout_rows)
-    actor = _bytes_per_device(setup.actor)
-    return Program(lowered, Estimate((("params (input)", "Pd", s["Pd"]),
-                                      ("actor (output)", "codes + scales", actor)), s))
-
-
-def _rollout(setup: Setup, name: str) -> Program:
-    c = setup.config
-    refill = refill_enabled(c)
-    sampler = (RefillSampler if refill else Sampler)(
-        setup.model_config, quant.make_dot_general(quant.get_recipe(c.rollout.precision)),
-        prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,), mesh=setup.mesh,
-        max_concurrent_rows=c.rollout.max_concurrent_rows, platform="gpu",
-        kv_policy=kv_policy_from_config(c.rollout))
-    rows = sampler.rows_per_chunk(c.data.prompts_per_step, c.rollout.n)
-    actor = setup.actor
-    lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
-                                     n=c.rollout.n)[name]
-    # The rows decoded at once: a chunk of the static sampler, or the refilling sampler's slots.
-    slots = min(c.rollout.max_concurrent_rows or rows, rows) if refill else rows
-    s = _symbols(setup, slots)
-    m = setup.model_config
-    b, V, t = s["b"], s["V"], s["t"]
-    kv_heads = max(m.num_kv_heads // t, 1)
-    parts = (
-        ("actor parameters", "codes + scales per device", _bytes_per_device(actor)),
-        ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
-         _weights_at_work(s)[2]),
-        ("KV cache (keys and values, every layer)",
-         "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with rollout.kv_policy)",
-         2 * s["L"] * b * sampler.cache_slots(setup.prompt_len, setup.response_len) * kv_heads
-         * m.head_dim * s["cb"]),
-        ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
-    ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
-           b * setup.prompt_len * ((3 * s["M"] + 2 * (s["Q"] + 2 * s["K"])) // t + 2 * s["E"])
-           * s["cb"]),) if name == "prefill" else ()) + ((
-        ("row-indexed outputs of every row (refill)",
-         "rows/device * G * 13 (tokens, two log-probs, mask)",
-         max(rows // (c.mesh.data * c.mesh.fsdp), 1) * s["G"] * 13),
-        ("held prompt prefills (refill; one per batch shard, whole on every device)",
-         "data*fsdp * 2*L*P*max(Hkv/t,1)*D * cb",
-         c.mesh.data * c.mesh.fsdp * 2 * s["L"] * sampler.prefill_slots(setup.prompt_len)
-         * kv_heads * m.head_dim * s["cb"])) if refill else ())
-    counts = {"rows per call": rows, "slots": slots} if refill else {"rows per chunk": rows}
-    return Program(lowered, Estimate(parts, {**s, **counts}))
-
-
-def rollout_prefill(setup: Setup) -> Program:
-    """The prompt pass of one rollout chunk (n samples of a prompt share it); with
-    `rollout.refill`, the insert that prefills prompts into every slot at once."""
-    return _rollout(setup, "prefill")
-
-
-def rollout_decode(setup: Setup) -> Program:
-    """The decode loop of one rollout chunk, every new token of it; with `rollout.refill`, the
-    decode loop over the slots, which also holds every row's outputs."""
-    return _rollout(setup, "decode")
-
-
-PROGRAMS: dict[str, Callable[[Setup], Program]] = {
-    "learner_update": learner_update,
-    "learner_logprobs": learner_logprobs,
-    "requantize": requantize,
-    "rollout_prefill": rollout_prefill,
-    "rollout_decode": rollout_decode,
-}
-
-
-def model_shape(config: ml_collections.ConfigDict, shapes_dir: str) -> ModelConfig:
-    """The `ModelConfig` of `config.model` from its config.json, without weights."""
-    path = config.model.path
-    if config.model.source != "hf":
-        raise ValueError(f"config.model.source={config.model.source!r}: the memory report needs "
-                         "a Hugging Face model shape (source 'hf')")
-    candidates = [os.path.join(path, "config.json"),
-                  os.path.join(shapes_dir, os.path.basename(os.path.normpath(path)) + ".json")]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            with open(candidate) as f:
-                shape = hf.config_from_hf(json.load(f))
-            return shape.replace(dtype=config.model.dtype, attention=config.model.attention)
-    raise ValueError(f"config.model.path={path!r}: no model shape in {candidates}")
-
-
-def build_setup(config: ml_collections.ConfigDict, model_config: ModelConfig) -> Setup:
-    """Mesh, learner and abstract state for `config` (the devices must already exist)."""
-    c = config
-    mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-    micro = learner_micro_batch_size(c)
-    learner = Learner(model_config, objective_from_config(c.rl), optim_from_config(c.optim), mesh,
-                      temperature=c.rollout.temperature, num_micro_batches=c.rl.num_micro_batches,
-                      remat=c.train.remat, scan_layers=c.train.scan_layers,
-                      logprob_chunk=c.train.logprob_chunk,
-                      logprob_batch_size=micro, precision=c.train.precision)
-    return setup_for(c, model_config, mesh, learner)
-
-
-def setup_for(config: ml_collections.ConfigDict, model_config: ModelConfig, mesh: Mesh,
-              learner: Learner) -> Setup:
-    """The `Setup` of a run's own mesh and learner (what the trainer's preflight compiles)."""
-    c = config
-    micro = learner_micro_batch_size(c)
-    shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
-    params, opt_state = learner.abstract_state(shapes)
-    rows = c.data.prompts_per_step * c.rollout.n
-    return Setup(config=c, model_config=model_config, mesh=mesh, learner=learner, params=params,
-                 opt_state=opt_state, rollout_rows=rows,
-                 minibatch_rows=rows // c.rl.num_minibatches, micro_batch_rows=micro,
-                 prompt_len=c.data.max_prompt_len, response_len=c.rollout.max_new_tokens)
-
-
-def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
-    """argument / output / temp / peak bytes per device of a compiled program.
-
-    peak = arguments + outputs - aliased (donated arguments reused as outputs) + temps: every
-    buffer live at once, an upper bound of the true peak. (XLA:CPU's own `peak_memory_in_bytes`
-    counts only the arguments.)"""
-    m = compiled.memory_analysis()
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
-    return {"argument_bytes": int(m.argument_size_in_bytes),
-            "output_bytes": int(m.output_size_in_bytes),
-            "temp_bytes": int(m.temp_size_in_bytes), "peak_bytes": int(peak)}
-
-
-def report(config: ml_collections.ConfigDict, shapes_dir: str,
-           log: Callable[[str], None] = print,
-           programs: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Compiles every program of `PROGRAMS` for `config`; returns the JSON-able figures."""
-    model_config = model_shape(config, shapes_dir)
-    setup = build_setup(config, model_config)
-    c = config
-    log(f"model {os.path.basename(c.model.path)}: {model_config.num_params / 1e9:.2f}B params, "
-        f"dtype {model_config.dtype}, attention {model_config.attention}, remat {c.train.remat}")
-    log(f"mesh data={c.mesh.data} fsdp={c.mesh.fsdp} tensor={c.mesh.tensor} "
-        f"({setup.mesh.size} host devices); sequence {setup.prompt_len} + {setup.response_len}; "
-        f"rollout {setup.rollout_rows} rows, minibatch {setup.minibatch_rows}, micro-batch "
-        f"{setup.micro_batch_rows}")
-    out: dict[str, Any] = {"devices": setup.mesh.size, "programs": {}}
-    unknown = set(programs or ()) - set(PROGRAMS)
-    if unknown:
-        raise ValueError(f"--programs: unknown {sorted(unknown)}; known: {list(PROGRAMS)}")
-    for name, build in ((n, b) for n, b in PROGRAMS.items() if not programs or n in programs):
-        start = time.perf_counter()
-        program = build(setup)
-        compiled = program.lowered.compile()
-        figures = compiled_memory(compiled)
-        seconds = time.perf_counter() - start
-        out["programs"][name] = figures
-        fits = "fits" if figures["peak_bytes"] <= BUDGET_GIB * GIB else "DOES NOT FIT"
-        log(f"\n{name} (lowered + compiled in {seconds:.0f} s), per device, GiB:")
-        log("  compiled: " + "  ".join(f"{k.removesuffix('_bytes')} {v / GIB:.2f}"
-                                       for k, v in figures.items())
-            + f"  -> {fits} in {BUDGET_GIB:.0f} GiB")
-        log(f"  estimate: {program.estimate.total / GIB:.2f}")
-        for part, formula, value in program.estimate.parts:
-            log(f"    {value / GIB:7.2f}  {part:50s} {formula}")
-        log("    with " + ", ".join(f"{k}={v}" for k, v in program.estimate.symbols.items()))
-    return out
-
-
-# The config fields that shrink each program, named by the preflight's error.
-KNOBS = {
-    "learner_update": "rl.num_micro_batches (more, smaller micro-batches), train.remat ('full'), "
-                      "train.logprob_chunk (smaller), mesh.fsdp / mesh.tensor (more devices)",
-    "learner_logprobs": "rl.num_micro_batches (log-prob slices are one micro-batch), "
-                        "train.logprob_chunk (smaller), mesh.fsdp / mesh.tensor",
-    "requantize": "mesh.fsdp / mesh.tensor (parameters spread over more devices)",
-    "rollout_prefill": "rollout.max_concurrent_rows (smaller chunks), mesh.data / mesh.fsdp",
-    "rollout_decode": "rollout.max_concurrent_rows (smaller chunks; the KV cache is per row), "
-                      "mesh.data / mesh.fsdp",
-}
-
-
-class MemoryPlanError(RuntimeError):
-    """A program of the run needs more memory per device than the device has."""
-
-
-def preflight(setup: Setup, limit_bytes: int,
-              log: Callable[[str], None] = print) -> dict[str, dict[str, int]]:
-    """Compiles every program of the run (`PROGRAMS`) before its first step and raises
-    `MemoryPlanError` naming each program whose per-device peak exceeds `limit_bytes`, its figure
-    and the knobs that shrink it; returns the figures otherwise."""
-    figures, over = {}, []
-    for name, build in PROGRAMS.items():
-        figures[name] = compiled_memory(build(setup).lowered.compile())
-        peak = figures[name]["peak_bytes"]
-        log(f"preflight {name}: peak {peak / GIB:.2f} GiB per device of {limit_bytes / GIB:.2f}")
-        if peak > limit_bytes:
-            over.append(f"{name} needs {peak / GIB:.2f} GiB per device, more than the "
-                        f"{limit_bytes / GIB:.2f} GiB limit; change {KNOBS[name]}")
-    if over:
-        raise MemoryPlanError("memory preflight: " + "; ".join(over))
-    return figures
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
+_TARGET = flags.DEFINE_string(
+    "target", "cpu", "What to compile for: cpu, tpu:v5e-N, tpu:v6e-N, tpu:v5p-N, gpu:h100-N.")
+_JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+_SHAPES = flags.DEFINE_string(
+    "shapes_dir", None, "Directory of model config.json files; default: shapes/ beside --config.")
+_PROGRAMS = flags.DEFINE_list("programs", None,
+                              f"Only these programs: {list(memory_plan.PROGRAMS)}.")
+flags.mark_flags_as_required(["config"])
 
 
 def _use_host_devices(count: int) -> None:
@@ -436,25 +49,26 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = _CONFIG.value
-    _use_host_devices(config.mesh.data * config.mesh.fsdp * config.mesh.tensor)
+    try:
+        target = targets.parse(_TARGET.value)
+    except targets.TargetError as e:
+        sys.exit(f"qurl_jax: bad flag --target: {e}")
+    if target.compile_only:
+        targets.use_cpu_unless_accelerator_attached()
+    else:
+        _use_host_devices(config.mesh.data * config.mesh.fsdp * config.mesh.tensor)
     shapes_dir = _SHAPES.value or os.path.join(
         os.path.dirname(os.path.abspath(config_flags.get_config_filename(flags.FLAGS["config"]))),
         "shapes")
-    figures = report(config, shapes_dir, programs=tuple(_PROGRAMS.value or ()))
+    try:
+        figures = memory_plan.report(config, shapes_dir, target,
+                                     programs=tuple(_PROGRAMS.value or ()))
+    except (targets.TargetError, memory_plan.PlanError) as e:
+        sys.exit(f"qurl_jax: {e}")
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":
-    # Defined here, not at import: the trainer imports this module for its preflight, beside
-    # main.py's own --config flag.
-    _CONFIG = config_flags.DEFINE_config_file(
-        "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
-    _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
-    _SHAPES = flags.DEFINE_string(
-        "shapes_dir", None,
-        "Directory of model config.json files; default: shapes/ beside --config.")
-    _PROGRAMS = flags.DEFINE_list("programs", None, f"Only these programs: {list(PROGRAMS)}.")
-    flags.mark_flags_as_required(["config"])
     app.run(main)

@@ -28,9 +28,10 @@ def available() -> bool:
 
 
 def usable(compute_dtype: jnp.dtype, head_dim: int) -> bool:
-    """Whether a model with this compute dtype and head size can use the kernel here."""
-    return (jax.default_backend() == "cpu" and jnp.dtype(compute_dtype) == jnp.float32
-            and head_dim % 16 == 0 and available())
+    """Whether a model with this compute dtype and head size can use the kernel in a program for
+    CPU devices (the caller checks its program's platform, e.g. the sampler's mesh's devices',
+    not this process's default backend: a CPU host may compile for a TPU, and the reverse)."""
+    return (jnp.dtype(compute_dtype) == jnp.float32 and head_dim % 16 == 0 and available())
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array,

@@ -37,6 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qurl_jax import targets
+
 # Finite "minus infinity": a query with no allowed key (a left-pad query, an empty batch-padding
 # row) gets a uniform softmax over masked scores instead of NaN; its output is never used.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -285,13 +287,19 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     bool[B, 1, T, S] (1 byte per (query, key) pair, shared by all heads): cuDNN's sequence-length
     arguments describe right padding only, and our sequences are left-padded.
     """
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"ModelConfig.attention='cudnn' needs a GPU; the default backend is "
-                         f"{jax.default_backend()!r} (use 'auto', 'dense' or 'blockwise')")
+    if not targets.compiler_installed("gpu"):
+        raise ValueError("ModelConfig.attention='cudnn' needs a GPU: JAX's CUDA plugin is not "
+                         "installed (use 'auto', 'dense' or 'blockwise')")
     mask = allowed_mask(q_pos, k_pos, k_valid)[:, None]
-    return jax.nn.dot_product_attention(
-        q, k.astype(q.dtype).transpose(0, 2, 1, 3), v.astype(q.dtype).transpose(0, 2, 1, 3),
-        mask=mask, implementation="cudnn")
+
+    def on_gpu(q, k, v, mask):
+        return jax.nn.dot_product_attention(
+            q, k.astype(q.dtype).transpose(0, 2, 1, 3), v.astype(q.dtype).transpose(0, 2, 1, 3),
+            mask=mask, implementation="cudnn")
+
+    # The platform is the one the program is lowered for (a compile-only H100 from a CPU host
+    # included), not this process's default backend; lowering for any other fails there.
+    return jax.lax.platform_dependent(q, k, v, mask, cuda=on_gpu)
 
 
 # ----------------------------------------------------------------------------------- dispatcher

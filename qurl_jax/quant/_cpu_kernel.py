@@ -141,8 +141,12 @@ def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         _is_int8_linear(lhs, rhs, dimension_numbers, preferred_element_type or lhs.dtype, kwargs)
         and lhs.shape[0] <= MAX_ROWS and rhs.size >= MIN_KERNEL_ELEMENTS
     )
+    # Which branch runs follows the platform the program is lowered for (`platform_dependent`):
+    # a CPU host compiling for a TPU or GPU gets XLA's product. The default-backend test only
+    # keeps an accelerator host from building the kernel; its programs for CPU devices then use
+    # XLA's product too (correct, slower).
     if not (eligible and jax.default_backend() == "cpu" and kernel_available()):
-        return xla(lhs, rhs)  # (an accelerator host never builds the kernel)
+        return xla(lhs, rhs)
     return jax.lax.platform_dependent(lhs, rhs, cpu=_kernel_product, default=xla)
 
 
@@ -156,7 +160,8 @@ def pack_for_decode(params: Any) -> Any:
     """Rollout parameters for a decode loop: every int8 W8A8 kernel the VNNI kernel can read is
     stored packed (`pack_int8`, `QuantizedTensor.packed`). Traceable; meant to run once per
     rollout, outside the loop. Returns `params` unchanged when the default backend is not the CPU
-    or the kernel is unavailable."""
+    or the kernel is unavailable. Callers pack only in programs for CPU devices (the sampler: when
+    its platform, its mesh's devices', is 'cpu'); packed codes mean nothing to another platform."""
     if jax.default_backend() != "cpu" or not kernel_available():
         return params
     is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
