@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from qurl_jax.cpu_kernels import decode_attention as cpu_decode
+from qurl_jax.models import KVCache, ModelConfig, Transformer, init_params
 from qurl_jax.models import decode_attention as da
 
 F32_TOL = 2e-6
@@ -198,6 +199,42 @@ def test_larger_interpreted_kernels_at_the_1p5b_head_layout(paged, dtype):
         assert np.abs(np.asarray(out, np.float64) - want).max() < tol, platform
 
 
+def test_window_of_a_mask():
+    mask = np.zeros((4, 8), bool)
+    mask[0, 2:5] = True
+    mask[1, :] = True
+    mask[3, 7] = True
+    starts, lengths = da.window_of(jnp.asarray(mask))
+    assert starts.tolist() == [2, 0, 0, 7] and lengths.tolist() == [5, 8, 0, 8]
+
+
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=64, intermediate_size=128,
+                     num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True,
+                     tie_word_embeddings=True)
+
+
+def test_model_decode_steps_with_the_hook_match_the_model():
+    """A left-padded prompt, then decode steps through `model_hook`, against the model's own
+    masked attention: the window the hook reads off the mask is the model's rule."""
+    params = init_params(CONFIG, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, CONFIG.vocab_size)
+    mask = jnp.array([[False, False, True, True, True, True, True, True, True]] + [[True] * 9] * 2)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+
+    def run(hook):
+        apply = jax.jit(Transformer(CONFIG, decode_attention=hook).apply)
+        _, cache = apply({"params": params}, tokens[:, :6], positions[:, :6], mask[:, :6],
+                         cache=KVCache.zeros(CONFIG, 3, 16))
+        out = []
+        for t in range(6, 9):
+            logits, cache = apply({"params": params}, tokens[:, t:t + 1], positions[:, t:t + 1],
+                                  None, cache=cache)
+            out.append(np.asarray(logits))
+        return np.concatenate(out, axis=1)
+
+    np.testing.assert_allclose(run(da.model_hook("pallas", interpret=True)), run(None), atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- compile proofs
 @pytest.mark.slow
 @pytest.mark.parametrize("target,env_var", [("h100", "QURL_GPU_PYTHON"),
@@ -209,7 +246,8 @@ def test_kernels_compile_deviceless_at_the_1p5b_decode_shape(target, env_var):
     python = os.environ.get(env_var)
     if not python:
         pytest.skip(f"{env_var} is not set (a Python with the {target} compiler)")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # One process per libtpu is libtpu's default; a compile-only client needs no lock.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([python, "-m", "qurl_jax.bench.paged", "compile", f"--target={target}",
                            "--rows=64"], capture_output=True, text=True, env=env, timeout=900)

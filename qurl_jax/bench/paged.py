@@ -177,7 +177,7 @@ def _devices(target: str) -> list[Any]:
             topo = topologies.get_topology_desc("h100", platform="cuda", target_config=f.read(),
                                                 topology="1x1x1")
     elif target == "v5p":
-        topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:1x1x1")
+        topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
     else:
         raise ValueError(f"--target={target!r}: expected h100 or v5p")
     return list(topo.devices)

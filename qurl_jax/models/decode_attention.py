@@ -179,6 +179,34 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     return _zero_empty_rows(out, lengths > starts)
 
 
+def window_of(key_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(starts, lengths) i32[B] of the live window of key_mask bool[B, S]: the first live slot and
+    one past the last; (0, 0) for a row with none. Exact only for masks without holes."""
+    s = key_mask.shape[1]
+    any_live = key_mask.any(axis=1)
+    starts = jnp.argmax(key_mask, axis=1).astype(jnp.int32)
+    lengths = (s - jnp.argmax(key_mask[:, ::-1], axis=1)).astype(jnp.int32)
+    return jnp.where(any_live, starts, 0), jnp.where(any_live, lengths, 0)
+
+
+def model_hook(impl: str = "auto", platform: str | None = None, interpret: bool = False):
+    """`decode_attention` as the model's `DecodeAttention` hook (`Transformer(config,
+    decode_attention=model_hook(...))`): (q f[B, Hkv, G, D], keys, values f[B, Hkv, S, D],
+    key_mask bool[B, S], length) -> f[B, Hkv, G, D]. Each row's window is read off key_mask
+    (`window_of`), so the cache's live slots must be contiguous per row (left-padded prompts and
+    refilled rows are; a compressed cache with holes is not); `length` is not needed."""
+
+    def hook(q, keys, values, key_mask, length):
+        del length
+        b, hkv, g, d = q.shape
+        starts, lengths = window_of(key_mask)
+        out = decode_attention(q.reshape(b, hkv * g, d), keys, values, lengths, starts,
+                               impl=impl, platform=platform, interpret=interpret)
+        return out.reshape(b, hkv, g, d)
+
+    return hook
+
+
 # ------------------------------------------------------------------------------------------ paged
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     """The dense view of a paged pool: pages f[Hkv, P, page_size, D], page_table i32[B, n] ->
