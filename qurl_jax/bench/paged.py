@@ -20,9 +20,10 @@
 
 `python -m qurl_jax.bench.paged compile --target=h100|v5p [--rows=64,256]`
     Compiles the decode attention of one layer at the 1.5B decode shape (12 query / 2 kv heads of
-    128, bf16, 1024 + 8192 slots, 16-token pages) without the device: JAX's Pallas kernels and XLA's
-    dense path, for an H100 (Triton; run in a Python with jax[cuda], JAX_PLATFORMS=cpu) or one v5p
-    TensorCore (Mosaic; a Python with jax[tpu]); prints each program's compiled memory.
+    128, bf16, 1024 + 8192 slots, 16-token pages; flags for others) without the device: JAX's
+    Pallas kernels and XLA's path, for an H100 (Triton; run in a Python with jax[cuda],
+    JAX_PLATFORMS=cpu) or one v5p chip of a compile-only v5p:2x2x1 (Mosaic; a Python with
+    jax[tpu]); prints each program's compiled memory (the compiler's figures).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class SimResult:
     mean_in_flight_busy: float  # over the steps that began with rows waiting
     preemptions: int = 0
     regenerated_tokens: int = 0
+    peak_pages: int = 0        # most pages held at once (paged only)
 
 
 def simulate_fixed(limits: np.ndarray, slots: int) -> SimResult:
@@ -89,7 +91,7 @@ def simulate_paged(limits: np.ndarray, prompt_len: int, max_tokens: int, num_pag
     target = np.zeros(slots, np.int64)
     generated = np.zeros(slots, np.int64)
     in_flight, busy = [], []
-    regenerated = 0
+    regenerated = peak = 0
     while not sched.idle:
         for slot, row in sched.admit():
             target[slot], generated[slot] = limits[row], 0
@@ -100,11 +102,12 @@ def simulate_paged(limits: np.ndarray, prompt_len: int, max_tokens: int, num_pag
         in_flight.append((n, 1))
         if sched.waiting:
             busy.append((n, 1))
+        peak = max(peak, num_pages - pool.free_pages)
         generated[active] += 1
         sched.advance(active & (generated >= target))
     return SimResult(steps=len(in_flight), mean_in_flight=_mean(in_flight),
                      mean_in_flight_busy=_mean(busy), preemptions=sched.preemptions,
-                     regenerated_tokens=regenerated)
+                     regenerated_tokens=regenerated, peak_pages=peak)
 
 
 def expectations(limits: np.ndarray, prompt_len: int, max_new: int) -> dict[str, float]:
@@ -163,6 +166,8 @@ def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int |
         log(f"  preemptions {paged.preemptions}: regenerated response tokens "
             f"{paged.regenerated_tokens} ({100 * paged.regenerated_tokens / total:.2f}% of "
             f"{total}), prompts prefilled again {paged.preemptions} x {prompt_len} tokens")
+        log(f"  most pages held at once: {paged.peak_pages} of {num_pages} "
+            f"({100 * paged.peak_pages / num_pages:.0f}%)")
     return out
 
 
@@ -251,6 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     comp = sub.add_parser("compile", help="deviceless compiles of the decode attention kernels")
     comp.add_argument("--target", choices=("h100", "v5p"), required=True)
     comp.add_argument("--rows", default="64,256")
+    comp.add_argument("--heads", type=int, default=12)
+    comp.add_argument("--kv_heads", type=int, default=2)
+    comp.add_argument("--head_dim", type=int, default=128)
+    comp.add_argument("--slots", type=int, default=9216, help="tokens per row (prompt + new)")
+    comp.add_argument("--page_size", type=int, default=16)
     for p in (sim, comp):
         p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -262,7 +272,10 @@ def main(argv: list[str] | None = None) -> None:
                            prompt_len=args.prompt_len, stream_rows=args.stream_rows,
                            seed=args.seed, watermark_pages=args.watermark_pages)
     else:
-        figures = compile_programs(args.target, [int(r) for r in args.rows.split(",")])
+        figures = compile_programs(args.target, [int(r) for r in args.rows.split(",")],
+                                   heads=args.heads, kv_heads=args.kv_heads,
+                                   head_dim=args.head_dim, slots=args.slots,
+                                   page_size=args.page_size)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

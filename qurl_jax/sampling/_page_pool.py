@@ -78,8 +78,8 @@ class PagePool:
         if self.shortfall(slots, tokens) > self._top:
             return False
         extra = np.maximum(pages_for(tokens, self.page_size) - self.held[slots], 0)
-        for slot, n in zip(slots[extra > 0], extra[extra > 0], strict=True):
-            start = self.held[slot]
+        for slot, n in zip(slots[extra > 0].tolist(), extra[extra > 0].tolist(), strict=True):
+            start = int(self.held[slot])
             self.page_table[slot, start:start + n] = self._free[self._top - n:self._top][::-1]
             self._top -= n
             self.held[slot] += n
