@@ -39,24 +39,25 @@ def _check(sched: PagedScheduler, finished: list[int]) -> None:
 
 
 def _run(sched: PagedScheduler, targets: dict[int, int], finished: list[int] | None = None,
-         max_steps: int = 100_000) -> tuple[list[int], int]:
-    """Drives the scheduler like the sampler: row r finishes after generating targets[r] tokens
-    (or at max_tokens); a preempted row starts again from its prompt. Checks the invariants every
-    step; returns (finish order, steps)."""
+         ahead: int = 1, max_steps: int = 100_000) -> tuple[list[int], int]:
+    """Drives the scheduler like the sampler, `ahead` decode steps per host call: row r finishes
+    after generating targets[r] tokens (or at max_tokens); a preempted row starts again from its
+    prompt. Checks the invariants every call; returns (finish order, calls)."""
     finished = [] if finished is None else finished
     generated = np.zeros(sched.pool.slots, np.int64)
     steps = 0
     while not sched.idle:
         for slot, _ in sched.admit():
             generated[slot] = 0
-        sched.reserve_step()
+        sched.reserve_step(ahead)
         active = sched.active
-        # Every active slot has room for the token it writes this step.
-        assert (sched.pool.held[active] * sched.pool.page_size >= sched.lengths[active] + 1).all()
-        generated[active] += 1
+        # Every active slot has room for the tokens it writes before the next call.
+        room = np.minimum(sched.lengths[active] + ahead, sched.max_tokens)
+        assert (sched.pool.held[active] * sched.pool.page_size >= room).all()
+        generated[active] += ahead
         done = np.zeros(sched.pool.slots, bool)
         done[active] = generated[active] >= [targets[r] for r in sched.slot_row[active]]
-        finished += sched.advance(done)
+        finished += sched.advance(done, steps=ahead)
         _check(sched, finished)
         steps += 1
         assert steps < max_steps, "scheduler made no progress"
@@ -115,10 +116,23 @@ def test_random_schedules_lose_nothing_and_finish_everything(seed):
             sched.reserve_step()
             finished += sched.advance(rng.random(slots) < 0.02)
             _check(sched, finished)
-    _run(sched, targets, finished)
+    _run(sched, targets, finished, ahead=int(rng.choice([1, 1, 3, 8])))
     assert sorted(finished) == sorted(rows.tolist())
     assert sched.idle and pool.free_pages == num_pages
     assert (pool.page_table == 0).all() and (pool.held == 0).all()
+
+
+def test_reserving_several_steps_ahead():
+    pool = PagePool(num_pages=16, page_size=4, slots=2, pages_per_slot=4)
+    sched = PagedScheduler(pool, max_tokens=16)
+    sched.submit([0, 1], [3, 13])
+    sched.admit()
+    assert sched.reserve_step(ahead=6) == []
+    assert pool.held.tolist() == [3, 4]  # 9 tokens; 19 capped at max_tokens = 16
+    assert sched.advance(np.array([False, False]), steps=3) == [1]  # row 1 reached 16
+    assert sched.lengths.tolist() == [6, 0] and pool.held.tolist() == [3, 0]
+    with pytest.raises(ValueError, match="ahead=0"):
+        sched.reserve_step(ahead=0)
 
 
 def test_bad_settings_name_the_field():

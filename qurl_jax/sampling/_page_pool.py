@@ -190,15 +190,19 @@ class PagedScheduler:
             placed.append((int(slot), row))
         return placed
 
-    def reserve_step(self) -> list[tuple[int, int]]:
-        """Gives every active row room for one more token. When the pool is short, preempts rows
-        (the most recently admitted first) until the others fit: their pages are freed, their
-        slots emptied, their rows put back at the head of the queue (the earliest admitted in
-        front). Returns the preempted (slot, row) pairs."""
+    def reserve_step(self, ahead: int = 1) -> list[tuple[int, int]]:
+        """Gives every active row room for `ahead` more tokens (capped at max_tokens; `ahead` > 1
+        lets the device run that many steps between two host calls). When the pool is short,
+        preempts rows (the most recently admitted first) until the others fit: their pages are
+        freed, their slots emptied, their rows put back at the head of the queue (the earliest
+        admitted in front). Returns the preempted (slot, row) pairs."""
+        if ahead < 1:
+            raise ValueError(f"PagedScheduler.reserve_step: ahead={ahead} must be >= 1")
         preempted = []
         while True:
             slots = np.flatnonzero(self.active)
-            if self.pool.grow(slots, self.lengths[slots] + 1):
+            want = np.minimum(self.lengths[slots] + ahead, self.max_tokens)
+            if self.pool.grow(slots, want):
                 break
             victim = int(slots[np.argmax(self._admitted_at[slots])])
             preempted.append((victim, int(self.slot_row[victim])))
@@ -213,11 +217,12 @@ class PagedScheduler:
         """No row waiting or in flight: every submitted row has finished."""
         return not self._queue and not self.active.any()
 
-    def advance(self, finished: np.ndarray | None = None) -> list[int]:
-        """Counts this step's token for every active row, then releases the slots of `finished`
-        (bool[slots]; rows that reach max_tokens finish too). Returns the finished rows."""
+    def advance(self, finished: np.ndarray | None = None, steps: int = 1) -> list[int]:
+        """Counts `steps` tokens (at most the `ahead` reserved) for every active row, then releases
+        the slots of `finished` (bool[slots]: rows that sampled EOS or reached their limit during
+        these steps; rows that reach max_tokens finish too). Returns the finished rows."""
         active = self.active
-        self.lengths[active] += 1
+        self.lengths[active] = np.minimum(self.lengths[active] + steps, self.max_tokens)
         done = active & (self.lengths >= self.max_tokens)
         if finished is not None:
             done |= np.asarray(finished, bool) & active
