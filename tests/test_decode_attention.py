@@ -235,6 +235,40 @@ def test_model_decode_steps_with_the_hook_match_the_model():
     np.testing.assert_allclose(run(da.model_hook("pallas", interpret=True)), run(None), atol=1e-5)
 
 
+def test_kernels_under_shard_map_with_rows_split_over_devices():
+    """Pallas calls are not partitioned by XLA: a sharded decode step runs them per shard (JAX's
+    kernels declare no varying-axes types, so shard_map needs check_vma=False). Dense:
+    rows split over the mesh. Paged: each device owns its rows and its own pool (pages split on
+    the pool's page axis), with page-table entries local to the device's pool."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    devices = np.array(jax.devices()[:2])
+    mesh = Mesh(devices, ("rows",))
+    q, k, v = _dense_case(jnp.float32)
+    dense = jax.jit(jax.shard_map(
+        lambda q, k, v, n, s: da.decode_attention(q, k, v, n, s, impl="pallas", interpret=True),
+        mesh=mesh, in_specs=P("rows"), out_specs=P("rows"), check_vma=False))
+    want = reference(q, k, v, STARTS, LENGTHS)
+    assert np.abs(np.asarray(dense(q, k, v, LENGTHS, STARTS)) - want).max() < F32_TOL
+
+    q, k_pages, v_pages, table = _paged_case(jnp.float32)
+    lengths = np.where(STARTS > 0, LENGTHS - STARTS, LENGTHS)
+    # Device d holds rows [3d, 3d + 3) and pool pages [12d, 12d + 12): two pools side by side.
+    pools = [jnp.concatenate([x, x[:, ::-1]], axis=1) for x in (k_pages, v_pages)]
+    local = table.copy()
+    local[3:] = 11 - table[3:]  # the second device's rows find their pages mirrored
+    paged = jax.jit(jax.shard_map(
+        lambda q, kp, vp, t, n: da.paged_decode_attention(q, kp, vp, t, n, impl="pallas",
+                                                          interpret=True),
+        mesh=mesh, in_specs=(P("rows"), P(None, "rows"), P(None, "rows"), P("rows"), P("rows")),
+        out_specs=P("rows"), check_vma=False))
+    want = reference(q, da.gather_pages(k_pages, table), da.gather_pages(v_pages, table),
+                     np.zeros(B, np.int32), lengths)
+    got = paged(q, *pools, local, lengths)
+    assert np.abs(np.asarray(got) - want).max() < F32_TOL
+
+
 # ----------------------------------------------------------------------------- compile proofs
 @pytest.mark.slow
 @pytest.mark.parametrize("target,env_var", [("h100", "QURL_GPU_PYTHON"),
