@@ -28,11 +28,12 @@ A row with no live slot (lengths[r] <= starts[r]) gets zeros from every implemen
 
 Implementations (`impl`): 'xla' (the reference: dense masked softmax over all slots), 'pallas'
 (JAX's kernel for `platform`; an error where there is none), 'cpu' (the CPU kernel; dense only),
-'auto' (pallas on GPU, and on TPU for the paged cache; the CPU kernel on CPU when usable; else
-xla). `platform` defaults to the default backend; name it to lower for another one (a deviceless
-compile for H100 runs with the CPU as default backend and platform='gpu'). `interpret=True` runs
-the platform's Pallas kernel in Pallas' interpreter on the host (for tests): platform 'tpu' the TPU
-kernel, platform 'cpu' or 'gpu' the GPU kernel.
+'auto' (pallas on GPU, for a dense cache when its slots are a multiple of 16, and on TPU for the
+paged cache; the CPU kernel on CPU when usable; else xla). `platform` defaults to the default
+backend; name it to lower for another one (a deviceless compile for H100 runs with the CPU as
+default backend and platform='gpu'). `interpret=True` runs the platform's Pallas kernel in
+Pallas' interpreter on the host (for tests): platform 'tpu' the TPU kernel, platform 'cpu' or
+'gpu' the GPU kernel.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     _check_dense(q, k, v, starts, lengths)
     plat = _platform(platform)
     if impl == "auto":
-        impl = ("pallas" if plat == "gpu" or (interpret and plat == "cpu")
-                else "cpu" if _cpu_usable(q, plat) else "xla")
+        gpu_kernel = (plat == "gpu" or (interpret and plat == "cpu")) and k.shape[2] % 16 == 0
+        impl = "pallas" if gpu_kernel else "cpu" if _cpu_usable(q, plat) else "xla"
     if impl == "xla":
         out = _xla_dense(q, k, v, starts, lengths)
     elif impl == "cpu":
