@@ -1,0 +1,279 @@
+"""Benchmark: what a paged KV cache buys, by simulation and by deviceless compiles.
+
+`python -m qurl_jax.bench.paged simulate --config=configs/deepscaler_r1_1p5b_int8.py`
+    Rows in flight, paged vs fixed slots, in the same KV memory. Response lengths are drawn as in
+    `bench.sampler` (log-normal, median max_new_tokens / 4, sigma 1, clipped to [1, max]); every
+    prompt is `--prompt_len` tokens (default: the config's max_prompt_len, the most a prompt takes;
+    shorter prompts only favour paging). Today's cache gives each of `max_concurrent_rows` slots
+    prompt + max_new_tokens tokens; the paged pool holds the same tokens in `--page_size` pages,
+    behind up to `--slot_factor` x as many page-table rows, run by `sampling._page_pool`'s
+    scheduler. One decode step = one token for every row in flight. Two cases:
+    - `stream`: `--stream_rows` rows, measured while the queue is non-empty (the steady state of
+      a long rollout); mean rows in flight and their ratio, beside the expectations
+      (P + max) / (P + E[L]) (memory per row at admission's average) and
+      (P + max) / (P + E[L^2] / 2E[L]) (the time-average a row in flight holds: long rows stay
+      longer);
+    - `batch`: one rollout of the config (prompts_per_step x n rows); decode steps to finish
+      (makespan) and mean rows in flight over it.
+    Admission leaves `--watermark_pages` free (default 1/16 of the pool) so that rows in flight can
+    grow a while before one is preempted; preemptions and the tokens they regenerate are counted.
+
+`python -m qurl_jax.bench.paged compile --target=h100|v5p [--rows=64,256]`
+    Compiles the decode attention of one layer at the 1.5B decode shape (12 query / 2 kv heads of
+    128, bf16, 1024 + 8192 slots, 16-token pages; flags for others) without the device: JAX's
+    Pallas kernels and XLA's path, for an H100 (Triton; run in a Python with jax[cuda],
+    JAX_PLATFORMS=cpu) or one v5p chip of a compile-only v5p-8 (2x2x1) (Mosaic; a Python with
+    jax[tpu]); prints each program's compiled memory (the compiler's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import runpy
+import time
+from typing import Any
+
+import numpy as np
+
+GIB = 1 << 30
+
+
+# -------------------------------------------------------------------------------- simulation
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    steps: int                 # decode steps until every row finished
+    mean_in_flight: float      # over all steps
+    mean_in_flight_busy: float  # over the steps that began with rows waiting
+    preemptions: int = 0
+    regenerated_tokens: int = 0
+    peak_pages: int = 0        # most pages held at once (paged only)
+
+
+def simulate_fixed(limits: np.ndarray, slots: int) -> SimResult:
+    """Today's cache: `slots` rows at a time, a finished row's slot refilled at once."""
+    left = np.zeros(slots, np.int64)  # tokens each slot still generates; 0 = empty
+    queue = list(limits[::-1])
+    in_flight, busy = [], []
+    while queue or left.any():
+        for s in np.flatnonzero(left == 0):
+            if not queue:
+                break
+            left[s] = queue.pop()
+        waiting = bool(queue)
+        n = int((left > 0).sum())
+        # Jump to the next finish: nothing changes in between.
+        step = int(left[left > 0].min())
+        in_flight.append((n, step))
+        if waiting:
+            busy.append((n, step))
+        left = np.maximum(left - step, 0)
+    return SimResult(steps=sum(s for _, s in in_flight), mean_in_flight=_mean(in_flight),
+                     mean_in_flight_busy=_mean(busy))
+
+
+def _mean(runs: list[tuple[int, int]]) -> float:
+    w = sum(s for _, s in runs)
+    return sum(n * s for n, s in runs) / w if w else 0.0
+
+
+def simulate_paged(limits: np.ndarray, prompt_len: int, max_tokens: int, num_pages: int,
+                   page_size: int, slots: int, watermark_pages: int = 0) -> SimResult:
+    """The paged pool through `PagedScheduler`: row i has a `prompt_len`-token prompt and
+    generates limits[i] tokens; a preempted row starts again from its prompt."""
+    from qurl_jax.sampling._page_pool import Admission, PagedScheduler, PagePool, pages_for
+
+    pool = PagePool(num_pages, page_size, slots, int(pages_for(max_tokens, page_size)))
+    sched = PagedScheduler(pool, max_tokens, Admission(watermark_pages))
+    sched.submit(range(len(limits)), [prompt_len] * len(limits))
+    target = np.zeros(slots, np.int64)
+    generated = np.zeros(slots, np.int64)
+    in_flight, busy = [], []
+    regenerated = peak = 0
+    while not sched.idle:
+        for slot, row in sched.admit():
+            target[slot], generated[slot] = limits[row], 0
+        for slot, _ in sched.reserve_step():
+            regenerated += int(generated[slot])
+        active = sched.active
+        n = int(active.sum())
+        in_flight.append((n, 1))
+        if sched.waiting:
+            busy.append((n, 1))
+        peak = max(peak, num_pages - pool.free_pages)
+        generated[active] += 1
+        sched.advance(active & (generated >= target))
+    return SimResult(steps=len(in_flight), mean_in_flight=_mean(in_flight),
+                     mean_in_flight_busy=_mean(busy), preemptions=sched.preemptions,
+                     regenerated_tokens=regenerated, peak_pages=peak)
+
+
+def expectations(limits: np.ndarray, prompt_len: int, max_new: int) -> dict[str, float]:
+    """Analytic rows-in-flight ratios (paged / fixed) for these lengths, page rounding ignored."""
+    lengths = limits.astype(np.float64)
+    full = prompt_len + max_new
+    return {"mean_len": float(lengths.mean()),
+            "admission": full / (prompt_len + lengths.mean()),
+            "time_average": full / (prompt_len + (lengths ** 2).mean() / (2 * lengths.mean()))}
+
+
+def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int | None,
+             stream_rows: int, seed: int, watermark_pages: int | None,
+             log=print) -> dict[str, Any]:
+    from qurl_jax.bench.sampler import tail_limits
+
+    c = config
+    max_new, prompt = c.rollout.max_new_tokens, c.data.max_prompt_len
+    prompt_len = prompt if prompt_len is None else prompt_len
+    devices = c.mesh.data * c.mesh.fsdp * c.mesh.tensor
+    fixed_slots = c.rollout.max_concurrent_rows // devices  # rows per device, as the mesh splits
+    max_tokens = prompt + max_new
+    num_pages = fixed_slots * max_tokens // page_size
+    slots = slot_factor * fixed_slots
+    watermark_pages = num_pages // 16 if watermark_pages is None else watermark_pages
+    log(f"per device: {fixed_slots} fixed slots of {prompt} + {max_new} tokens = "
+        f"{num_pages} pages of {page_size}; paged: up to {slots} rows, prompts of {prompt_len}, "
+        f"admission leaves {watermark_pages} pages free")
+    out: dict[str, Any] = {"fixed_slots": fixed_slots, "num_pages": num_pages,
+                           "watermark_pages": watermark_pages,
+                           "page_size": page_size, "paged_slots": slots,
+                           "prompt_len": prompt_len, "max_new_tokens": max_new}
+    cases = {"stream": tail_limits(stream_rows, max_new, seed),
+             "batch": tail_limits(c.data.prompts_per_step * c.rollout.n // devices, max_new,
+                                  seed + 1)}
+    for name, limits in cases.items():
+        t0 = time.perf_counter()
+        fixed = simulate_fixed(limits, fixed_slots)
+        paged = simulate_paged(limits, prompt_len, max_tokens, num_pages, page_size, slots,
+                               watermark_pages)
+        exp = expectations(limits, prompt_len, max_new)
+        key = "mean_in_flight_busy" if name == "stream" else "mean_in_flight"
+        ratio = getattr(paged, key) / getattr(fixed, key)
+        out[name] = {"rows": len(limits), "fixed": dataclasses.asdict(fixed),
+                     "paged": dataclasses.asdict(paged), "ratio_in_flight": ratio,
+                     "ratio_steps": fixed.steps / paged.steps, "expected": exp}
+        log(f"\n{name}: {len(limits)} rows, mean response {exp['mean_len']:.0f} of {max_new} "
+            f"({time.perf_counter() - t0:.0f} s to simulate)")
+        log(f"  rows in flight ({'while rows wait' if name == 'stream' else 'mean over the run'}):"
+            f" fixed {getattr(fixed, key):.1f}, paged {getattr(paged, key):.1f} -> {ratio:.2f}x"
+            f"  (expected {exp['admission']:.2f}x by mean length, {exp['time_average']:.2f}x by "
+            f"the time-average)")
+        log(f"  decode steps to finish: fixed {fixed.steps}, paged {paged.steps} -> "
+            f"{fixed.steps / paged.steps:.2f}x fewer")
+        total = int(limits.sum())
+        log(f"  preemptions {paged.preemptions}: regenerated response tokens "
+            f"{paged.regenerated_tokens} ({100 * paged.regenerated_tokens / total:.2f}% of "
+            f"{total}), prompts prefilled again {paged.preemptions} x {prompt_len} tokens")
+        log(f"  most pages held at once: {paged.peak_pages} of {num_pages} "
+            f"({100 * paged.peak_pages / num_pages:.0f}%)")
+    return out
+
+
+# ---------------------------------------------------------------------------------- compiles
+def _devices(target: str) -> list[Any]:
+    """One compile-only device of `target` ('h100' or 'v5p'), through `qurl_jax.targets`."""
+    from qurl_jax import targets
+
+    names = {"h100": "gpu:h100-1", "v5p": "tpu:v5p-8"}
+    if target not in names:
+        raise ValueError(f"--target={target!r}: expected h100 or v5p")
+    return targets.parse(names[target]).devices()
+
+
+def compile_programs(target: str, rows_list: list[int], *, heads: int = 12, kv_heads: int = 2,
+                     head_dim: int = 128, slots: int = 9216, page_size: int = 16,
+                     log=print) -> dict[str, Any]:
+    """Compiles one layer's decode attention per implementation for `target`; the memory figures
+    of each compiled program (a compiler's prediction, no device ran)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from qurl_jax.bench.memory import compiled_memory
+    from qurl_jax.models import decode_attention as da
+
+    device = _devices(target)[0]
+    platform = "gpu" if target == "h100" else "tpu"
+    sh = SingleDeviceSharding(device)
+    bf16 = jnp.bfloat16
+    spec = lambda shape, dtype=bf16: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
+    out: dict[str, Any] = {"target": target, "device": str(device.device_kind), "programs": {}}
+    for rows in rows_list:
+        n = slots // page_size
+        q = spec((rows, heads, head_dim))
+        dense = (spec((rows, kv_heads, slots, head_dim)),) * 2
+        lengths = spec((rows,), jnp.int32)
+        paged = (spec((kv_heads, rows * n, page_size, head_dim)),) * 2
+        table = spec((rows, n), jnp.int32)
+        programs = {
+            "dense xla": (lambda q, k, v, n_: da.decode_attention(
+                q, k, v, n_, impl="xla", platform=platform), (q, *dense, lengths)),
+            "paged xla": (lambda q, k, v, t, n_: da.paged_decode_attention(
+                q, k, v, t, n_, impl="xla", platform=platform), (q, *paged, table, lengths)),
+            "paged pallas": (lambda q, k, v, t, n_: da.paged_decode_attention(
+                q, k, v, t, n_, impl="pallas", platform=platform), (q, *paged, table, lengths)),
+        }
+        if platform == "gpu":
+            programs["dense pallas"] = (lambda q, k, v, n_: da.decode_attention(
+                q, k, v, n_, impl="pallas", platform=platform), (q, *dense, lengths))
+        for name, (fn, args) in programs.items():
+            t0 = time.perf_counter()
+            lowered = jax.jit(fn).lower(*args)
+            compiled = lowered.compile()
+            text = compiled.as_text() or ""
+            kernels = sorted({k for k in ("__gpu$xla.gpu.triton", "tpu_custom_call")
+                              if k in text})
+            figures = compiled_memory(compiled)
+            out["programs"][f"{name} rows={rows}"] = {**figures, "kernels": kernels}
+            log(f"compiled {name:13s} rows={rows:4d} for {device.device_kind} in "
+                f"{time.perf_counter() - t0:5.1f} s: "
+                + "  ".join(f"{k.removesuffix('_bytes')} {v / GIB:.3f}" for k, v in
+                            figures.items()) + f" GiB  custom calls {kernels}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim = sub.add_parser("simulate", help="rows in flight, paged vs fixed slots")
+    sim.add_argument("--config", default="configs/deepscaler_r1_1p5b_int8.py")
+    sim.add_argument("--page_size", type=int, default=16)
+    sim.add_argument("--slot_factor", type=int, default=4,
+                     help="page-table rows per fixed slot (the decode batch's upper bound)")
+    sim.add_argument("--prompt_len", type=int, default=None)
+    sim.add_argument("--stream_rows", type=int, default=4096)
+    sim.add_argument("--watermark_pages", type=int, default=None,
+                     help="free pages an admission must leave; default: 1/16 of the pool")
+    sim.add_argument("--seed", type=int, default=0)
+    comp = sub.add_parser("compile", help="deviceless compiles of the decode attention kernels")
+    comp.add_argument("--target", choices=("h100", "v5p"), required=True)
+    comp.add_argument("--rows", default="64,256")
+    comp.add_argument("--heads", type=int, default=12)
+    comp.add_argument("--kv_heads", type=int, default=2)
+    comp.add_argument("--head_dim", type=int, default=128)
+    comp.add_argument("--slots", type=int, default=9216, help="tokens per row (prompt + new)")
+    comp.add_argument("--page_size", type=int, default=16)
+    for p in (sim, comp):
+        p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    if args.command == "simulate":
+        if not os.path.exists(args.config):
+            parser.error(f"--config={args.config}: no such file")
+        config = runpy.run_path(args.config)["get_config"]()
+        figures = simulate(config, page_size=args.page_size, slot_factor=args.slot_factor,
+                           prompt_len=args.prompt_len, stream_rows=args.stream_rows,
+                           seed=args.seed, watermark_pages=args.watermark_pages)
+    else:
+        figures = compile_programs(args.target, [int(r) for r in args.rows.split(",")],
+                                   heads=args.heads, kv_heads=args.kv_heads,
+                                   head_dim=args.head_dim, slots=args.slots,
+                                   page_size=args.page_size)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

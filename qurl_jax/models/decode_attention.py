@@ -1,0 +1,303 @@
+"""Ragged decode attention: one query position per row against a KV cache read only where live.
+
+A decode step's attention is memory-bound, and XLA's dense path (`attention.dot_product_attention`)
+reads every slot of every row on every step, used or not. The functions here read only each row's
+live slots, by JAX's own Pallas kernels where the platform has one, behind one interface:
+
+- `decode_attention`: a dense per-row cache k, v f[B, Hkv, S, D] (the model's `KVCache` layout);
+  row r sees slots [starts[r], lengths[r]). GPU: `jax.experimental.pallas.ops.gpu.decode_attention`
+  (split-k flash decoding over the slots before `lengths[r]`), called on the cache in place.
+  CPU: the project's kernel `qurl_jax.cpu_kernels.decode_attention` (float32, AVX512). TPU: XLA
+  (JAX has no dense ragged decode kernel for TPU; use the paged cache there).
+- `paged_decode_attention`: a paged cache, one pool per layer k_pages, v_pages
+  f[Hkv, P, page_size, D] (the layout JAX's paged kernels read) and a page table i32[B, n]; row r's
+  logical slot s lives in page `page_table[r, s // page_size]` at offset `s % page_size`, and row r
+  sees logical slots [0, lengths[r]). GPU: `pallas.ops.gpu.paged_attention`; TPU:
+  `pallas.ops.tpu.paged_attention`; CPU: XLA (gathers the pages, then the dense rule).
+
+The contract is the model's (`models.attention`): queries q f[B, H, D] with H = Hkv * G, query head
+h reads kv head h // G (the grouping of `attention.group_queries`); scores are q.k / sqrt(D), no
+soft cap; softmax in float32; masked slots contribute exactly 0. The caller guarantees the live
+window: for the model's cache, row r's valid slots are those with `KVCache.pos >= 0`; a row whose
+prompt was left-padded into slots [0, pad) passes starts[r] = pad, and lengths[r] = n_used[r] after
+this step's write. A cache with holes inside the window (a compressed cache) is not expressible
+here; use the model's masked path for it. Entries of a page table past a row's live pages must
+still name a page of the pool (any, e.g. 0): the kernels fetch whole blocks of pages.
+
+A row with no live slot (lengths[r] <= starts[r]) gets zeros from every implementation.
+
+Implementations (`impl`): 'xla' (the reference: dense masked softmax over all slots), 'pallas'
+(JAX's kernel for `platform`; an error where there is none), 'cpu' (the CPU kernel; dense only),
+'auto' (pallas on GPU, for a dense cache when its slots are a multiple of 16, and on TPU for the
+paged cache; the CPU kernel on CPU when usable; else xla). `platform` defaults to the default
+backend; name it to lower for another one (a deviceless compile for H100 runs with the CPU as
+default backend and platform='gpu'). `interpret=True` runs the platform's Pallas kernel in
+Pallas' interpreter on the host (for tests): platform 'tpu' the TPU kernel, platform 'cpu' or
+'gpu' the GPU kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from qurl_jax.models.attention import MASK_VALUE
+
+IMPLS = ("auto", "xla", "pallas", "cpu")
+# Tile candidates for the GPU kernels, largest first (the kernels' own defaults lead).
+_GPU_BLOCK_K = (128, 64, 32, 16)
+_GPU_K_SPLITS = (16, 8, 4, 2, 1)
+_PAGES_PER_BLOCK = (8, 4, 2, 1)
+
+
+def _platform(platform: str | None) -> str:
+    p = jax.default_backend() if platform is None else platform
+    return "gpu" if p in ("cuda", "rocm") else p
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"decode attention: impl={impl!r}; expected one of {IMPLS}")
+
+
+def _zero_empty_rows(out: jax.Array, live: jax.Array) -> jax.Array:
+    """out f[B, H, D] with rows where live[b] is False set to 0."""
+    return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _xla_dense(q, k, v, starts, lengths):
+    """The reference: q f[B, H, D]; k, v f[B, Hkv, S, D]; slot s of row r live iff
+    starts[r] <= s < lengths[r]. Scores accumulate in f32; the probabilities are cast to v's dtype
+    for the weighted sum (f32 accumulation), as in the model's dense path."""
+    b, h, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, h // hkv, d)
+    scores = jnp.einsum("bhgd,bhsd->bhgs", qg, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) / math.sqrt(d)
+    slot = jnp.arange(s, dtype=jnp.int32)
+    live = (slot[None, :] >= starts[:, None]) & (slot[None, :] < lengths[:, None])  # [B, S]
+    scores = jnp.where(live[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgs,bhsd->bhgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+def gpu_dense_tiles(slots: int) -> tuple[int, int]:
+    """(k_splits, block_k) for `pallas.ops.gpu.decode_attention` on `slots` slots per row: the
+    kernel needs slots % k_splits == 0, slots // k_splits >= 16 and a block_k >= 16 dividing it."""
+    for splits in _GPU_K_SPLITS:
+        if slots % splits or slots // splits < 16:
+            continue
+        for block_k in _GPU_BLOCK_K:
+            if (slots // splits) % block_k == 0:
+                return splits, block_k
+    raise ValueError(f"decode_attention: a cache of {slots} slots per row has no tiling for the "
+                     f"GPU kernel (needs a multiple of 16 slots)")
+
+
+def _gpu_dense(q, k, v, starts, lengths, *, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import decode_attention as gpu_decode
+
+    b, h, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    splits, block_k = gpu_dense_tiles(s)
+    # `gqa` would transpose the cache to [B, Hkv, S, D] first; ours is already in that layout, so
+    # the kernel's per-(row, kv head) function is mapped over it directly (no copy of the cache).
+    one = functools.partial(
+        gpu_decode.decode_attn_unbatched, sm_scale=1.0 / math.sqrt(d), block_h=16,
+        block_k=block_k, k_splits=splits, num_warps=None, num_stages=2, grid=None,
+        interpret=interpret, debug=False, return_residuals=False, normalize_output=True)
+    per_head = lambda x: jnp.broadcast_to(x[:, None], (b, hkv))  # noqa: E731
+    out = jax.vmap(jax.vmap(one))(q.reshape(b, hkv, h // hkv, d), k.astype(q.dtype),
+                                  v.astype(q.dtype), per_head(starts), per_head(lengths))
+    return out.reshape(b, h, d).astype(q.dtype)  # the kernel's final division promotes to f32
+
+
+def _cpu_dense(q, k, v, starts, lengths):
+    from qurl_jax.cpu_kernels import decode_attention as cpu_decode
+
+    b, h, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    slot = jnp.arange(s, dtype=jnp.int32)
+    live = (slot[None, :] >= starts[:, None]) & (slot[None, :] < lengths[:, None])
+    out = cpu_decode.decode_attention(q.reshape(b, hkv, h // hkv, d), k, v, live,
+                                      jnp.minimum(jnp.max(lengths), s))
+    return out.reshape(b, h, d)
+
+
+def _cpu_usable(q: jax.Array, platform: str) -> bool:
+    from qurl_jax.cpu_kernels import decode_attention as cpu_decode
+
+    return platform == "cpu" and cpu_decode.usable(q.dtype, q.shape[-1])
+
+
+def _check_dense(q, k, v, starts, lengths) -> None:
+    b, h, d = q.shape
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or (
+            h % k.shape[1]):
+        raise ValueError(f"decode_attention: needs q[B, H, D] and k, v[B, Hkv, S, D] with H a "
+                         f"multiple of Hkv; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if lengths.shape != (b,) or starts.shape != (b,):
+        raise ValueError(f"decode_attention: lengths and starts must be i32[{b}]; got "
+                         f"{lengths.shape} and {starts.shape}")
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                     starts: jax.Array | None = None, *, impl: str = "auto",
+                     platform: str | None = None, interpret: bool = False) -> jax.Array:
+    """Attention of one query per row to the live window of a dense per-row cache.
+
+    q: f[B, H, D]; k, v: f[B, Hkv, S, D] (H a multiple of Hkv); lengths: i32[B], row r sees slots
+    [starts[r], lengths[r]) (starts defaults to 0; a length past S reads to S). Returns f[B, H, D]
+    in q's dtype; zeros for a row with no live slot. See the module docstring for `impl`,
+    `platform` and `interpret`.
+    """
+    _check_impl(impl)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    starts = jnp.zeros_like(lengths) if starts is None else jnp.asarray(starts, jnp.int32)
+    _check_dense(q, k, v, starts, lengths)
+    plat = _platform(platform)
+    if impl == "auto":
+        gpu_kernel = (plat == "gpu" or (interpret and plat == "cpu")) and k.shape[2] % 16 == 0
+        impl = "pallas" if gpu_kernel else "cpu" if _cpu_usable(q, plat) else "xla"
+    if impl == "xla":
+        out = _xla_dense(q, k, v, starts, lengths)
+    elif impl == "cpu":
+        if not _cpu_usable(q, plat):
+            raise ValueError(f"decode_attention: impl='cpu' needs the CPU kernel, platform cpu, "
+                             f"f32 and head_dim % 16 == 0; got platform {plat!r}, {q.dtype}, "
+                             f"head_dim {q.shape[-1]}")
+        out = _cpu_dense(q, k, v, starts, lengths)
+    elif plat == "gpu" or (interpret and plat == "cpu"):
+        out = _gpu_dense(q, k, v, starts, lengths, interpret=interpret)
+    else:
+        raise ValueError(f"decode_attention: impl='pallas' has no dense kernel on platform "
+                         f"{plat!r} (GPU only; use paged_decode_attention on TPU, or impl='xla')")
+    return _zero_empty_rows(out, lengths > starts)
+
+
+def window_of(key_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(starts, lengths) i32[B] of the live window of key_mask bool[B, S]: the first live slot and
+    one past the last; (0, 0) for a row with none. Exact only for masks without holes."""
+    s = key_mask.shape[1]
+    any_live = key_mask.any(axis=1)
+    starts = jnp.argmax(key_mask, axis=1).astype(jnp.int32)
+    lengths = (s - jnp.argmax(key_mask[:, ::-1], axis=1)).astype(jnp.int32)
+    return jnp.where(any_live, starts, 0), jnp.where(any_live, lengths, 0)
+
+
+def model_hook(impl: str = "auto", platform: str | None = None, interpret: bool = False):
+    """`decode_attention` as the model's `DecodeAttention` hook (`Transformer(config,
+    decode_attention=model_hook(...))`): (q f[B, Hkv, G, D], keys, values f[B, Hkv, S, D],
+    key_mask bool[B, S], length) -> f[B, Hkv, G, D]. Each row's window is read off key_mask
+    (`window_of`), so the cache's live slots must be contiguous per row (left-padded prompts and
+    refilled rows are; a compressed cache with holes is not); `length` is not needed."""
+
+    def hook(q, keys, values, key_mask, length):
+        del length
+        b, hkv, g, d = q.shape
+        starts, lengths = window_of(key_mask)
+        out = decode_attention(q.reshape(b, hkv * g, d), keys, values, lengths, starts,
+                               impl=impl, platform=platform, interpret=interpret)
+        return out.reshape(b, hkv, g, d)
+
+    return hook
+
+
+# ------------------------------------------------------------------------------------------ paged
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """The dense view of a paged pool: pages f[Hkv, P, page_size, D], page_table i32[B, n] ->
+    f[B, Hkv, n * page_size, D]; logical slot s of row r is page_table[r, s // page_size]'s
+    offset s % page_size."""
+    hkv, _, ps, d = pages.shape
+    b, n = page_table.shape
+    rows = pages[:, page_table]  # [Hkv, B, n, ps, D]
+    return rows.transpose(1, 0, 2, 3, 4).reshape(b, hkv, n * ps, d)
+
+
+def pages_per_compute_block(pages_per_row: int, partitions: int = 1, largest: int = 8) -> int:
+    """The largest block of pages (<= largest) dividing the pages of one partition of a row."""
+    per_partition = pages_per_row // partitions
+    return next(p for p in _PAGES_PER_BLOCK if p <= largest and per_partition % p == 0)
+
+
+def gpu_paged_splits(pages_per_row: int) -> int:
+    """k_splits for `pallas.ops.gpu.paged_attention`: the most partitions (<= 16) dividing
+    pages_per_row."""
+    return next(s for s in _GPU_K_SPLITS if pages_per_row % s == 0)
+
+
+def _prescaled(q: jax.Array) -> jax.Array:
+    """q / sqrt(D) in q's dtype: JAX's paged kernels take no softmax scale."""
+    return (q.astype(jnp.float32) / math.sqrt(q.shape[-1])).astype(q.dtype)
+
+
+def _gpu_paged(q, k_pages, v_pages, page_table, lengths, *, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    n = page_table.shape[1]
+    splits = gpu_paged_splits(n)
+    return gpu_paged.paged_attention(
+        _prescaled(q), k_pages.astype(q.dtype), v_pages.astype(q.dtype), page_table, lengths,
+        block_h=16, pages_per_compute_block=pages_per_compute_block(n, splits), k_splits=splits,
+        interpret=interpret, mask_value=MASK_VALUE)
+
+
+def _tpu_paged(q, k_pages, v_pages, page_table, lengths, *, interpret: bool,
+               megacore_mode: str | None):
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+
+    mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with mode:
+        return tpu_paged(_prescaled(q), k_pages.astype(q.dtype), v_pages.astype(q.dtype), lengths,
+                         page_table, mask_value=MASK_VALUE,
+                         pages_per_compute_block=pages_per_compute_block(page_table.shape[1]),
+                         megacore_mode=megacore_mode)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, lengths: jax.Array, *, impl: str = "auto",
+                           platform: str | None = None, interpret: bool = False,
+                           megacore_mode: str | None = None) -> jax.Array:
+    """Attention of one query per row to the first lengths[r] logical slots of a paged cache.
+
+    q: f[B, H, D]; k_pages, v_pages: f[Hkv, P, page_size, D] (one layer's pool); page_table:
+    i32[B, n], every entry in [0, P) (entries past a row's live pages name any page); lengths:
+    i32[B] in [0, n * page_size]. Returns f[B, H, D] in q's dtype; zeros for a row of length 0.
+    `megacore_mode` is the TPU kernel's (None, 'kv_head' or 'batch'; set it only on a megacore
+    chip such as v5p). See the module docstring for `impl`, `platform` and `interpret`.
+    """
+    _check_impl(impl)
+    b, h, d = q.shape
+    lengths = jnp.asarray(lengths, jnp.int32)
+    page_table = jnp.asarray(page_table, jnp.int32)
+    if (k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[3] != d
+            or h % k_pages.shape[0]):
+        raise ValueError(f"paged_decode_attention: needs q[B, H, D] and k_pages, v_pages"
+                         f"[Hkv, P, page_size, D] with H a multiple of Hkv; got q {q.shape}, "
+                         f"k_pages {k_pages.shape}, v_pages {v_pages.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(f"paged_decode_attention: page_table must be i32[{b}, n] and lengths "
+                         f"i32[{b}]; got {page_table.shape} and {lengths.shape}")
+    plat = _platform(platform)
+    if impl == "cpu":
+        raise ValueError("paged_decode_attention: impl='cpu' has no paged kernel (use 'xla')")
+    if impl == "auto":
+        impl = "pallas" if plat in ("gpu", "tpu") else "xla"
+    if impl == "xla":
+        out = _xla_dense(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table),
+                         jnp.zeros_like(lengths), lengths)
+    elif plat == "tpu":
+        out = _tpu_paged(q, k_pages, v_pages, page_table, lengths, interpret=interpret,
+                         megacore_mode=megacore_mode)
+    elif plat == "gpu" or (interpret and plat == "cpu"):
+        out = _gpu_paged(q, k_pages, v_pages, page_table, lengths, interpret=interpret)
+    else:
+        raise ValueError(f"paged_decode_attention: impl='pallas' has no kernel on platform "
+                         f"{plat!r} (GPU and TPU; with interpret=True, CPU runs the GPU kernel)")
+    return _zero_empty_rows(out, lengths > 0)
