@@ -191,7 +191,7 @@ def compile_programs(target: str, rows_list: list[int], *, heads: int = 12, kv_h
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from qurl_jax.bench.memory import compiled_memory
+    from qurl_jax.memory_plan import compiled_memory
     from qurl_jax.models import decode_attention as da
 
     device = _devices(target)[0]
