@@ -1,0 +1,59 @@
+"""Which tests the accelerator runner (`python -m tests.accelerator`) runs, in one place.
+
+`FILES`: the test files that exercise numerics an accelerator can change (model parity, sampling
+static / refill / compressed KV, quantized products and requantization, FP8 training, objectives,
+the learner, the attention kernels, sharding). Every test in them runs unless `EXCLUDE` names it;
+new tests in these files are selected automatically.
+
+`EXCLUDE`: node-id prefixes deselected with the reason (host-only code paths, whole training runs
+that would not fit the runner's time budget). `NEEDS_DEVICES`: node-id prefixes that build a mesh of
+that many devices; they are skipped, with the reason, where JAX sees fewer. The runner fails the
+session when a key here matches no collected test of a collected file, so a renamed test cannot
+leave a stale entry behind.
+"""
+
+from __future__ import annotations
+
+FILES: tuple[str, ...] = (
+    "tests/test_model_parity.py",
+    "tests/test_attention.py",
+    "tests/test_kv_cache.py",
+    "tests/test_sampler.py",
+    "tests/test_refill.py",
+    "tests/test_sparse_sampler.py",
+    "tests/test_quant.py",
+    "tests/test_fp8_train.py",
+    "tests/test_objectives.py",
+    "tests/test_learner.py",
+    "tests/test_sharding.py",
+)
+
+EXCLUDE: dict[str, str] = {
+    "tests/test_sampler.py::test_cpu_only_decode_work_follows_the_platform":
+        "checks the CPU platform choice on host devices",
+    "tests/test_refill.py::test_trainer_switch": "a trainer config switch, no device numerics",
+    "tests/test_refill.py::test_trainer_rollout_refills_by_default_with_the_static_result":
+        "a whole trainer run: covered by the sampler tests, too long for the runner's budget",
+    "tests/test_sparse_sampler.py::test_rl_step_on_sparse_rollouts":
+        "whole trainer RL steps: covered by the sampler and learner tests, too long for the budget",
+    "tests/test_sparse_sampler.py::test_config_builds_the_policy_and_rejects_bad_fields":
+        "config validation, no device numerics",
+    "tests/test_objectives.py::test_import_stays_light": "an import-time check in a subprocess",
+    "tests/test_objectives.py::test_bad_config_raises": "config validation, no device numerics",
+    "tests/test_quant.py::test_unknown_recipe": "recipe-name validation, no device numerics",
+    "tests/test_quant.py::test_recipe_with_unknown_layer": "recipe validation, no device numerics",
+    "tests/test_quant.py::test_bench_functions_run_on_tiny_config":
+        "benchmark plumbing; the products it times are tested above",
+}
+
+NEEDS_DEVICES: dict[str, int] = {
+    "tests/test_sampler.py::test_sharded_chunked_greedy_matches_single_device": 8,
+    "tests/test_refill.py::test_mesh_each_shard_refills_its_own_slots": 8,
+    "tests/test_refill.py::test_lower_programs_are_the_programs_sample_runs": 8,
+    "tests/test_refill.py::test_each_program_compiles_once_on_a_mesh": 8,
+    "tests/test_refill.py::test_bad_arguments_raise": 4,
+    "tests/test_refill.py::test_prompt_pass_keeps_each_device_to_its_own_prompts": 8,
+    "tests/test_sparse_sampler.py::test_sharded_compressed_sampler_matches_single_device": 8,
+    "tests/test_quant.py::test_requantize_sharded_keeps_each_leaf_sharding": 8,
+    "tests/test_learner.py::test_sharded_update_matches_single_device": 8,
+}
