@@ -7,9 +7,9 @@ new tests in these files are selected automatically.
 
 `EXCLUDE`: node-id prefixes deselected with the reason (host-only code paths, whole training runs
 that would not fit the runner's time budget). `NEEDS_DEVICES`: node-id prefixes that build a mesh of
-that many devices; they are skipped, with the reason, where JAX sees fewer. The runner fails the
-session when a key here matches no collected test of a collected file, so a renamed test cannot
-leave a stale entry behind.
+that many devices; they are skipped, with the reason, where JAX sees fewer. Keys are a file, or a
+file and a test function's exact name; tests/test_accelerator_runner.py checks that each names an
+existing test, and a run lists a key that matched nothing in its selection.txt.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ EXCLUDE: dict[str, str] = {
         "config validation, no device numerics",
     "tests/test_objectives.py::test_import_stays_light": "an import-time check in a subprocess",
     "tests/test_objectives.py::test_bad_config_raises": "config validation, no device numerics",
-    "tests/test_quant.py::test_unknown_recipe": "recipe-name validation, no device numerics",
-    "tests/test_quant.py::test_recipe_with_unknown_layer": "recipe validation, no device numerics",
+    "tests/test_quant.py::test_unknown_recipe_names_it_and_the_known_ones":
+        "recipe-name validation, no device numerics",
+    "tests/test_quant.py::test_recipe_with_unknown_layer_names_it":
+        "recipe validation, no device numerics",
     "tests/test_quant.py::test_bench_functions_run_on_tiny_config":
         "benchmark plumbing; the products it times are tested above",
 }
