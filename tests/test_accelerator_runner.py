@@ -155,3 +155,13 @@ def test_bad_arguments_name_the_flag() -> None:
                           text=True, timeout=60)
     assert proc.returncode != 0 and "--files: no such file: tests/test_no_such_file.py" in \
         proc.stderr, textwrap.shorten(proc.stderr, 300)
+
+
+def test_every_tolerance_has_both_reasons_and_is_documented() -> None:
+    from tests.tolerances import TABLE
+
+    doc = ROOT / "docs" / "accelerators.md"
+    for name, by_dtype in TABLE.items():
+        assert "bfloat16" in by_dtype and all(t.reason for t in by_dtype.values()), name
+        if doc.exists():  # a Bazel sandbox holds no docs/
+            assert f"`{name}`" in doc.read_text(), f"{name} is not in docs/accelerators.md"
