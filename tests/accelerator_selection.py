@@ -56,6 +56,7 @@ NEEDS_DEVICES: dict[str, int] = {
     "tests/test_refill.py::test_bad_arguments_raise": 4,
     "tests/test_refill.py::test_prompt_pass_keeps_each_device_to_its_own_prompts": 8,
     "tests/test_sparse_sampler.py::test_sharded_compressed_sampler_matches_single_device": 8,
+    "tests/test_sparse_sampler.py::test_decode_program_holds_budget_plus_interval_slots": 2,
     "tests/test_quant.py::test_requantize_sharded_keeps_each_leaf_sharding": 8,
     "tests/test_fp8_train.py::test_sharded_product_matches_single_device": 8,
     "tests/test_fp8_train.py::test_sharded_loss_grad_matches_single_device": 8,
