@@ -46,7 +46,7 @@ print(json.dumps({"platform": jax.default_backend(), "devices": len(d),
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.accelerator",
+        prog="python -m tests.accelerator", allow_abbrev=False,
         description="Run the accelerator test selection; results stream to OUTDIR.")
     parser.add_argument("outdir", type=Path, help="folder for summary.txt, junit.xml, ...")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -88,6 +88,8 @@ def main(argv: list[str]) -> None:
     missing = [f for f in files if not (ROOT / f).exists() and not Path(f).exists()]
     if missing:
         sys.exit(f"tests.accelerator: error: --files: no such file: {', '.join(missing)}")
+    # pytest runs in the repository root: paths relative to it stay, others become absolute.
+    files = [f if (ROOT / f).exists() else str(Path(f).resolve()) for f in files]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     info = _probe(env)
