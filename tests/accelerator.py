@@ -80,6 +80,13 @@ def _probe(env: dict[str, str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _xdist_can_keep_file_order() -> bool:
+    """Whether this pytest-xdist has --no-loadscope-reorder (it sends the largest file first
+    otherwise, and the selection's priority order is lost)."""
+    spec = importlib.util.find_spec("xdist.plugin")
+    return spec is not None and "--no-loadscope-reorder" in Path(spec.origin).read_text()
+
+
 def main(argv: list[str]) -> None:
     args, pytest_args = _parse(argv)
     from tests.accelerator_selection import FILES
@@ -118,6 +125,8 @@ def main(argv: list[str]) -> None:
            "-m", "not slow", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else ["-n", "0"]
+        if workers > 1 and _xdist_can_keep_file_order():
+            cmd.append("--no-loadscope-reorder")  # files in priority order, not largest first
     cmd += files + pytest_args
     print(f"tests.accelerator: {info}\n+ {' '.join(cmd)}", flush=True)
     os.chdir(ROOT)
