@@ -1,13 +1,33 @@
-"""Test configuration: 8 host CPU devices for sharding tests, float32 matmuls for parity."""
+"""Test configuration: the platform and devices the tests see, and their compute dtype.
+
+Default suite: 8 host CPU devices for the sharding tests, float32 compute. Accelerator mode
+(QURL_TEST_ACCELERATOR=1, set by `python -m tests.accelerator`): the platform and devices JAX
+finds are left as they are, and the tests that take the `precision` fixture compute in
+QURL_TEST_COMPUTE_DTYPE (bfloat16 by default) with the tolerances of tests/tolerances.py.
+Both: float32 matmuls at full precision, so a float32 comparison never runs TF32 or bf16 passes.
+"""
 
 import os
 
+ACCELERATOR = os.environ.get("QURL_TEST_ACCELERATOR") == "1"
+
 # Must happen before JAX is imported anywhere in the test session.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not ACCELERATOR:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.tolerances import Precision  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def precision() -> Precision:
+    """The compute dtype and tolerances of this run: float32 unless the accelerator runner asks."""
+    dtype = os.environ.get("QURL_TEST_COMPUTE_DTYPE", "bfloat16") if ACCELERATOR else "float32"
+    return Precision(dtype)

@@ -267,3 +267,28 @@ def test_scripts_are_shellcheck_clean():
     proc = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_accelerator_wheels_downloads_each_python_and_keeps_the_hosts_jax(sh):
+    rc, cmds, err = sh("accelerator_wheels.sh", "--dry-run", "--dest=/w", "--python=3.12,3.11")
+    assert rc == 0, err
+    downloads = [c for c in cmds if c[:4] == ["python3", "-m", "pip", "download"]]
+    assert [_value(c, "--python-version") for c in downloads] == ["3.12", "3.11"]
+    for c in downloads:
+        assert "--only-binary=:all:" in c and _value(c, "-r") == "/w/requirements.txt"
+        assert "manylinux2014_x86_64" in c
+    assert cmds[-1][:2] == ["find", "/w"] and "jaxlib-*.whl" in cmds[-1]  # the host keeps its JAX
+    rc, cmds, err = sh("accelerator_wheels.sh", "--dry-run", "--dest=/w", "--with-jax=cuda12",
+                       "--with-torch", "--python=3.12")
+    assert rc == 0, err
+    assert not any(c[0] == "find" for c in cmds)
+    torch = [c for c in cmds if any(a.startswith("torch==") for a in c)]
+    assert len(torch) == 1 and _value(torch[0], "--index-url").endswith("/whl/cpu")
+    rc, _, err = sh("accelerator_wheels.sh", "--dry-run", "--dest=/w", "--with-jax=rocm")
+    assert rc == 2 and "--with-jax: 'rocm' is not one of" in err
+
+
+def _value(argv: list[str], flag: str) -> str:
+    """The word after `flag` in argv (exactly one occurrence)."""
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]

@@ -4,6 +4,9 @@ Each case builds a tiny randomly initialised transformers model, perturbs every 
 gains differ from 1 and biases from 0), maps its state dict into our params and compares logits on a
 left-padded batch with explicit positions; only real (non-pad) positions are compared. A second test
 checks that prefill + token-by-token decode through our KV cache equals the full forward.
+
+Our side computes in the run's `precision.dtype` (float32 in the default suite, bfloat16 under the
+accelerator runner) with the tolerances of tests/tolerances.py; transformers stays in float32.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def _our_logits(config: ModelConfig, params, tokens, mask, positions) -> np.ndar
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_match_transformers_on_left_padded_batch(case):
+def test_logits_match_transformers_on_left_padded_batch(case, precision):
     config_cls, hf_kwargs, overrides = CASES[case]
     config = _our_config(overrides)
     model = _hf_model(config_cls, hf_kwargs)
@@ -109,12 +112,12 @@ def test_logits_match_transformers_on_left_padded_batch(case):
     params = params_from_hf_state_dict(config, _state_dict(model))
 
     tokens, mask, positions = _left_padded_batch(config.vocab_size, [12, 7, 3])
-    ours = _our_logits(config, params, tokens, mask, positions)
+    ours = _our_logits(config.replace(dtype=precision.dtype), params, tokens, mask, positions)
     theirs = _hf_logits(model, tokens, mask, positions)
     assert np.isfinite(ours).all()
-    diff = np.abs(ours - theirs)[mask]
-    assert diff.max() < TOL, f"{case}: max |logit diff| {diff.max():.3g}"
-    # The logits are not trivially tiny: a 1e-4 agreement is meaningful.
+    precision.assert_close(ours[mask], theirs[mask], "model_parity.logits_vs_transformers", case)
+    # The logits are not trivially tiny: the agreement is meaningful (a real mismatch, such as a
+    # wrong rotary frequency, moves logits by ~their spread of 0.5).
     assert np.abs(theirs[mask]).max() > 0.1
 
 
@@ -137,20 +140,20 @@ def test_llama3_rope_scaling_changes_logits():
     assert ours_gap > 100 * TOL
 
 
-def test_padding_does_not_change_real_positions():
+def test_padding_does_not_change_real_positions(precision):
     """A left-padded row gives the same logits as the same sequence without padding."""
-    config = _our_config({})
+    config = _our_config({"dtype": precision.dtype})
     params = params_from_hf_state_dict(config, _state_dict(_hf_model(*CASES["llama"][:2], seed=3)))
     tokens, mask, positions = _left_padded_batch(config.vocab_size, [9, 4])
     padded = _our_logits(config, params, tokens, mask, positions)
     alone = _our_logits(config, params, tokens[1:, -4:], mask[1:, -4:], positions[1:, -4:])
-    np.testing.assert_allclose(padded[1, -4:], alone[0], atol=1e-5)
+    precision.assert_close(padded[1, -4:], alone[0], "model_parity.padding_invariance")
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3_qk_norm"])
-def test_kv_cache_prefill_then_decode_equals_full_forward(case):
+def test_kv_cache_prefill_then_decode_equals_full_forward(case, precision):
     config_cls, hf_kwargs, overrides = CASES[case]
-    config = _our_config(overrides)
+    config = _our_config({**overrides, "dtype": precision.dtype})
     params = params_from_hf_state_dict(config, _state_dict(_hf_model(config_cls, hf_kwargs, 7)))
     apply = _apply(config)
     prompt_lengths, prompt_len, steps = [6, 2, 4], 6, 5
@@ -164,12 +167,11 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(case):
     cache = KVCache.zeros(config, batch=3, length=prompt_len + steps + 2)
     prefill, cache = apply({"params": params}, jnp.asarray(p_tokens),
                            jnp.asarray(positions[:, :prompt_len]), jnp.asarray(p_mask), cache=cache)
-    np.testing.assert_allclose(np.asarray(prefill)[p_mask], full[:, :prompt_len][p_mask],
-                               atol=1e-5)
+    name = "model_parity.cache_decode_vs_full_forward"
+    precision.assert_close(np.asarray(prefill)[p_mask], full[:, :prompt_len][p_mask], name)
     for j in range(steps):
         s = prompt_len + j
         np.testing.assert_array_equal(np.asarray(cache.next_pos), positions[:, s])
         step, cache = apply({"params": params}, jnp.asarray(tokens[:, s:s + 1]),
                             cache.next_pos[:, None], None, cache=cache)
-        np.testing.assert_allclose(np.asarray(step)[:, 0], full[:, s], atol=1e-5,
-                                   err_msg=f"decode step {j}")
+        precision.assert_close(np.asarray(step)[:, 0], full[:, s], name, f"decode step {j}")
