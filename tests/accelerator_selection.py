@@ -17,6 +17,7 @@ from __future__ import annotations
 FILES: tuple[str, ...] = (  # in order of priority: the first run first when the budget is short
     "tests/test_model_parity.py",
     "tests/test_attention.py",
+    "tests/test_decode_attention.py",
     "tests/test_quant.py",
     "tests/test_fp8_train.py",
     "tests/test_sampler.py",
@@ -49,6 +50,7 @@ EXCLUDE: dict[str, str] = {
 }
 
 NEEDS_DEVICES: dict[str, int] = {
+    "tests/test_decode_attention.py::test_kernels_under_shard_map_with_rows_split_over_devices": 2,
     "tests/test_sampler.py::test_sharded_chunked_greedy_matches_single_device": 8,
     "tests/test_refill.py::test_mesh_each_shard_refills_its_own_slots": 8,
     "tests/test_refill.py::test_lower_programs_are_the_programs_sample_runs": 8,
