@@ -29,29 +29,13 @@ import fsspec
 import jax
 import numpy as np
 
+from qurl_jax.paths import is_url, join, local_abspath  # noqa: F401 - re-exported
+
 
 def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Fetches a flat dict of scalars to the host as Python floats."""
     host = jax.device_get(dict(metrics))
     return {k: float(np.asarray(v)) for k, v in host.items()}
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    """A path with a scheme (gs://, s3://, memory://): not on the local file system."""
-    return "://" in os.fspath(path)
-
-
-def local_abspath(path: str | os.PathLike) -> str:
-    """`os.path.abspath` for local paths; URLs are returned as they are."""
-    path = os.fspath(path)
-    return path if is_url(path) else os.path.abspath(path)
-
-
-def join(base: str, *parts: str) -> str:
-    """`os.path.join` that also joins URL paths with '/'."""
-    if is_url(base):
-        return "/".join([base.rstrip("/"), *parts])
-    return os.path.join(base, *parts)
 
 
 def _read_lines(path: str) -> list[str] | None:

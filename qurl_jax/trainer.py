@@ -53,6 +53,7 @@ from qurl_jax.config import (
 from qurl_jax.learner import Learner
 from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
+from qurl_jax.preemption import PreemptionGuard
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
 from qurl_jax.sampling import RefillSampler, Sampler
@@ -500,9 +501,16 @@ class Trainer:
     def _write_eval(self, metrics: dict[str, float]) -> None:
         self.writer.write(self.step_count, {f"eval/{k}": v for k, v in metrics.items()})
 
-    def train(self, num_steps: int | None = None) -> dict[str, Any]:
+    def train(self, num_steps: int | None = None,
+              preemption: PreemptionGuard | None = None) -> dict[str, Any]:
         """Runs to `num_steps` (default train.num_steps), evaluating before (`eval.before`) and
-        after."""
+        after.
+
+        With a `preemption` guard that reports a stop request (SIGTERM / SIGINT, see
+        `qurl_jax.preemption`) the run ends after the current step with a checkpoint of it and
+        skips the final evaluation, export and plots; the summary's `preempted` is then the step
+        of the newest checkpoint.
+        """
         c = self.config
         total = c.train.num_steps if num_steps is None else num_steps
         summary: dict[str, Any] = {"start_step": self.step_count}
@@ -514,6 +522,8 @@ class Trainer:
         while self.step_count < total:
             metrics = self.step()
             progress.update(self.step_count, metrics)
+            # Every step, on every process: in a multi-process run this is a collective point.
+            preempted = preemption is not None and preemption.reached(self.step_count)
             if self._bad_steps:
                 logging.warning("step %d: non-finite loss or gradient, update skipped "
                                 "(%d in a row)", self.step_count, self._bad_steps)
@@ -521,15 +531,27 @@ class Trainer:
                     stopped = f"{self._bad_steps} consecutive non-finite updates"
                     logging.error("stopping: %s; last good checkpoint kept", stopped)
                     break
+                if preempted:
+                    stopped = "preempted"
+                    break
                 continue
+            if preempted:
+                if self.step_count not in self.checkpointer.steps():
+                    self._save(force=True)
+                stopped = "preempted"
+                break
             if self.checkpointer.should_save(self.step_count):
                 self._save()
             if c.train.eval_every and self.step_count % c.train.eval_every == 0 \
                     and self.step_count < total:
                 self._write_eval(self.evaluate())
         progress.close()
-        if stopped is None and self.step_count not in self.checkpointer.steps():
-            self._save(force=True)
+        if stopped == "preempted":  # the scheduler's kill follows: checkpoint, close, return
+            saved = self.checkpointer.steps()
+            self._close()
+            summary.update(end_step=self.step_count, stopped=stopped, last=self.last_metrics,
+                           preempted=saved[-1] if saved else None)
+            return summary
         summary.update(end_step=self.step_count, stopped=stopped, last=self.last_metrics)
         if self.task.has_eval:
             summary["eval_after"] = self.evaluate()
@@ -544,14 +566,18 @@ class Trainer:
             params = dist.to_host(self.params)  # gathered from every process (a collective)
             if dist.is_primary():
                 self.task.export(c.train.export_hf, self.model_config, params)
-        self.checkpointer.close()
-        self.writer.close()
-        self._reward_thread.shutdown()
-        self.task.close()  # verifier worker processes
+        self._close()
         if dist.is_primary():
             summary["plots"] = self._write_plots()
         summary["compile"] = compilation.compile_stats().since(self._compiled_before).metrics("")
         return summary
+
+    def _close(self) -> None:
+        """Waits for the checkpoint writes and ends the writers, threads and verifier processes."""
+        self.checkpointer.close()
+        self.writer.close()
+        self._reward_thread.shutdown()
+        self.task.close()  # verifier worker processes
 
     def _write_plots(self) -> list[str]:
         """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.report`); none, with a warning,
