@@ -150,7 +150,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8
     c.optim.grad_clip = 1.0
 
+    # Devices per axis within one slice; -1 on one axis takes the devices the others leave (the
+    # paper configs' fsdp could be -1 on any machine). A mesh smaller than the devices warns.
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+    # Slices (TPU) or processes (GPU hosts) each axis spans over the data-center network, e.g.
+    # dcn.data=2 for 2 x v5p-128; an axis's total size is mesh.<axis> * mesh.dcn.<axis>.
+    c.mesh.dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
 
     c.reward = ml_collections.ConfigDict()
     c.reward.workers = 4  # verifier threads, overlapping the CPU-bound math check
@@ -441,6 +446,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                               "other axes leave)")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError(f"config.mesh {sizes}: at most one axis may be -1")
+    for axis in ("data", "fsdp", "tensor"):
+        _positive(c.mesh.dcn[axis], f"mesh.dcn.{axis}")
     if c.rl.dual_clip and c.rl.dual_clip <= 1.0:
         raise ConfigError(f"config.rl.dual_clip={c.rl.dual_clip} must be 0 (off) or > 1")
     if not 0.0 < c.rollout.top_p <= 1.0:

@@ -50,6 +50,7 @@ from qurl_jax.config import (
     refill_enabled,
     validate,
 )
+from qurl_jax.errors import ConfigError
 from qurl_jax.learner import Learner
 from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
 from qurl_jax.models import init_params, positions_from_mask
@@ -179,13 +180,13 @@ class Trainer:
         self.config = validate(config)
         self.workdir = local_abspath(workdir)
         c = self.config
-        self.mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+        self.mesh = shd.mesh_from_config(c.mesh)
         # Multi-process runs: this process reads, samples and verifies block `_block` of
         # `_blocks` of every step's prompts (`qurl_jax.distributed`); GRPO groups stay whole.
         self._block, self._blocks = dist.row_block(self.mesh)
         if c.data.prompts_per_step % self._blocks:
-            raise ValueError(f"data.prompts_per_step={c.data.prompts_per_step} must be divisible "
-                             f"by the {self._blocks} processes' blocks of the batch")
+            raise ConfigError(f"config.data.prompts_per_step={c.data.prompts_per_step} must be "
+                              f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = quant.get_recipe(c.rollout.precision)
         self.objective = objective_from_config(c.rl)
         self.model_config = model_config_for(c)
