@@ -73,7 +73,7 @@ def mesh_shape(sizes: Mapping[str, int], num_devices: int,
 
 def _describe(devices: Sequence[jax.Device]) -> str:
     processes = sorted({d.process_index for d in devices})
-    return (f"{len(devices)} devices" if len(processes) == 1 else
+    return (f"{len(devices)} device{'s' * (len(devices) != 1)}" if len(processes) == 1 else
             f"{len(devices)} devices on {len(processes)} processes "
             f"({len(devices) // len(processes)} each)")
 
