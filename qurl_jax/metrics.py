@@ -127,6 +127,22 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in _read_lines(join(workdir, "metrics.jsonl")) or []]
 
 
+def rollout_share(rows: list[Mapping[str, Any]]) -> float:
+    """The rollout's share of all step time over `rows` (metrics.jsonl rows): the summed
+    `time/rollout_s` over the summed `time/step_s`. The one definition that the end-of-run summary
+    and time_split.png's legend both show (a step's own share is `time/rollout_share`)."""
+    rollout = sum(float(r.get("time/rollout_s", 0.0)) for r in rows if "time/step_s" in r)
+    total = sum(float(r["time/step_s"]) for r in rows if "time/step_s" in r)
+    return rollout / total if total > 0 else math.nan
+
+
+def eval_at(rows: list[Mapping[str, Any]], step: int) -> dict[str, float]:
+    """The evaluation metrics logged at `step` ('eval/' prefix dropped), e.g. the before-RL
+    evaluation (step 0) that a resumed run reads back for its summary."""
+    return {k.removeprefix("eval/"): float(v) for r in rows if r.get("step") == step
+            for k, v in r.items() if k.startswith("eval/")}
+
+
 class PhaseTimer:
     """Accumulates seconds per named phase: `with timer.phase('rollout'): ...`."""
 

@@ -6,7 +6,10 @@ dependency) serves gs://. Local paths keep using the operating system directly.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 from typing import IO, Any
 
 import fsspec
@@ -65,3 +68,56 @@ def open_file(path: str | os.PathLike, mode: str = "rb") -> IO[Any]:
 def makedirs(path: str | os.PathLike) -> None:
     fs, p = filesystem(path)
     fs.makedirs(p, exist_ok=True)
+
+
+def cache_root() -> str:
+    """Where remote directories are copied to: $QURL_JAX_CACHE, else ~/.cache/qurl_jax."""
+    return os.environ.get("QURL_JAX_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "qurl_jax")
+
+
+def local_copy(url: str | os.PathLike) -> str:
+    """A local directory with the files of the directory `url` (a local path is returned as it
+    is). The copy is made once per content, under `cache_root()/remote/<name>-<fingerprint>`
+    (the fingerprint covers the URL and every file's path and size), complete or not at all:
+    loaders that need local files (safetensors, tokenizers) then read a gs:// model directory."""
+    url = os.fspath(url)
+    if not is_url(url):
+        return url
+    fs, root = filesystem(url)
+    root = root.rstrip("/")
+    listing = {f[len(root):].lstrip("/"): int(info.get("size") or 0)
+               for f, info in fs.find(root, detail=True).items()}
+    if not listing:
+        raise FileNotFoundError(f"{url} holds no files")
+    fingerprint = hashlib.sha256(json.dumps([url, sorted(listing.items())]).encode()).hexdigest()
+    local = os.path.join(cache_root(), "remote", f"{basename(url)}-{fingerprint[:16]}")
+    if os.path.exists(os.path.join(local, _COMPLETE)):
+        return local
+    partial = f"{local}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    for rel in listing:
+        target = os.path.join(partial, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fs.get_file(f"{root}/{rel}", target)
+    open(os.path.join(partial, _COMPLETE), "w").close()
+    shutil.rmtree(local, ignore_errors=True)  # an incomplete copy of an earlier attempt
+    try:
+        os.rename(partial, local)
+    except OSError:  # another process finished the same copy first
+        shutil.rmtree(partial, ignore_errors=True)
+    return local
+
+
+def upload_dir(local: str, url: str) -> None:
+    """Copies every file under the local directory `local` to the directory `url`."""
+    fs, root = filesystem(url)
+    root = root.rstrip("/")
+    fs.makedirs(root, exist_ok=True)
+    for directory, _, names in os.walk(local):
+        for name in names:
+            rel = os.path.relpath(os.path.join(directory, name), local).replace(os.sep, "/")
+            fs.put_file(os.path.join(directory, name), f"{root}/{rel}")
+
+
+_COMPLETE = ".qurl_jax_complete"  # marks a finished `local_copy`

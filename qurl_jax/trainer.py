@@ -36,7 +36,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import compilation, quant, report
+from qurl_jax import compilation, quant, report, run_config
 from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.bench import memory
@@ -52,7 +52,15 @@ from qurl_jax.config import (
 )
 from qurl_jax.errors import ConfigError
 from qurl_jax.learner import Learner
-from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
+from qurl_jax.metrics import (
+    MetricWriter,
+    PhaseTimer,
+    eval_at,
+    local_abspath,
+    read_metrics,
+    rollout_share,
+    to_floats,
+)
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.preemption import PreemptionGuard
 from qurl_jax.rl import advantages as adv_lib
@@ -199,9 +207,11 @@ class Trainer:
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
-        # A checkpoint of another model or optimizer stops the run here, before the warm-start
-        # cache, metrics or a new checkpoint are written.
+        # A changed field that changes the math, or a checkpoint of another model or optimizer,
+        # stops the run here, before the warm-start cache, metrics or a checkpoint are written.
         self.checkpointer.check_compatible(self._abstract_state())
+        run_config.check_and_save(c, self.workdir, resuming=bool(self.checkpointer.steps()),
+                                  write=dist.is_primary())
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
@@ -518,6 +528,8 @@ class Trainer:
         if self.step_count == 0 and self.task.has_eval and c.eval.before:
             summary["eval_before"] = self.evaluate()
             self._write_eval(summary["eval_before"])
+        elif self.task.has_eval and dist.is_primary():  # resumed: the run's step-0 evaluation
+            summary["eval_before"] = eval_at(read_metrics(self.workdir), 0)
         progress = _Progress(total, self.step_count, bar=c.train.progress and dist.is_primary())
         stopped = None
         while self.step_count < total:
@@ -561,6 +573,8 @@ class Trainer:
             if dist.is_primary() else []
         summary["means"] = {k: float(np.mean([r[k] for r in steps if k in r]))
                             for k in SUMMARY_KEYS if any(k in r for r in steps)}
+        if "time/rollout_share" in summary["means"]:  # of all step time, as time_split.png
+            summary["means"]["time/rollout_share"] = rollout_share(steps)
         if c.train.report_speed:
             summary["rollout_speed"] = self.rollout_speed()
         if c.train.export_hf and stopped is None:
