@@ -72,7 +72,11 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_matches(tmp_p
 
     resumed = _trainer(stopped)
     assert resumed.step_count == 2
-    resumed.train()
+    summary = resumed.train()
+    # The summary's before-RL column is the step-0 evaluation the first run logged.
+    before = {k.removeprefix("eval/"): v for r in read_metrics(full) if r["step"] == 0
+              for k, v in r.items() if k.startswith("eval/")}
+    assert summary["eval_before"] == pytest.approx(before) and before
     a, b = _last_rows(full), _last_rows(stopped)
     assert sorted(b) == [1, 2, 3, 4]
     for step in (3, 4):
