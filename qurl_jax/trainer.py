@@ -181,6 +181,19 @@ def refill_groups(r: Rollout, keep: np.ndarray, extra: Rollout, extra_keep: np.n
     return dataclasses.replace(r, **fields, pending=None), keep
 
 
+def _with_mesh_sizes(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+                     ) -> ml_collections.ConfigDict:
+    """A copy of `c` whose `mesh` section holds the built mesh's total axis sizes (-1 resolved,
+    `mesh.dcn` folded in), for code that reads the sizes from the config."""
+    out = c.copy_and_resolve_references()
+    out.unlock()
+    for axis, size in mesh.shape.items():
+        out.mesh[axis] = int(size)
+        out.mesh.dcn[axis] = 1
+    out.lock()
+    return out
+
+
 class Trainer:
     """Owns the model, the actor's recipe, the sampler, the learner and the run state."""
 
@@ -261,8 +274,8 @@ class Trainer:
         if not limit:
             raise ValueError("config.train.memory_limit_gib: the device reports no memory limit; "
                              "set one for train.preflight")
-        memory.preflight(memory.setup_for(c, self.model_config, self.mesh, self.learner), limit,
-                         log=logging.info)
+        memory.preflight(memory.setup_for(_with_mesh_sizes(c, self.mesh), self.model_config,
+                                          self.mesh, self.learner), limit, log=logging.info)
 
     def _maybe_invariant_scaling(self, params: Any) -> Any:
         s = self.config.rollout.invariant_scaling
