@@ -39,6 +39,8 @@ TASKS = ("math", "arithmetic", "chain")
 BEHAV_LOGPS = ("sampled", "untruncated")
 # Continuous batching of the rollout (see rollout.refill and `refill_enabled`).
 REFILL = ("auto", "on", "off")
+# Metric sinks besides metrics.jsonl (see train.loggers).
+LOGGERS = ("tensorboard", "wandb")
 # What DAPO's dynamic sampling compares within a group (see rl.filter_metric).
 FILTER_METRICS = ("accuracy", "reward")
 
@@ -191,6 +193,10 @@ def base_config() -> ml_collections.ConfigDict:
     # across runs of the same shapes). A restarted run, and the first step after the memory
     # preflight, load their programs from it instead of compiling them again.
     c.train.compilation_cache_dir = "auto"
+    # Metric sinks besides <workdir>/metrics.jsonl: 'tensorboard' (<workdir>/tensorboard) and/or
+    # 'wandb' (Weights & Biases; skipped with a warning when not installed; WANDB_MODE=offline).
+    c.train.loggers = ("tensorboard",)
+    c.train.wandb_project = "qurl_jax"  # the W&B project of train.loggers 'wandb'
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -452,6 +458,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(f"config.rl.dual_clip={c.rl.dual_clip} must be 0 (off) or > 1")
     if not 0.0 < c.rollout.top_p <= 1.0:
         raise ConfigError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
+    for logger in c.train.loggers:
+        _choice(logger, LOGGERS, "train.loggers")
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
     kv_policy_from_config(c.rollout)

@@ -34,7 +34,7 @@ RESUMABLE = (
     "train.remat", "train.scan_layers", "train.logprob_chunk", "train.preflight",
     "train.memory_limit_gib", "train.compilation_cache_dir", "eval.", "mesh.", "reward.workers",
     "reward.timeout_s", "rollout.max_concurrent_rows", "rollout.refill", "model.attention",
-    "model.path")
+    "model.path", "train.loggers", "train.wandb_project")
 
 
 def flatten(c: ml_collections.ConfigDict | dict[str, Any], prefix: str = "") -> dict[str, Any]:

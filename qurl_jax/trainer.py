@@ -248,8 +248,10 @@ class Trainer:
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
         self._restore()
-        self.writer = MetricWriter(self.workdir, resume_step=self.step_count,
-                                   enabled=dist.is_primary())
+        self.writer = MetricWriter(
+            self.workdir, resume_step=self.step_count, enabled=dist.is_primary(),
+            tensorboard="tensorboard" in c.train.loggers,
+            wandb_project=c.train.wandb_project if "wandb" in c.train.loggers else None)
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
