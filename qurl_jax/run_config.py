@@ -59,27 +59,36 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, 
             if saved.get(f) != now.get(f)]
 
 
-def check_and_save(c: ml_collections.ConfigDict, workdir: str, *, resuming: bool,
-                   write: bool = True) -> None:
-    """Compares `c` with the workdir's saved config when `resuming` (`ConfigError` on a change to
-    the math), then writes `c` there (when `write`: process 0 of a multi-process run)."""
+def check(c: ml_collections.ConfigDict, workdir: str) -> None:
+    """Compares `c` with the workdir's saved config, if any: `ResumeConfigError` (one line naming
+    the first field) when a field that changes the math differs; other changes are logged."""
     path = paths.join(workdir, FILE)
-    now = flatten(c)
-    if resuming and paths.exists(path):
-        with paths.open_file(path, "rb") as f:
-            saved = json.loads(f.read().decode("utf-8"))
-        diff = changes(saved, now)
-        math = [d for d in diff if not _resumable(d[0])]
-        if math:
-            field, before, after = math[0]
-            more = f" (and {len(math) - 1} more field(s))" if len(math) > 1 else ""
-            raise ResumeConfigError(
-                f"config.{field} is {after!r} but the run in this workdir started with {before!r}"
-                f"{more}, which changes the math of the resumed steps; resume with the saved "
-                f"value (see {path}), or start in a new workdir")
-        for field, before, after in diff:
-            logging.info("resuming with config.%s changed from %r to %r", field, before, after)
-    if write:
-        paths.makedirs(workdir)
-        with paths.open_file(path, "wb") as f:
-            f.write((json.dumps(now, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    if not paths.exists(path):
+        return
+    with paths.open_file(path, "rb") as f:
+        saved = json.loads(f.read().decode("utf-8"))
+    diff = changes(saved, flatten(c))
+    math = [d for d in diff if not _resumable(d[0])]
+    if math:
+        field, before, after = math[0]
+        more = f" (and {len(math) - 1} more field(s))" if len(math) > 1 else ""
+        raise ResumeConfigError(
+            f"config.{field} is {after!r} but the run in this workdir started with {before!r}"
+            f"{more}, which changes the math of the resumed steps; resume with the saved value "
+            f"(see {path}), or start in a new workdir")
+    for field, before, after in diff:
+        logging.info("resuming with config.%s changed from %r to %r", field, before, after)
+
+
+def save(c: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes every field of `c` to `<workdir>/config.json` (a local path or URL)."""
+    paths.makedirs(workdir)
+    with paths.open_file(paths.join(workdir, FILE), "wb") as f:
+        f.write((json.dumps(flatten(c), indent=1, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def check_and_save(c: ml_collections.ConfigDict, workdir: str, *, resuming: bool) -> None:
+    """`check` when `resuming` (a checkpoint exists), then `save`."""
+    if resuming:
+        check(c, workdir)
+    save(c, workdir)

@@ -223,8 +223,8 @@ class Trainer:
         # A changed field that changes the math, or a checkpoint of another model or optimizer,
         # stops the run here, before the warm-start cache, metrics or a checkpoint are written.
         self.checkpointer.check_compatible(self._abstract_state())
-        run_config.check_and_save(c, self.workdir, resuming=bool(self.checkpointer.steps()),
-                                  write=dist.is_primary())
+        if self.checkpointer.steps():
+            run_config.check(c, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
@@ -248,6 +248,8 @@ class Trainer:
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
         self._restore()
+        if dist.is_primary():
+            run_config.save(c, self.workdir)  # the resolved config of the run, for inspection
         self.writer = MetricWriter(
             self.workdir, resume_step=self.step_count, enabled=dist.is_primary(),
             tensorboard="tensorboard" in c.train.loggers,
@@ -543,7 +545,7 @@ class Trainer:
         if self.step_count == 0 and self.task.has_eval and c.eval.before:
             summary["eval_before"] = self.evaluate()
             self._write_eval(summary["eval_before"])
-        elif self.task.has_eval and dist.is_primary():  # resumed: the run's step-0 evaluation
+        elif self.step_count and self.task.has_eval and dist.is_primary():  # resumed: step 0's
             summary["eval_before"] = eval_at(read_metrics(self.workdir), 0)
         progress = _Progress(total, self.step_count, bar=c.train.progress and dist.is_primary())
         stopped = None
