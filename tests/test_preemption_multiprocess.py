@@ -10,7 +10,19 @@ import time
 import pytest
 
 from qurl_jax.metrics import read_metrics
-from tests.test_multiprocess import MESH, RUN_TIMEOUT_S, _Children, _wait_ok
+from tests.test_multiprocess import MESH, RUN_TIMEOUT_S, _Children, _free_port, _wait_ok
+
+# Generous: on a loaded machine a 5 s heartbeat can lapse while both processes compile.
+HEARTBEAT_S = 60
+
+
+def _start_group(children: _Children, workdir: str, *args: str, logs: str):
+    port = _free_port()
+    return [children.start(workdir, *args, f"--coordinator_address=127.0.0.1:{port}",
+                           "--num_processes=2", f"--process_id={i}",
+                           f"--heartbeat_timeout_s={HEARTBEAT_S}", "--init_timeout_s=120",
+                           devices=4, log=f"{logs}.{i}")
+            for i in range(2)]
 
 
 def _python_child(pid: int) -> int:
@@ -26,7 +38,7 @@ def test_sigterm_to_one_process_saves_the_same_step_on_both_and_resumes(tmp_path
     steps = ("--config.train.num_steps=6", "--config.train.checkpoint_every=100")
     children = _Children()
     try:
-        procs = children.start_group(workdir, *MESH, *steps, num=2, logs=logs)
+        procs = _start_group(children, workdir, *MESH, *steps, logs=logs)
         deadline = time.time() + RUN_TIMEOUT_S
         while not any(r.get("step", 0) >= 2 and "rollout/reward_mean" in r
                       for r in read_metrics(workdir)):
@@ -42,7 +54,7 @@ def test_sigterm_to_one_process_saves_the_same_step_on_both_and_resumes(tmp_path
         assert 2 <= step < 6
         assert str(step) in os.listdir(os.path.join(workdir, "checkpoints"))
 
-        procs = children.start_group(workdir, *MESH, *steps, num=2, logs=logs + ".resumed")
+        procs = _start_group(children, workdir, *MESH, *steps, logs=logs + ".resumed")
         _wait_ok(procs, [f"{logs}.resumed.{i}" for i in range(2)])
         assert f"resumed from step {step}" in open(f"{logs}.resumed.0").read()
         rows = [r["step"] for r in read_metrics(workdir) if "rollout/reward_mean" in r]
