@@ -22,6 +22,8 @@
 #
 # The workdir is gs://B/NAME (checkpoints need a directory shared by all hosts). The code shipped is
 # the committed HEAD of this checkout (git archive). TPU7x and later need GKE: use launch/xpk.sh.
+# Spot: the preemption notice (SIGTERM) makes the run save a checkpoint at the step it is in and
+# exit 143; rerunning the same command deletes the PREEMPTED slice, creates a new one and resumes.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=launch/common.sh
@@ -106,11 +108,26 @@ wait_until_active() {
   done
 }
 
+VM_STATE=""
+if [[ "${SKIP_CREATE}" != 1 && "${DRY_RUN}" != 1 ]]; then
+  VM_STATE=$(gcloud compute tpus tpu-vm describe "${TPU_NAME}" "${GCLOUD_SCOPE[@]}" \
+    --format='value(state)' 2>/dev/null) || VM_STATE=""
+fi
+if [[ "${VM_STATE}" == PREEMPTED || "${VM_STATE}" == TERMINATED ]]; then
+  # A spot slice that was preempted cannot restart: delete it and create a new one. The run
+  # saved a checkpoint on SIGTERM and resumes from it in the same workdir.
+  note "TPU VM ${TPU_NAME} is ${VM_STATE}; deleting it and creating a new one (the run resumes from its checkpoint in ${WORKDIR})"
+  run gcloud compute tpus tpu-vm delete "${TPU_NAME}" "${GCLOUD_SCOPE[@]}" --quiet
+  if [[ "${QUEUED}" == 1 ]]; then
+    run gcloud compute tpus queued-resources delete "${TPU_NAME}" "${GCLOUD_SCOPE[@]}" --quiet \
+      --force
+  fi
+  VM_STATE=""
+fi
 if [[ "${SKIP_CREATE}" == 1 ]]; then
   note "reusing TPU VM ${TPU_NAME} (--skip-create)"
-elif [[ "${DRY_RUN}" != 1 ]] && gcloud compute tpus tpu-vm describe "${TPU_NAME}" \
-    "${GCLOUD_SCOPE[@]}" --format='value(state)' >/dev/null 2>&1; then
-  note "TPU VM ${TPU_NAME} exists; reusing it"
+elif [[ -n "${VM_STATE}" ]]; then
+  note "TPU VM ${TPU_NAME} exists (${VM_STATE}); reusing it"
 elif [[ "${QUEUED}" == 1 ]]; then
   [[ "${DRY_RUN}" == 1 ]] && note "(dry run: the create commands are skipped when ${TPU_NAME} exists)"
   run gcloud compute tpus queued-resources create "${TPU_NAME}" "${GCLOUD_SCOPE[@]}" \
@@ -148,5 +165,12 @@ if [[ "${DETACH}" == 1 ]]; then
   MAIN="setsid nohup ${MAIN} >~/${RUN_NAME}.log 2>&1 </dev/null &"
   note "detached: logs in ~/${RUN_NAME}.log on each worker; metrics in ${WORKDIR}"
 fi
+STATUS=0
 run gcloud compute tpus tpu-vm ssh "${TPU_NAME}" --worker=all "${GCLOUD_SCOPE[@]}" \
-  --command="cd ~/qurl_jax && ${MAIN}"
+  --command="cd ~/qurl_jax && ${MAIN}" || STATUS=$?
+if [[ "${STATUS}" != 0 && "${CAPACITY}" == spot ]]; then
+  # SIGTERM before a spot preemption: the run saved a checkpoint and exited 143 (or the ssh
+  # session died with the VM).
+  note "the run ended with status ${STATUS} (a preempted spot run saves a checkpoint first): rerun this same command to resume it"
+fi
+exit "${STATUS}"

@@ -16,14 +16,17 @@ Restoring tells two failures apart:
   e.g. `model.tiny.intermediate_size` changed between runs): `CheckpointMismatchError`, raised
   before anything is read or written, naming the first mismatching tensor and both shapes. The
   checkpoints are left as they are: starting over would let keep-N delete them.
-- the checkpoint cannot be read (truncated or deleted files): skipped with a warning and the next
-  older one restored, so a crash never loses more than one interval.
+- the checkpoint cannot be read (truncated or deleted files): moved aside to
+  `<directory>/corrupt/<step>-<UTC time>` (never deleted: it may still be salvaged) with a warning,
+  and the next older one restored, so a crash never loses more than one interval and the run saves
+  that step again when it gets there.
 """
 
 from __future__ import annotations
 
 import logging as std_logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,10 +34,19 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+from qurl_jax.errors import UserError
+
+# Sub-directory of the checkpoint directory that unreadable checkpoints are moved to.
+CORRUPT_DIR = "corrupt"
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError):
     """A checkpoint's tensors do not match the run's state (structure, shape or dtype)."""
+
+    what = "cannot resume"
 
 
 def _key_name(key: Any) -> str:
@@ -185,19 +197,47 @@ class Checkpointer:
         """
         wanted = _tensors(template)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        for step, saved in self._readable_steps():
-            self._raise_on_mismatch(step, saved, wanted)
-            try:
-                restored = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                            meta=ocp.args.JsonRestore()),
-                )
-            except Exception as e:  # noqa: BLE001 - it fits but cannot be read: corrupt data
-                self._warn_unreadable(step, e)
-                continue
-            return step, restored["state"], dict(restored["meta"])
-        return None
+        corrupt = []
+        try:
+            for step in reversed(self.steps()):
+                try:
+                    saved = self._saved_tensors(step)
+                except Exception as e:  # noqa: BLE001 - unreadable metadata: corrupt
+                    self._warn_unreadable(step, e)
+                    corrupt.append(step)
+                    continue
+                self._raise_on_mismatch(step, saved, wanted)
+                try:
+                    restored = self._manager.restore(
+                        step,
+                        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                meta=ocp.args.JsonRestore()),
+                    )
+                except Exception as e:  # noqa: BLE001 - it fits but cannot be read: corrupt data
+                    self._warn_unreadable(step, e)
+                    corrupt.append(step)
+                    continue
+                return step, restored["state"], dict(restored["meta"])
+            return None
+        finally:
+            self._move_aside(corrupt)
+
+    def _move_aside(self, steps: list[int]) -> None:
+        """Moves unreadable checkpoints to `<directory>/corrupt/<step>-<UTC time>` (process 0; the
+        others wait), so the run saves those steps afresh and later restarts do not fall back."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            aside = epath.Path(self.directory) / CORRUPT_DIR
+            aside.mkdir(parents=True, exist_ok=True)
+            for step in steps:
+                target = aside / f"{step}-{stamp}"
+                (epath.Path(self.directory) / str(step)).rename(target)
+                logging.warning("moved the unreadable checkpoint of step %d to %s", step, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("qurl_jax checkpoint move-aside")
+        self._manager.reload()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

@@ -4,17 +4,20 @@ Every config file in `configs/` starts from `base_config()` and overrides fields
 lives in exactly one place. The returned `ConfigDict` is locked and type-safe: an override of an
 unknown field (`--config.rl.los_mode=...`) or of the wrong type (`--config.rollout.n=abc`) is
 rejected by `ml_collections` while the flags are parsed; `validate` then checks the values (enums,
-ranges, file paths) and raises `ValueError` naming the field, still before any JAX compilation.
+ranges, file paths) and raises `ConfigError` (a `ValueError`) naming the field, still before any
+JAX compilation.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+import re
 
 import ml_collections
 
+from qurl_jax import paths
 from qurl_jax.data.chains import ChainConfig
+from qurl_jax.errors import ConfigError
 from qurl_jax.learner import OptimConfig
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
@@ -36,6 +39,8 @@ TASKS = ("math", "arithmetic", "chain")
 BEHAV_LOGPS = ("sampled", "untruncated")
 # Continuous batching of the rollout (see rollout.refill and `refill_enabled`).
 REFILL = ("auto", "on", "off")
+# Metric sinks besides metrics.jsonl (see train.loggers).
+LOGGERS = ("tensorboard", "wandb")
 # What DAPO's dynamic sampling compares within a group (see rl.filter_metric).
 FILTER_METRICS = ("accuracy", "reward")
 
@@ -147,7 +152,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8
     c.optim.grad_clip = 1.0
 
+    # Devices per axis within one slice; -1 on one axis takes the devices the others leave (the
+    # paper configs' fsdp could be -1 on any machine). A mesh smaller than the devices warns.
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+    # Slices (TPU) or processes (GPU hosts) each axis spans over the data-center network, e.g.
+    # dcn.data=2 for 2 x v5p-128; an axis's total size is mesh.<axis> * mesh.dcn.<axis>.
+    c.mesh.dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
 
     c.reward = ml_collections.ConfigDict()
     c.reward.workers = 4  # verifier threads, overlapping the CPU-bound math check
@@ -189,6 +199,10 @@ def base_config() -> ml_collections.ConfigDict:
     # across runs of the same shapes). A restarted run, and the first step after the memory
     # preflight, load their programs from it instead of compiling them again.
     c.train.compilation_cache_dir = "auto"
+    # Metric sinks besides <workdir>/metrics.jsonl: 'tensorboard' (<workdir>/tensorboard) and/or
+    # 'wandb' (Weights & Biases; skipped with a warning when not installed; WANDB_MODE=offline).
+    c.train.loggers = ("tensorboard",)
+    c.train.wandb_project = "qurl_jax"  # the W&B project of train.loggers 'wandb'
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none
@@ -209,6 +223,66 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.bug_rate = 0.0
     c.lock()
     return c
+
+
+def field_docs() -> dict[str, str]:
+    """Dotted field name -> its one-line doc: the comment on the field's line in `base_config`,
+    else the comment lines just above it (first sentence-sized line)."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(base_config).splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# ").strip())
+            continue
+        match = re.match(r"c\.([\w.]+)\s*=", text)
+        if match:
+            comment = text.split("  # ", 1)[1].strip() if "  # " in text else " ".join(above)
+            if comment:
+                docs[match.group(1)] = comment
+        above = []
+    return docs
+
+
+def _leaves(c: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in c.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            out.extend(_leaves(value, name + "."))
+        else:
+            out.append((name, value))
+    return out
+
+
+def format_config(c: ml_collections.ConfigDict, width: int = 100) -> str:
+    """Every field as `name = value  # doc`, the doc cut to fit `width` columns (a section's doc,
+    e.g. `model.tiny`'s, stands for fields that have none of their own)."""
+    docs = field_docs()
+    lines = []
+    for name, value in _leaves(c):
+        doc = docs.get(name) or docs.get(name.rsplit(".", 1)[0], "")
+        line = f"{name} = {value!r}"
+        if doc:
+            room = max(width - len(line) - 4, 20)
+            line += "  # " + (doc if len(doc) <= room else doc[:room - 3] + "...")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def ignored_fields(c: ml_collections.ConfigDict) -> list[str]:
+    """Warnings for set fields that this config's other choices ignore."""
+    out = []
+    if c.model.source == "tiny" and c.model.path:
+        out.append(f"config.model.path={c.model.path!r} is ignored: model.source='tiny' builds "
+                   "the model in code (set --config.model.source=hf to load model.path)")
+    if c.data.task != "math" and tuple(c.data.train_files) != tuple(
+            base_config().data.train_files):
+        out.append(f"config.data.train_files is ignored: data.task={c.data.task!r} makes its "
+                   "own problems")
+    return out
 
 
 def objective_from_config(rl: ml_collections.ConfigDict) -> ObjectiveConfig:
@@ -239,7 +313,7 @@ def kv_policy_from_config(rollout: ml_collections.ConfigDict) -> KVPolicyConfig:
             prefix = f"KVPolicyConfig.{field}:"
             if message.startswith(prefix):
                 message = f"config.rollout.{name}:" + message[len(prefix):]
-        raise ValueError(message) from None
+        raise ConfigError(message) from None
 
 
 def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
@@ -268,7 +342,7 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     """`get_config()` of a config file, as `--config=` takes it (for tools that run configs)."""
     spec = importlib.util.spec_from_file_location("qurl_jax_config_file", path)
     if spec is None or spec.loader is None:
-        raise ValueError(f"config file {path!r} is not a Python file")
+        raise ConfigError(f"config file {path!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
@@ -285,40 +359,77 @@ def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
                        carry10_share=data.chain_carry10_share)
 
 
+# Range of every numeric field that `validate` checks beyond its type (chain_*, kv_* and the
+# objective's fields are checked by ChainConfig, KVPolicyConfig and ObjectiveConfig).
+_POSITIVE = (
+    "data.prompts_per_step", "data.max_prompt_len", "data.arith_digits", "rollout.n",
+    "rollout.max_new_tokens", "rollout.temperature", "rollout.invariant_scaling", "rl.cap",
+    "rl.logratio_clamp", "rl.sparse_cap", "rl.max_gen_batches", "rl.ppo_epochs",
+    "rl.num_minibatches", "rl.num_micro_batches", "optim.eps", "reward.workers",
+    "reward.timeout_s", "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.max_bad_steps", "train.logprob_chunk", "eval.k", "eval.max_new_tokens",
+    "sft.learning_rate", "sft.batch_size", "model.tiny.hidden_size",
+    "model.tiny.intermediate_size", "model.tiny.num_layers", "model.tiny.num_heads",
+    "model.tiny.num_kv_heads", "model.tiny.head_dim", "model.tiny.rope_theta",
+    "model.tiny.max_position_embeddings")
+_NON_NEGATIVE = (
+    "seed", "rollout.top_k", "rollout.max_concurrent_rows", "rl.eps_low", "rl.eps_high",
+    "rl.kl_coef", "rl.dual_clip", "rl.veto_tau", "rl.overlong_buffer", "rl.overlong_factor",
+    "optim.learning_rate", "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
+    "optim.decay_steps", "sft.steps", "train.eval_every", "train.memory_limit_gib",
+    "eval.max_examples", "eval.temperature")
+# field -> (low, high, whether high is excluded)
+_INTERVALS = {"optim.b1": (0.0, 1.0, True), "optim.b2": (0.0, 1.0, True),
+              "optim.end_lr_ratio": (0.0, 1.0, False), "reward.format_weight": (0.0, 1.0, False),
+              "sft.format_noise": (0.0, 1.0, False), "sft.bug_rate": (0.0, 1.0, False)}
+
+
+def _field(c: ml_collections.ConfigDict, field: str) -> object:
+    """The value of a dotted field ('model.tiny.head_dim', 'seed')."""
+    value: object = c
+    for part in field.split("."):
+        value = value[part]
+    return value
+
+
 def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
     if value not in choices:
-        raise ValueError(f"config.{field}={value!r} is not one of {choices}")
+        raise ConfigError(f"config.{field}={value!r} is not one of {choices}")
 
 
 def _positive(value: float, field: str, strict: bool = True) -> None:
     if (value <= 0) if strict else (value < 0):
-        raise ValueError(f"config.{field}={value!r} must be {'> 0' if strict else '>= 0'}")
+        raise ConfigError(f"config.{field}={value!r} must be {'> 0' if strict else '>= 0'}")
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Checks values; raises ValueError naming the first bad field. Returns `c`."""
+    """Checks values; raises `ConfigError` (a ValueError) naming the first bad field. Returns `c`.
+
+    Reads no data and touches no device: the numbers' ranges, the choices, the files' existence.
+    """
     _choice(c.model.source, MODEL_SOURCES, "model.source")
     if c.model.source == "hf":
         if not c.model.path:
-            raise ValueError("config.model.path is empty; set it to a local Hugging Face directory")
-        if not os.path.isfile(os.path.join(c.model.path, "config.json")):
-            raise ValueError(f"config.model.path={c.model.path!r} has no config.json")
+            raise ConfigError("config.model.path is empty; set it to a Hugging Face directory")
+        if not paths.isfile(paths.join(c.model.path, "config.json")):
+            raise ConfigError(f"config.model.path={c.model.path!r} has no config.json")
     else:
         _choice(c.model.tiny.model_type, SUPPORTED_MODEL_TYPES, "model.tiny.model_type")
     _choice(c.data.task, TASKS, "data.task")
     if c.data.task == "math":
         for f in c.data.train_files:
-            if not os.path.exists(f):
-                raise ValueError(f"config.data.train_files: {f!r} does not exist")
+            if not paths.exists(f):
+                raise ConfigError(f"config.data.train_files: {f!r} does not exist")
     if c.data.task == "chain":
-        chain_config(c.data).validate(prefix="config.data.chain_")
+        try:
+            chain_config(c.data).validate(prefix="config.data.chain_")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if c.data.split_seed < -1:
-        raise ValueError(f"config.data.split_seed={c.data.split_seed} must be >= 0 (or -1: seed)")
-    if not 0.0 <= c.sft.bug_rate <= 1.0:
-        raise ValueError(f"config.sft.bug_rate={c.sft.bug_rate} must be in [0, 1]")
+        raise ConfigError(f"config.data.split_seed={c.data.split_seed} must be >= 0 (or -1: seed)")
     for f in c.eval.files:
-        if not os.path.exists(f):
-            raise ValueError(f"config.eval.files: {f!r} does not exist")
+        if not paths.exists(f):
+            raise ConfigError(f"config.eval.files: {f!r} does not exist")
     _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
@@ -337,40 +448,43 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         try:
             targets.parse(c.train.preflight_target)
         except targets.TargetError as e:
-            raise ValueError(f"config.train.preflight_target: {e}") from None
-    _positive(c.train.memory_limit_gib, "train.memory_limit_gib", strict=False)
-    for field in ("data.prompts_per_step", "data.max_prompt_len", "rollout.n",
-                  "rollout.max_new_tokens", "rollout.temperature", "rl.cap", "rl.ppo_epochs",
-                  "rl.num_minibatches", "rl.num_micro_batches",
-                  "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
-                  "rollout.invariant_scaling", "eval.k", "reward.timeout_s", "optim.eps",
-                  "train.logprob_chunk",
-                  "mesh.data", "mesh.fsdp", "mesh.tensor"):
-        section, name = field.split(".")
-        _positive(c[section][name], field)
-    for field in ("rl.eps_low", "rl.eps_high", "rl.kl_coef", "optim.learning_rate",
-                  "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
-                  "optim.decay_steps", "optim.end_lr_ratio", "sft.steps", "train.eval_every"):
-        section, name = field.split(".")
-        _positive(c[section][name], field, strict=False)
-    for field in ("optim.b1", "optim.b2"):
-        section, name = field.split(".")
-        if not 0.0 <= c[section][name] < 1.0:
-            raise ValueError(f"config.{field}={c[section][name]} must be in [0, 1)")
+            raise ConfigError(f"config.train.preflight_target: {e}") from None
+    for field in _POSITIVE:
+        _positive(_field(c, field), field)
+    for field in _NON_NEGATIVE:
+        _positive(_field(c, field), field, strict=False)
+    for field, (lo, hi, hi_open) in _INTERVALS.items():
+        value = _field(c, field)
+        if not (lo <= value < hi if hi_open else lo <= value <= hi):
+            raise ConfigError(
+                f"config.{field}={value} must be in [{lo}, {hi}{')' if hi_open else ']'}")
+    sizes = {axis: c.mesh[axis] for axis in ("data", "fsdp", "tensor")}
+    for axis, size in sizes.items():
+        if size < 1 and size != -1:
+            raise ConfigError(f"config.mesh.{axis}={size} must be >= 1, or -1 (the devices the "
+                              "other axes leave)")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"config.mesh {sizes}: at most one axis may be -1")
+    for axis in ("data", "fsdp", "tensor"):
+        _positive(c.mesh.dcn[axis], f"mesh.dcn.{axis}")
+    if c.rl.dual_clip and c.rl.dual_clip <= 1.0:
+        raise ConfigError(f"config.rl.dual_clip={c.rl.dual_clip} must be 0 (off) or > 1")
     if not 0.0 < c.rollout.top_p <= 1.0:
-        raise ValueError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
+        raise ConfigError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
+    for logger in c.train.loggers:
+        _choice(logger, LOGGERS, "train.loggers")
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
     kv_policy_from_config(c.rollout)
     try:
         objective_from_config(c.rl)
     except ValueError as e:
-        raise ValueError(f"config.rl: {e}") from e
+        raise ConfigError(f"config.rl: {e}") from e
     batch = c.data.prompts_per_step * c.rollout.n
     if batch % c.rl.num_minibatches:
-        raise ValueError(f"config.rl.num_minibatches={c.rl.num_minibatches} does not divide the "
-                         f"rollout batch data.prompts_per_step * rollout.n = {batch}")
+        raise ConfigError(f"config.rl.num_minibatches={c.rl.num_minibatches} does not divide the "
+                          f"rollout batch data.prompts_per_step * rollout.n = {batch}")
     if (batch // c.rl.num_minibatches) % c.rl.num_micro_batches:
-        raise ValueError(f"config.rl.num_micro_batches={c.rl.num_micro_batches} does not divide "
-                         f"the minibatch size {batch // c.rl.num_minibatches}")
+        raise ConfigError(f"config.rl.num_micro_batches={c.rl.num_micro_batches} does not divide "
+                          f"the minibatch size {batch // c.rl.num_minibatches}")
     return c

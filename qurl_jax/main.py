@@ -1,11 +1,17 @@
 """Command-line entry point: `python -m qurl_jax.main --config=configs/arith_tiny.py --workdir=...`.
 
 Flags are parsed by absl with `ml_collections.config_flags`, so any field can be overridden
-(`--config.rl.loss_mode=tis --config.rollout.precision=fp8`). Unknown or ill-typed overrides are
-rejected while parsing, and `qurl_jax.config.validate` checks values, all before JAX compiles
-anything; a bad value ends the run with one line naming the field and a non-zero exit code. A
-workdir that already holds a checkpoint resumes from it; a checkpoint of another model or
-optimizer ends the run the same way, before anything is written.
+(`--config.rl.loss_mode=tis --config.rollout.precision=fp8`); `--print_config` lists every field
+with its value and one-line doc and exits. Unknown or ill-typed overrides are rejected while
+parsing, and `qurl_jax.config.validate` checks values, all before JAX compiles anything. Bad input
+(`qurl_jax.errors`: a config file or field, a data file, the workdir, a mesh that does not fit the
+devices, a checkpoint of another model) ends the run with one line naming it, `qurl_jax: <what>:
+<message>`, and exit code 2; `--verbose` adds the traceback. A workdir that already holds a
+checkpoint resumes from it.
+
+SIGTERM (a spot VM's or scheduler's preemption notice) or Ctrl-C ends the run after the current
+step with a checkpoint and the line "preempted at step N; checkpoint saved; rerun the same command
+to resume", exit code 128 + the signal; a second signal aborts at once (`qurl_jax.preemption`).
 
 Multi-process runs (`qurl_jax.distributed`): every process runs the same command. Without flags,
 `jax.distributed.initialize()` is called only where a cluster is detected (Cloud TPU VM or GKE TPU
@@ -22,16 +28,25 @@ so a restarted run loads them instead of compiling again.
 from __future__ import annotations
 
 import logging as std_logging
+import os
 import sys
+import traceback
+import uuid
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here (a local "
+                               "directory or a URL such as gs://bucket/run).")
 _EXPORT_HF = flags.DEFINE_string(
     "export_hf", None, "Export the final policy to this directory in Hugging Face format.")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print the resolved config (with the overrides), each field with its "
+    "one-line doc, and exit.")
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Show the traceback of bad-input errors too (always shown for bugs).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "HOST:PORT of process 0's coordination service (multi-process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.", lower_bound=1)
@@ -44,7 +59,18 @@ _HEARTBEAT = flags.DEFINE_integer(
     "and the other processes abort.", lower_bound=1)
 _INIT_TIMEOUT = flags.DEFINE_integer(
     "init_timeout_s", 300, "Seconds start-up waits for every process to join.", lower_bound=1)
-flags.mark_flags_as_required(["config", "workdir"])
+
+_HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull", "-?")
+_USAGE = """usage: python -m qurl_jax.main --config=configs/<name>.py --workdir=DIR \\
+           [--config.<section>.<field>=VALUE ...] [flags]
+
+Every config field can be overridden as --config.<section>.<field>=VALUE. List the fields, their
+values and one-line docs with
+
+    python -m qurl_jax.main --config=configs/arith_tiny.py --print_config
+"""
+# Exit code of bad input (`qurl_jax.errors`), as argparse uses for bad arguments.
+EXIT_BAD_INPUT = 2
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -56,23 +82,118 @@ class _QuietLibraries(std_logging.Filter):
         return record.levelno >= std_logging.WARNING or not noisy
 
 
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _bad_input(what: str, message: object) -> None:
+    print(f"qurl_jax: {what}: {_one_line(message)}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with a bad `--config.*` override reported in one line, not a traceback
-    (ml_collections raises AttributeError for an unknown field, ValueError for a bad value)."""
+    """absl's flag parsing, with a bad `--config.*` override or config file reported in one line,
+    not a traceback (ml_collections raises AttributeError for an unknown field, ValueError for a
+    bad value, the config file's own error when executing it fails)."""
+    if any(arg in _HELP_FLAGS for arg in argv[1:]):
+        print(_USAGE + "\nflags:\n" + flags.FLAGS.main_module_help(), flush=True)
+        sys.exit(0)
     try:
         return flags.FLAGS(argv)
+    except SyntaxError as e:
+        _bad_input("bad config file", f"{e.filename}:{e.lineno}: {e.msg}")
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
         # An unknown field arrives as AttributeError(KeyError(message)); unwrap to the message.
         cause = e.args[0] if e.args and isinstance(e.args[0], BaseException) else e
-        text = cause.args[0] if isinstance(cause, KeyError) and cause.args else cause
-        text = " ".join(str(text).split())
-        sys.exit(f"qurl_jax: bad flag: {text}")
+        text = str(cause.args[0] if isinstance(cause, KeyError) and cause.args else cause)
+        if text.startswith("Error whilst parsing config file"):  # raised by get_config itself
+            _bad_input("bad config file", text.strip().splitlines()[-1])
+        _bad_input("bad flag", text)
+    except Exception as e:  # noqa: BLE001 - executing the config file failed: the user's code
+        trace = traceback.extract_tb(e.__traceback__)
+        where = next((f"{t.filename}:{t.lineno}: " for t in reversed(trace)
+                      if t.filename == _config_path(argv)), "")
+        _bad_input("bad config file", f"{where}{type(e).__name__}: {e}")
+    raise AssertionError("unreachable")
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for arg in argv:
+        if arg.startswith("--config="):
+            return os.path.abspath(arg.split("=", 1)[1].split(":", 1)[0])
+    return None
+
+
+def _check_workdir(path: str) -> None:
+    """Creates the workdir and checks that files can be written in it (`WorkdirError` otherwise).
+    A URL is created through fsspec and not probed."""
+    from qurl_jax import paths
+    from qurl_jax.errors import WorkdirError
+
+    if paths.is_url(path):
+        paths.makedirs(path)
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise WorkdirError(f"--workdir={path} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".qurl_jax_write_probe_{uuid.uuid4().hex}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise WorkdirError(f"--workdir={path} is not writable ({e.strerror or e})") from None
+
+
+def _load_config():
+    """The `--config` file's config with its overrides; `ConfigError` naming the file when it
+    cannot be loaded (ml_collections defers that error to the config's first use)."""
+    from qurl_jax.errors import ConfigError
+
+    config = _CONFIG.value
+    if config is None:
+        raise ConfigError("--config is missing: name a config file, e.g. "
+                          "--config=configs/arith_tiny.py")
+    try:
+        config.get("seed")
+    except OSError as e:
+        path = config_flags.get_config_filename(flags.FLAGS["config"])
+        reason = "no such file" if not os.path.exists(path) else _one_line(e.__cause__ or e)
+        raise ConfigError(f"--config={path}: {reason}") from None
+    return config
 
 
 def main(argv: list[str]) -> None:
+    """Runs the command; bad input ends it with one line (`qurl_jax.errors`), exit code 2."""
+    from qurl_jax.errors import UserError
+
+    try:
+        _main(argv)
+    except UserError as e:
+        if _VERBOSE.value:
+            traceback.print_exc()
+        _bad_input(e.what, e)
+    except KeyboardInterrupt:
+        print("qurl_jax: interrupted before training started; nothing to save", file=sys.stderr,
+              flush=True)
+        sys.exit(130)
+
+
+def _main(argv: list[str]) -> None:
+    from qurl_jax.errors import ConfigError, FlagError
+
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise FlagError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
+    from qurl_jax.config import format_config, ignored_fields, validate
+
+    config = _load_config()
+    if _PRINT_CONFIG.value:
+        print(format_config(config), flush=True)
+        return
+    config = validate(config)
+    if not _WORKDIR.value:
+        raise ConfigError("--workdir is missing: name a directory (or gs:// URL) for the run")
     from qurl_jax import distributed
 
     try:
@@ -81,33 +202,34 @@ def main(argv: list[str]) -> None:
             [int(i) for i in _LOCAL_DEVICE_IDS.value] if _LOCAL_DEVICE_IDS.value else None,
             heartbeat_timeout_s=_HEARTBEAT.value, init_timeout_s=_INIT_TIMEOUT.value)
     except ValueError as e:
-        sys.exit(f"qurl_jax: bad flag: {e}")
+        raise FlagError(str(e)) from None
     if not distributed.is_primary():  # process 0 logs for the run; the others only warn
         logging.set_verbosity(logging.WARNING)
-    from qurl_jax.checkpoint import CheckpointMismatchError
-    from qurl_jax.config import validate
-
-    try:
-        config = validate(_CONFIG.value)
-    except ValueError as e:
-        sys.exit(f"qurl_jax: bad config: {e}")
+    for warning in ignored_fields(config):
+        logging.warning("%s", warning)
     if _EXPORT_HF.value:
         config.unlock()
         config.train.export_hf = _EXPORT_HF.value
         config.lock()
-    from qurl_jax import compilation
+    from qurl_jax import compilation, preemption
     from qurl_jax.metrics import format_summary
+    from qurl_jax.sharding import check_mesh_fits
     from qurl_jax.trainer import Trainer
 
+    check_mesh_fits(config.mesh)  # before the workdir or anything in it is written
+    _check_workdir(_WORKDIR.value)
     # Before anything compiles: the memory preflight's programs and a restart's are loaded again.
     compilation.enable_persistent_cache(
         compilation.cache_dir(config.train.compilation_cache_dir, _WORKDIR.value))
 
-    try:
-        trainer = Trainer(config, _WORKDIR.value)
-    except CheckpointMismatchError as e:
-        sys.exit(f"qurl_jax: cannot resume: {e}")
-    summary = trainer.train()
+    guard = preemption.PreemptionGuard().install()
+    trainer = Trainer(config, _WORKDIR.value)
+    summary = trainer.train(preemption=guard)
+    if summary.get("stopped") == "preempted":
+        if distributed.is_primary():
+            print(f"qurl_jax: preempted at step {summary['preempted']}; checkpoint saved; rerun "
+                  "the same command to resume", file=sys.stderr, flush=True)
+        sys.exit(guard.exit_code)
     if distributed.is_primary():
         print(format_summary(summary), flush=True)
 

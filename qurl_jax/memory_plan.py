@@ -63,6 +63,7 @@ from qurl_jax.config import (
     optim_from_config,
     refill_enabled,
 )
+from qurl_jax.errors import UserError
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, hf, init_params
 from qurl_jax.sampling import RefillSampler, Sampler
@@ -76,8 +77,10 @@ FIT_FRACTION = 0.85
 CPU_BUDGET_GIB = 60.0
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A config or target the plan cannot be made for; the message is one line naming the field."""
+
+    what = "bad memory plan"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,11 +324,24 @@ def model_shape(config: ml_collections.ConfigDict, shapes_dir: str) -> ModelConf
     raise PlanError(f"config.model.path={path!r}: no model shape in {candidates}")
 
 
+def with_mesh_sizes(config: ml_collections.ConfigDict, mesh: Mesh) -> ml_collections.ConfigDict:
+    """A copy of `config` whose `mesh` section holds `mesh`'s total axis sizes (-1 resolved,
+    `mesh.dcn` folded in), so the planner's per-device arithmetic reads real sizes."""
+    out = config.copy_and_resolve_references()
+    out.unlock()
+    for axis, size in mesh.shape.items():
+        out.mesh[axis] = int(size)
+        if "dcn" in out.mesh:
+            out.mesh.dcn[axis] = 1
+    out.lock()
+    return out
+
+
 def build_setup(config: ml_collections.ConfigDict, model_config: ModelConfig,
                 devices: list[jax.Device] | None = None) -> Setup:
     """Mesh (on `devices`, default this process's), learner and abstract state for `config`."""
-    c = config
-    mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
+    mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+    c = with_mesh_sizes(config, mesh)
     micro = learner_micro_batch_size(c)
     learner = Learner(model_config, objective_from_config(c.rl), optim_from_config(c.optim), mesh,
                       temperature=c.rollout.temperature, num_micro_batches=c.rl.num_micro_batches,
@@ -338,7 +354,7 @@ def build_setup(config: ml_collections.ConfigDict, model_config: ModelConfig,
 def setup_for(config: ml_collections.ConfigDict, model_config: ModelConfig, mesh: Mesh,
               learner: Learner) -> Setup:
     """The `Setup` of a run's own mesh and learner (what the trainer's preflight compiles)."""
-    c = config
+    c = with_mesh_sizes(config, mesh)
     micro = learner_micro_batch_size(c)
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
     params, opt_state = learner.abstract_state(shapes)
@@ -384,13 +400,12 @@ def report(config: ml_collections.ConfigDict, shapes_dir: str,
     if unknown:
         raise PlanError(f"--programs: unknown {sorted(unknown)}; known: {list(PROGRAMS)}")
     model_config = model_shape(config, shapes_dir)
-    c = config
-    size = c.mesh.data * c.mesh.fsdp * c.mesh.tensor
     devices = target.devices()
-    if size > len(devices):
-        raise PlanError(f"config.mesh: data*fsdp*tensor = {size} devices, more than target "
-                         f"{target.name!r} has ({len(devices)})")
-    setup = build_setup(config, model_config, devices)
+    try:
+        setup = build_setup(config, model_config, devices)
+    except shd.MeshError as e:
+        raise PlanError(f"target {target.name!r}: {e}") from None
+    c = setup.config
     budget = budget_bytes(target)
     described = target.describe()
     log(f"target {target.name}: {described['device_kind']} ({described['platform']}), "
@@ -438,8 +453,10 @@ KNOBS = {
 }
 
 
-class MemoryPlanError(RuntimeError):
+class MemoryPlanError(UserError):
     """A program of the run needs more memory per device than the device has."""
+
+    what = "does not fit"
 
 
 def preflight(setup: Setup, limit_bytes: int,

@@ -1,4 +1,5 @@
-"""Metric logging: one JSON line per step in `<workdir>/metrics.jsonl` plus TensorBoard event files.
+"""Metric logging: one JSON line per step in `<workdir>/metrics.jsonl`, TensorBoard event files and,
+optionally (`train.loggers`), a Weights & Biases run.
 
 A resumed run redoes the steps after its checkpoint, so `MetricWriter(workdir, resume_step=k)`
 first drops the rows those steps wrote before the interruption (every row past step k; every row
@@ -18,6 +19,7 @@ run only process 0 writes (`MetricWriter(..., enabled=False)` elsewhere).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -28,30 +30,15 @@ from typing import Any
 import fsspec
 import jax
 import numpy as np
+from absl import logging
+
+from qurl_jax.paths import is_url, join, local_abspath  # noqa: F401 - re-exported
 
 
 def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Fetches a flat dict of scalars to the host as Python floats."""
     host = jax.device_get(dict(metrics))
     return {k: float(np.asarray(v)) for k, v in host.items()}
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    """A path with a scheme (gs://, s3://, memory://): not on the local file system."""
-    return "://" in os.fspath(path)
-
-
-def local_abspath(path: str | os.PathLike) -> str:
-    """`os.path.abspath` for local paths; URLs are returned as they are."""
-    path = os.fspath(path)
-    return path if is_url(path) else os.path.abspath(path)
-
-
-def join(base: str, *parts: str) -> str:
-    """`os.path.join` that also joins URL paths with '/'."""
-    if is_url(base):
-        return "/".join([base.rstrip("/"), *parts])
-    return os.path.join(base, *parts)
 
 
 def _read_lines(path: str) -> list[str] | None:
@@ -92,12 +79,14 @@ class MetricWriter:
     """
 
     def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, wandb_project: str | None = None) -> None:
         self.enabled = enabled
         self.path = join(workdir, "metrics.jsonl")
-        self._file = self._tb = None
+        self._file = self._tb = self._wandb = None
         if not enabled:
             return
+        if wandb_project:
+            self._wandb = _wandb_run(workdir, wandb_project)
         fs, fs_path = fsspec.core.url_to_fs(workdir)
         fs.makedirs(fs_path, exist_ok=True)
         kept = _drop_rows_after(self.path, resume_step)
@@ -130,17 +119,53 @@ class MetricWriter:
                 if math.isfinite(v):  # TensorBoard names allow no '@'
                     self._tb.add_scalar(k.replace("@", "_at_"), v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if math.isfinite(v)}, step=step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_run(workdir: str, project: str) -> Any:
+    """A Weights & Biases run for `workdir` (the same run id on every restart, so a resumed run
+    continues it; `WANDB_MODE=offline` keeps it on disk), or None with one warning line when the
+    `wandb` package is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        logging.warning("train.loggers names 'wandb' but the wandb package is not installed "
+                        "(pip install wandb); logging to metrics.jsonl and TensorBoard only")
+        return None
+    run_id = hashlib.sha256(local_abspath(workdir).encode()).hexdigest()[:16]
+    local = None if is_url(workdir) else workdir  # wandb keeps its files on a local disk
+    return wandb.init(project=project, id=run_id, resume="allow", dir=local,
+                      name=os.path.basename(workdir.rstrip("/")))
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """The rows of `<workdir>/metrics.jsonl` (for tests and summaries); a URL workdir too."""
     return [json.loads(line) for line in _read_lines(join(workdir, "metrics.jsonl")) or []]
+
+
+def rollout_share(rows: list[Mapping[str, Any]]) -> float:
+    """The rollout's share of all step time over `rows` (metrics.jsonl rows): the summed
+    `time/rollout_s` over the summed `time/step_s`. The one definition that the end-of-run summary
+    and time_split.png's legend both show (a step's own share is `time/rollout_share`)."""
+    rollout = sum(float(r.get("time/rollout_s", 0.0)) for r in rows if "time/step_s" in r)
+    total = sum(float(r["time/step_s"]) for r in rows if "time/step_s" in r)
+    return rollout / total if total > 0 else math.nan
+
+
+def eval_at(rows: list[Mapping[str, Any]], step: int) -> dict[str, float]:
+    """The evaluation metrics logged at `step` ('eval/' prefix dropped), e.g. the before-RL
+    evaluation (step 0) that a resumed run reads back for its summary."""
+    return {k.removeprefix("eval/"): float(v) for r in rows if r.get("step") == step
+            for k, v in r.items() if k.startswith("eval/")}
 
 
 class PhaseTimer:

@@ -312,6 +312,8 @@ def _time_split(data: Mapping[str, Series], run: str) -> _Plot | None:
     for row, key in zip(stack, keys, strict=True):
         s = data[key]
         row[np.searchsorted(steps, s.steps[s.finite])] = s.values[s.finite]
+    # Each phase's summed seconds over all phases' (for the rollout: `metrics.rollout_share`, the
+    # figure the end-of-run summary prints).
     share = stack.sum(axis=1) / max(stack.sum(), 1e-12)
     plot = _Plot(f"{run}: time per RL step")
     plot.window = _window(len(steps))

@@ -124,6 +124,12 @@ COLUMNS = (  # table column -> (summary key, format)
 DONE = "study_done.json"
 
 
+# What --quick's table says about itself: its numbers check the machinery, not the method.
+QUICK_NOTE = ("--quick is a smoke test: two RL steps after a 30-step warm start, so accuracy "
+              "columns of 0.000 are expected; they show that every variant runs end to end, not "
+              "what a variant does. Run without --quick for the study.")
+
+
 def quick_overrides() -> dict[str, Any]:
     """What --quick shrinks: a short warm start, two steps of a small batch, a small evaluation."""
     return {"sft.steps": 30, "data.prompts_per_step": 4, "rollout.n": 4, "train.num_steps": 2,
@@ -375,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Accuracy: the full-precision policy after RL; reward: mean of the last quarter of the "
         "steps; other columns: mean over steps 2.. (step 1 compiles); vetoed seqs: total over "
         "the run; mean ± std over seeds.", "", table(results, before), ""]
+        + ([QUICK_NOTE, ""] if args.quick else [])
         + ([f"Failed (see their log.txt): {', '.join(failed)}", ""] if failed else []))
     with open(os.path.join(args.out, "study.md"), "w", encoding="utf-8") as f:
         f.write(text)

@@ -47,14 +47,18 @@ from pathlib import Path
 
 import jax
 
+from qurl_jax.errors import UserError
+
 GIB = 1 << 30
 
 XLA_SPECS_DIR = Path(__file__).resolve().parents[1] / "third_party" / "xla_specs"
 
 
-class TargetError(ValueError):
+class TargetError(UserError):
     """A target string that names no known machine, or a target whose compiler is not installed;
     the message is one line naming it."""
+
+    what = "bad target"
 
 
 @dataclasses.dataclass(frozen=True)

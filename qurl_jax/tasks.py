@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from qurl_jax import paths
 from qurl_jax.config import chain_config, split_seed
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains
@@ -38,6 +39,7 @@ from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, lo
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
 from qurl_jax.distributed import to_host
+from qurl_jax.errors import DataError
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.sampling import Sampler
@@ -205,6 +207,21 @@ def model_config_for(c: ml_collections.ConfigDict) -> ModelConfig:
     return config.replace(attention=c.model.attention)
 
 
+def _load_examples(path: str, field: str) -> list[MathExample]:
+    """The examples of one math data file; `DataError` naming the file and `config.<field>` when it
+    cannot be read or holds no usable row."""
+    try:
+        examples, stats = load_math_file(path)
+    except (OSError, ValueError) as e:
+        raise DataError(f"config.{field}: {path}: {e}") from e
+    logging.info("loaded %s: %s", path, stats)
+    if not examples:
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in stats.skipped.items())
+        raise DataError(f"config.{field}: {path}: no usable row among {stats.total_rows}"
+                        + (f" (skipped: {reasons})" if reasons else ""))
+    return examples
+
+
 def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
                          ) -> tuple[ModelConfig, Any, Task]:
     """(model config, initial float32 params, task) for a validated run config."""
@@ -225,13 +242,10 @@ def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
     else:
         train = []
         for path in c.data.train_files:
-            examples, stats = load_math_file(path)
-            logging.info("loaded %s: %s", path, stats)
-            train.extend(examples)
+            train.extend(_load_examples(path, "data.train_files"))
         template = None
     for path in c.eval.files:
-        examples, stats = load_math_file(path)
-        eval_sets[os.path.splitext(os.path.basename(path))[0]] = examples
+        eval_sets[os.path.splitext(paths.basename(path))[0]] = _load_examples(path, "eval.files")
 
     if c.model.source == "hf":
         model_config, params = load_hf(c.model.path)

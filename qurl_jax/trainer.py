@@ -36,7 +36,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import compilation, memory_plan, quant, report, targets
+from qurl_jax import compilation, memory_plan, quant, report, run_config, targets
 from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
@@ -48,9 +48,19 @@ from qurl_jax.config import (
     refill_enabled,
     validate,
 )
+from qurl_jax.errors import ConfigError
 from qurl_jax.learner import Learner
-from qurl_jax.metrics import MetricWriter, PhaseTimer, local_abspath, read_metrics, to_floats
+from qurl_jax.metrics import (
+    MetricWriter,
+    PhaseTimer,
+    eval_at,
+    local_abspath,
+    read_metrics,
+    rollout_share,
+    to_floats,
+)
 from qurl_jax.models import init_params, positions_from_mask
+from qurl_jax.preemption import PreemptionGuard
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
 from qurl_jax.rollout_speed import compare_rollout_speed
@@ -177,13 +187,13 @@ class Trainer:
         self.config = validate(config)
         self.workdir = local_abspath(workdir)
         c = self.config
-        self.mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+        self.mesh = shd.mesh_from_config(c.mesh)
         # Multi-process runs: this process reads, samples and verifies block `_block` of
         # `_blocks` of every step's prompts (`qurl_jax.distributed`); GRPO groups stay whole.
         self._block, self._blocks = dist.row_block(self.mesh)
         if c.data.prompts_per_step % self._blocks:
-            raise ValueError(f"data.prompts_per_step={c.data.prompts_per_step} must be divisible "
-                             f"by the {self._blocks} processes' blocks of the batch")
+            raise ConfigError(f"config.data.prompts_per_step={c.data.prompts_per_step} must be "
+                              f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = quant.get_recipe(c.rollout.precision)
         self.objective = objective_from_config(c.rl)
         self.model_config = model_config_for(c)
@@ -196,9 +206,11 @@ class Trainer:
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
-        # A checkpoint of another model or optimizer stops the run here, before the warm-start
-        # cache, metrics or a new checkpoint are written.
+        # A changed field that changes the math, or a checkpoint of another model or optimizer,
+        # stops the run here, before the warm-start cache, metrics or a checkpoint are written.
         self.checkpointer.check_compatible(self._abstract_state())
+        if self.checkpointer.steps():
+            run_config.check(c, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
@@ -222,8 +234,12 @@ class Trainer:
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
         self._restore()
-        self.writer = MetricWriter(self.workdir, resume_step=self.step_count,
-                                   enabled=dist.is_primary())
+        if dist.is_primary():
+            run_config.save(c, self.workdir)  # the resolved config of the run, for inspection
+        self.writer = MetricWriter(
+            self.workdir, resume_step=self.step_count, enabled=dist.is_primary(),
+            tensorboard="tensorboard" in c.train.loggers,
+            wandb_project=c.train.wandb_project if "wandb" in c.train.loggers else None)
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
@@ -506,20 +522,31 @@ class Trainer:
     def _write_eval(self, metrics: dict[str, float]) -> None:
         self.writer.write(self.step_count, {f"eval/{k}": v for k, v in metrics.items()})
 
-    def train(self, num_steps: int | None = None) -> dict[str, Any]:
+    def train(self, num_steps: int | None = None,
+              preemption: PreemptionGuard | None = None) -> dict[str, Any]:
         """Runs to `num_steps` (default train.num_steps), evaluating before (`eval.before`) and
-        after."""
+        after.
+
+        With a `preemption` guard that reports a stop request (SIGTERM / SIGINT, see
+        `qurl_jax.preemption`) the run ends after the current step with a checkpoint of it and
+        skips the final evaluation, export and plots; the summary's `preempted` is then the step
+        of the newest checkpoint.
+        """
         c = self.config
         total = c.train.num_steps if num_steps is None else num_steps
         summary: dict[str, Any] = {"start_step": self.step_count}
         if self.step_count == 0 and self.task.has_eval and c.eval.before:
             summary["eval_before"] = self.evaluate()
             self._write_eval(summary["eval_before"])
+        elif self.step_count and self.task.has_eval and dist.is_primary():  # resumed: step 0's
+            summary["eval_before"] = eval_at(read_metrics(self.workdir), 0)
         progress = _Progress(total, self.step_count, bar=c.train.progress and dist.is_primary())
         stopped = None
         while self.step_count < total:
             metrics = self.step()
             progress.update(self.step_count, metrics)
+            # Every step, on every process: in a multi-process run this is a collective point.
+            preempted = preemption is not None and preemption.reached(self.step_count)
             if self._bad_steps:
                 logging.warning("step %d: non-finite loss or gradient, update skipped "
                                 "(%d in a row)", self.step_count, self._bad_steps)
@@ -527,15 +554,27 @@ class Trainer:
                     stopped = f"{self._bad_steps} consecutive non-finite updates"
                     logging.error("stopping: %s; last good checkpoint kept", stopped)
                     break
+                if preempted:
+                    stopped = "preempted"
+                    break
                 continue
+            if preempted:
+                if self.step_count not in self.checkpointer.steps():
+                    self._save(force=True)
+                stopped = "preempted"
+                break
             if self.checkpointer.should_save(self.step_count):
                 self._save()
             if c.train.eval_every and self.step_count % c.train.eval_every == 0 \
                     and self.step_count < total:
                 self._write_eval(self.evaluate())
         progress.close()
-        if stopped is None and self.step_count not in self.checkpointer.steps():
-            self._save(force=True)
+        if stopped == "preempted":  # the scheduler's kill follows: checkpoint, close, return
+            saved = self.checkpointer.steps()
+            self._close()
+            summary.update(end_step=self.step_count, stopped=stopped, last=self.last_metrics,
+                           preempted=saved[-1] if saved else None)
+            return summary
         summary.update(end_step=self.step_count, stopped=stopped, last=self.last_metrics)
         if self.task.has_eval:
             summary["eval_after"] = self.evaluate()
@@ -544,20 +583,26 @@ class Trainer:
             if dist.is_primary() else []
         summary["means"] = {k: float(np.mean([r[k] for r in steps if k in r]))
                             for k in SUMMARY_KEYS if any(k in r for r in steps)}
+        if "time/rollout_share" in summary["means"]:  # of all step time, as time_split.png
+            summary["means"]["time/rollout_share"] = rollout_share(steps)
         if c.train.report_speed:
             summary["rollout_speed"] = self.rollout_speed()
         if c.train.export_hf and stopped is None:
             params = dist.to_host(self.params)  # gathered from every process (a collective)
             if dist.is_primary():
                 self.task.export(c.train.export_hf, self.model_config, params)
-        self.checkpointer.close()
-        self.writer.close()
-        self._reward_thread.shutdown()
-        self.task.close()  # verifier worker processes
+        self._close()
         if dist.is_primary():
             summary["plots"] = self._write_plots()
         summary["compile"] = compilation.compile_stats().since(self._compiled_before).metrics("")
         return summary
+
+    def _close(self) -> None:
+        """Waits for the checkpoint writes and ends the writers, threads and verifier processes."""
+        self.checkpointer.close()
+        self.writer.close()
+        self._reward_thread.shutdown()
+        self.task.close()  # verifier worker processes
 
     def _write_plots(self) -> list[str]:
         """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.report`); none, with a warning,

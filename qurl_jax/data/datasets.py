@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from qurl_jax import paths
 
 PROMPT_TEMPLATE = "{problem} Let's think step by step and output the final answer within \\boxed{}."
 
@@ -224,16 +227,19 @@ def _parse_row(
     return layout, problem, answer, alternatives, not isinstance(raw_answer, str)
 
 
-def _read_rows(path: Path) -> list[Any]:
-    """Raw rows of a JSON array, JSONL or parquet file; a broken JSONL line becomes _BROKEN_LINE."""
-    suffix = path.suffix.lower()
+def _read_rows(path: str) -> list[Any]:
+    """Raw rows of a JSON array, JSONL or parquet file (a local path or a URL); a broken JSONL line
+    becomes _BROKEN_LINE."""
+    suffix = os.path.splitext(path)[1].lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        with paths.open_file(path, "rb") as f:
+            return pq.read_table(f).to_pylist()
     if suffix not in (".json", ".jsonl"):
         raise ValueError(f"unsupported math data file type {suffix!r}: {path}")
-    text = path.read_text(encoding="utf-8")
+    with paths.open_file(path, "rb") as f:
+        text = f.read().decode("utf-8")
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -261,7 +267,8 @@ def load_math_file(
     """Loads math problems from a JSON array, JSONL or parquet file, skipping unusable rows.
 
     Args:
-      path: a `.json` (array, or JSON Lines), `.jsonl` or `.parquet` file.
+      path: a `.json` (array, or JSON Lines), `.jsonl` or `.parquet` file; a local path or a URL
+        (gs://, through fsspec).
       source: name stored in each example; defaults to the file stem.
       list_answers: how list-valued answers are read (see `normalise_answer`).
 
@@ -272,14 +279,14 @@ def load_math_file(
       FileNotFoundError: the file does not exist (the message names it).
       ValueError: the file type is unsupported or a JSON array file is not valid JSON.
     """
-    path = Path(path)
-    if not path.is_file():
+    path = os.fspath(path)
+    if not paths.isfile(path):
         raise FileNotFoundError(f"math data file not found: {path}")
-    stats = LoadStats(path=str(path))
+    stats = LoadStats(path=path)
     rows = _read_rows(path)
     if not isinstance(rows, list):
         raise ValueError(f"math data file {path} holds a JSON {type(rows).__name__}, not an array")
-    source = path.stem if source is None else source
+    source = os.path.splitext(paths.basename(path))[0] if source is None else source
     layouts: Counter[str] = Counter()
     examples: list[MathExample] = []
     skipped: Counter[str] = Counter()

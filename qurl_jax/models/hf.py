@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
+from qurl_jax import paths
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 
 Params = dict[str, Any]
@@ -380,8 +382,10 @@ def load_hf(path: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[ModelCon
     Raises:
       ValueError naming the missing/unexpected/mis-shaped tensor and its file, the unsupported
       model_type, or the missing config field.
+
+    A URL (gs://...) is copied to a local cache first (`qurl_jax.paths.local_copy`).
     """
-    path = os.fspath(path)
+    path = paths.local_copy(path)
     config = config_from_hf(_read_json(os.path.join(path, "config.json")))
     config = config.replace(param_dtype=jnp.dtype(dtype).name)
     tensors, sources = read_safetensors_dir(path)
@@ -398,8 +402,14 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, params: Params, tokeni
 
     Files: `config.json`, `generation_config.json`, `model.safetensors` (one file, tensors in
     `dtype`, default float32) and, when a tokenizer is given, its files (`save_pretrained`).
+    A URL (gs://...) is written locally first and then uploaded.
     """
     path = os.fspath(path)
+    if paths.is_url(path):
+        with tempfile.TemporaryDirectory() as local:
+            save_hf(local, config, params, tokenizer=tokenizer, dtype=dtype)
+            paths.upload_dir(local, path)
+        return
     os.makedirs(path, exist_ok=True)
     np_dtype = np.dtype(jnp.dtype(jnp.float32 if dtype is None else dtype))
     tensors = params_to_hf_state_dict(config, params, np_dtype)
@@ -421,11 +431,11 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, params: Params, tokeni
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
-    """`transformers.AutoTokenizer` from a local directory (never the network), chat template
-    included when the directory has one."""
+    """`transformers.AutoTokenizer` from a model directory (a URL is copied to a local cache first;
+    never the Hugging Face Hub), chat template included when the directory has one."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(paths.local_copy(path), local_files_only=True)
 
 
 def to_transformers(config: ModelConfig, params: Params, *, attn_implementation: str = "eager",
