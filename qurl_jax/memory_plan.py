@@ -326,7 +326,11 @@ def model_shape(config: ml_collections.ConfigDict, shapes_dir: str) -> ModelConf
 
 def with_mesh_sizes(config: ml_collections.ConfigDict, mesh: Mesh) -> ml_collections.ConfigDict:
     """A copy of `config` whose `mesh` section holds `mesh`'s total axis sizes (-1 resolved,
-    `mesh.dcn` folded in), so the planner's per-device arithmetic reads real sizes."""
+    `mesh.dcn` folded in), so the planner's per-device arithmetic reads real sizes; `config`
+    itself when it already holds them (callers may keep changing it)."""
+    dcn = config.mesh.get("dcn", {})
+    if all(config.mesh[a] == s and dcn.get(a, 1) == 1 for a, s in mesh.shape.items()):
+        return config
     out = config.copy_and_resolve_references()
     out.unlock()
     for axis, size in mesh.shape.items():
