@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 
 import ml_collections
 
@@ -20,7 +21,8 @@ from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
-from qurl_jax.sampling import KVPolicyConfig
+from qurl_jax.sampling import KVPolicyConfig, SamplingParams
+from qurl_jax.sampling.factory import RolloutSamplerSettings
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
@@ -252,10 +254,25 @@ def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
 def refill_enabled(c: ml_collections.ConfigDict) -> bool:
     """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
     a slot, the only case where refilling can help)."""
-    if c.rollout.refill == "auto":
-        rows = c.data.prompts_per_step * c.rollout.n
-        return 0 < c.rollout.max_concurrent_rows < rows
-    return c.rollout.refill == "on"
+    return rollout_sampler_settings(c).refills
+
+
+def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSettings:
+    """The typed settings `sampling.factory.build_rollout_sampler` builds the run's rollout
+    sampler from."""
+    return RolloutSamplerSettings(
+        refill=c.rollout.refill, max_concurrent_rows=c.rollout.max_concurrent_rows,
+        rows_per_step=c.data.prompts_per_step * c.rollout.n,
+        kv_policy=kv_policy_from_config(c.rollout))
+
+
+def sampling_params_from_config(rollout: ml_collections.ConfigDict,
+                                eos_ids: Sequence[int]) -> SamplingParams:
+    """The rollout's `SamplingParams` (`config.rollout`'s length limit, temperature, top-k, top-p
+    and behaviour log-prob choice) with the task's EOS ids."""
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_k=rollout.top_k, top_p=rollout.top_p, eos_ids=tuple(eos_ids),
+                          behav_logp=rollout.behav_logp)
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:

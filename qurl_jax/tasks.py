@@ -40,7 +40,7 @@ from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_rew
 from qurl_jax.distributed import to_host
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import Sampler, SamplingParams
 from qurl_jax.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
@@ -150,9 +150,10 @@ class Task:
 
         def generate_fn(prompts: list[str], n: int, greedy: bool = False) -> list[list[str]]:
             ids = [list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-            out = sampler.sample(params, ids, key=jax.random.fold_in(key, next(calls)), n=n,
-                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                                 greedy=greedy, eos_ids=self.eos_ids)
+            settings = SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                                      greedy=greedy, eos_ids=self.eos_ids)
+            out = sampler.sample(params, ids, settings, key=jax.random.fold_in(key, next(calls)),
+                                 n=n)
             out = to_host(out)  # the whole batch, also from other processes' devices
             texts = self.decode(out.tokens, out.mask)
             return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
