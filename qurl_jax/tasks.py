@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax.config import chain_config, split_seed
+from qurl_jax.config import EvalSettings, chain_config, split_seed
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
@@ -40,7 +40,7 @@ from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_rew
 from qurl_jax.distributed import to_host
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
-from qurl_jax.sampling import Sampler, SamplingParams
+from qurl_jax.sampling import Sampler
 from qurl_jax.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
@@ -142,18 +142,15 @@ class Task:
     def has_eval(self) -> bool:
         return bool(self.eval_sets)
 
-    def evaluate(self, sampler: Sampler, params: Any, config: ml_collections.ConfigDict,
-                 key: jax.Array) -> dict[str, float]:
-        """Avg@k and Pass@k (sampled at eval.temperature) per eval set, plus greedy accuracy."""
-        e = config.eval
+    def evaluate(self, sampler: Sampler, params: Any, e: EvalSettings, key: jax.Array
+                 ) -> dict[str, float]:
+        """Avg@k and Pass@k (sampled at `e.temperature`) per eval set, plus greedy accuracy."""
         calls = iter(range(1 << 30))
 
         def generate_fn(prompts: list[str], n: int, greedy: bool = False) -> list[list[str]]:
             ids = [list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-            settings = SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                                      greedy=greedy, eos_ids=self.eos_ids)
-            out = sampler.sample(params, ids, settings, key=jax.random.fold_in(key, next(calls)),
-                                 n=n)
+            out = sampler.sample(params, ids, e.sampling(self.eos_ids, greedy),
+                                 key=jax.random.fold_in(key, next(calls)), n=n)
             out = to_host(out)  # the whole batch, also from other processes' devices
             texts = self.decode(out.tokens, out.mask)
             return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]

@@ -42,6 +42,7 @@ from qurl_jax.bench import memory
 from qurl_jax.bench.rollout_speed import compare_rollout_speed
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
+    eval_settings,
     learner_micro_batch_size,
     objective_from_config,
     optim_from_config,
@@ -130,7 +131,6 @@ class Trainer:
                      c.rollout.max_concurrent_rows or "all")
         self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
                                                **engine_kwargs)
-        self.sampling = sampling_params_from_config(c.rollout, self.task.eos_ids)
 
         scaled = self._maybe_invariant_scaling(init_params_)
         self.ref_params = self.learner.shard_params(scaled) if c.rl.kl_coef else None
@@ -143,6 +143,11 @@ class Trainer:
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The rollout's sampling settings, read from `config.rollout` at each use."""
+        return sampling_params_from_config(self.config.rollout, self.task.eos_ids)
 
     # ------------------------------------------------------------------------------------ set-up
     def _abstract_state(self) -> dict[str, Any]:
@@ -200,18 +205,18 @@ class Trainer:
     def _rollout(self, rollout_params: Any, round_: int, timer: PhaseTimer) -> Rollout:
         """Samples the next prompts (generation round `round_` of this step); the verifier starts
         on the reward thread, so the rewards are pending when this returns."""
-        c = self.config
+        c, sampling = self.config, self.sampling
         prompts, answers = self.task.next_prompts(c.data.prompts_per_step,
                                                   shard=(self._block, self._blocks))
         with timer.phase("rollout"):
-            out = self.sampler.sample(rollout_params, prompts, self.sampling,
+            out = self.sampler.sample(rollout_params, prompts, sampling,
                                       key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
                                       process_local=self._blocks > 1)
             out = jax.device_get(out)
         texts = self.task.decode(out.tokens, out.mask)
         pending = self._reward_thread.submit(
             self.task.rewards, texts, [a for a in answers for _ in range(c.rollout.n)])
-        return Rollout.from_sample(out, self.sampling, pending)
+        return Rollout.from_sample(out, sampling, pending)
 
     def _shaped_rewards(self, r: Rollout) -> np.ndarray:
         """f32[N] rewards plus DAPO's overlong penalty (when rl.overlong_buffer > 0)."""
@@ -383,7 +388,8 @@ class Trainer:
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
         params = self.params if params is None else params
-        return self.task.evaluate(self.eval_sampler, params, self.config, self.key(Stream.EVAL))
+        return self.task.evaluate(self.eval_sampler, params, eval_settings(self.config),
+                                  self.key(Stream.EVAL))
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
         """Rollout tokens/s of the quantized actor vs the fp32 actor on the same prompts

@@ -355,9 +355,9 @@ def _recording_sampler(t: Trainer):
     keys, lengths = [], []
     sample = t.sampler.sample
 
-    def wrapped(params, prompts, **kw):
+    def wrapped(params, prompts, settings, **kw):
         keys.append(np.asarray(jax.random.key_data(kw["key"])))
-        out = sample(params, prompts, **kw)
+        out = sample(params, prompts, settings, **kw)
         lengths.append(int(np.asarray(out.lengths).sum()))
         return out
 

@@ -17,14 +17,13 @@ from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
 
 Params = dict[str, Any]
 
-# Logical axes (`qurl_jax.sharding`) of each KVCache.k / .v buffer [R, Hkv, S, D], of .pos [R, S]
-# and of the per-row .n_used / .next_pos [R]; `batch=None` gives the same, whole on every batch
-# shard.
-ROW_AXES = ("batch",)
+ROW_AXES = ("batch",)  # logical axes (`qurl_jax.sharding`) of a per-row vector [R]
 
 
 def cache_axes(batch: str | None = "batch") -> KVCache:
-    """The logical axes of a KVCache's buffers (as a KVCache of axis tuples, one per layer)."""
+    """The logical axes of a KVCache's buffers, as a KVCache of axis tuples (k / v: the axes of
+    every layer's [R, Hkv, S, D] buffer; pos [R, S]; n_used, next_pos [R]). batch=None: rows
+    whole on every batch shard."""
     kv = (batch, "kv_heads", "cache_length", "head_dim")
     return KVCache(k=kv, v=kv, pos=(batch, "cache_length"), n_used=(batch,), next_pos=(batch,))
 
