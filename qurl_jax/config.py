@@ -10,8 +10,10 @@ JAX compilation.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
+from collections.abc import Sequence
 
 import ml_collections
 
@@ -23,7 +25,8 @@ from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
-from qurl_jax.sampling import KVPolicyConfig
+from qurl_jax.sampling import KVPolicyConfig, SamplingParams
+from qurl_jax.sampling.factory import RolloutSamplerSettings
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
@@ -130,11 +133,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.sparse_base = "tis"  # sparse_rl: 'acr' combines the corrections with ACR's clip bound
     c.rl.batch_normalize = False  # renormalise importance weights to batch mean 1
     c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo
-    c.rl.dynamic_sampling = False  # DAPO: drop groups whose filter_metric is all equal; refill
+    c.rl.dynamic_sampling = False  # DAPO: drop groups whose filter_metric is all equal; regenerate
     # 'accuracy': the verifier's 0/1 outcome, as DAPO filters; 'reward': the shaped reward (with
     # the format and overlong terms), which keeps an all-wrong group if one response is overlong.
     c.rl.filter_metric = "accuracy"
-    c.rl.max_gen_batches = 3  # refill attempts per step with dynamic sampling
+    c.rl.max_gen_batches = 3  # most generation rounds a step runs with dynamic sampling
     c.rl.overlong_buffer = 0  # DAPO overlong shaping buffer L_c in tokens; 0 disables
     c.rl.overlong_factor = 1.0
     c.rl.ppo_epochs = 1  # passes over the rollout batch
@@ -332,10 +335,53 @@ def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
 def refill_enabled(c: ml_collections.ConfigDict) -> bool:
     """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
     a slot, the only case where refilling can help)."""
-    if c.rollout.refill == "auto":
-        rows = c.data.prompts_per_step * c.rollout.n
-        return 0 < c.rollout.max_concurrent_rows < rows
-    return c.rollout.refill == "on"
+    return rollout_sampler_settings(c).refills
+
+
+def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSettings:
+    """The typed settings `sampling.factory.build_rollout_sampler` builds the run's rollout
+    sampler from."""
+    return RolloutSamplerSettings(
+        refill=c.rollout.refill, max_concurrent_rows=c.rollout.max_concurrent_rows,
+        rows_per_step=c.data.prompts_per_step * c.rollout.n,
+        kv_policy=kv_policy_from_config(c.rollout))
+
+
+def sampling_params_from_config(rollout: ml_collections.ConfigDict,
+                                eos_ids: Sequence[int]) -> SamplingParams:
+    """The rollout's `SamplingParams` (`config.rollout`'s length limit, temperature, top-k, top-p
+    and behaviour log-prob choice) with the task's EOS ids."""
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_k=rollout.top_k, top_p=rollout.top_p, eos_ids=tuple(eos_ids),
+                          behav_logp=rollout.behav_logp)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """The `eval` section, typed (`eval_settings`): what `Task.evaluate` needs.
+
+    k: samples per problem for Avg@k / Pass@k; temperature: their sampling temperature;
+    greedy: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
+    max_examples: problems per set (0 = all).
+    """
+
+    k: int = 1
+    temperature: float = 0.6
+    greedy: bool = False
+    max_new_tokens: int = 1024
+    max_examples: int = 0
+
+    def sampling(self, eos_ids: Sequence[int], greedy: bool = False) -> SamplingParams:
+        """The `SamplingParams` of an evaluation call (greedy, or at `temperature`)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              greedy=greedy, eos_ids=tuple(eos_ids))
+
+
+def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
+    """The run's `EvalSettings` (`config.eval`)."""
+    e = c.eval
+    return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
+                        max_new_tokens=e.max_new_tokens, max_examples=e.max_examples)
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:

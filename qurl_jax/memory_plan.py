@@ -57,16 +57,15 @@ from jax.sharding import Mesh
 from qurl_jax import quant, targets
 from qurl_jax import sharding as shd
 from qurl_jax.config import (
-    kv_policy_from_config,
     learner_micro_batch_size,
     objective_from_config,
     optim_from_config,
-    refill_enabled,
+    rollout_sampler_settings,
 )
 from qurl_jax.errors import UserError
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, hf, init_params
-from qurl_jax.sampling import RefillSampler, Sampler
+from qurl_jax.sampling.factory import build_rollout_sampler
 
 GIB = 1 << 30
 # A program fits a chip when its planned peak is at most this share of the chip's memory (the
@@ -248,12 +247,12 @@ def requantize(setup: Setup) -> Program:
 
 def _rollout(setup: Setup, name: str) -> Program:
     c = setup.config
-    refill = refill_enabled(c)
-    sampler = (RefillSampler if refill else Sampler)(
+    settings = rollout_sampler_settings(c)
+    refill = settings.refills
+    sampler = build_rollout_sampler(
         setup.model_config, quant.make_dot_general(quant.get_recipe(c.rollout.precision)),
-        prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,), mesh=setup.mesh,
-        max_concurrent_rows=c.rollout.max_concurrent_rows, platform=targets.platform_of(setup.mesh),
-        kv_policy=kv_policy_from_config(c.rollout))
+        settings, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
+        mesh=setup.mesh, platform=targets.platform_of(setup.mesh))
     rows = sampler.rows_per_chunk(c.data.prompts_per_step, c.rollout.n)
     actor = setup.actor
     lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
@@ -270,8 +269,8 @@ def _rollout(setup: Setup, name: str) -> Program:
          _weights_at_work(s)[2]),
         ("KV cache (keys and values, every layer)",
          "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with rollout.kv_policy)",
-         2 * s["L"] * b * sampler.cache_slots(setup.prompt_len, setup.response_len) * kv_heads
-         * m.head_dim * s["cb"]),
+         2 * s["L"] * b * sampler.engine.cache_slots(setup.prompt_len, setup.response_len)
+         * kv_heads * m.head_dim * s["cb"]),
         ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
     ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
            b * setup.prompt_len * ((3 * s["M"] + 2 * (s["Q"] + 2 * s["K"])) // t + 2 * s["E"])
@@ -281,7 +280,7 @@ def _rollout(setup: Setup, name: str) -> Program:
          max(rows // (c.mesh.data * c.mesh.fsdp), 1) * s["G"] * 13),
         ("held prompt prefills (refill; one per batch shard, whole on every device)",
          "data*fsdp * 2*L*P*max(Hkv/t,1)*D * cb",
-         c.mesh.data * c.mesh.fsdp * 2 * s["L"] * sampler.prefill_slots(setup.prompt_len)
+         c.mesh.data * c.mesh.fsdp * 2 * s["L"] * sampler.engine.prefill_slots(setup.prompt_len)
          * kv_heads * m.head_dim * s["cb"])) if refill else ())
     counts = {"rows per call": rows, "slots": slots} if refill else {"rows per chunk": rows}
     return Program(lowered, Estimate(parts, {**s, **counts}))

@@ -16,26 +16,26 @@ import jax
 import numpy as np
 
 from qurl_jax.distributed import to_host
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
 
 
-def compare_rollout_speed(engines: Sequence[tuple[str, Sampler, Any]],
-                          prompts: Sequence[Sequence[int]], *, key: jax.Array, n: int,
-                          max_new_tokens: int, temperature: float) -> dict[str, float]:
+def compare_rollout_speed(engines: Sequence[tuple[str, Sampler | RefillSampler, Any]],
+                          prompts: Sequence[Sequence[int]], settings: SamplingParams, *,
+                          key: jax.Array, n: int) -> dict[str, float]:
     """Tokens/s per engine.
 
     Args:
       engines: (name, sampler, params) per engine; the first is the reference.
       prompts: token ids of the prompts, each sampled `n` times.
+      settings: what to draw (EOS ids, if any, are dropped: every row runs to the limit).
       key: PRNG key, the same for every engine.
-      n, max_new_tokens, temperature: sampling settings (EOS is disabled).
+      n: samples per prompt.
 
     Returns:
       `{name}_tokens_per_s` for every engine, and `speedup` (the last engine's tokens/s over the
       first's) when there are two or more.
     """
-    kwargs = dict(key=key, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                  eos_ids=())
+    kwargs = dict(key=key, n=n, settings=settings.replace(eos_ids=()))
     result = {}
     for name, sampler, params in engines:
         jax.block_until_ready(sampler.sample(params, prompts, **kwargs).tokens)  # compile

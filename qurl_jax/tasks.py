@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 
 from qurl_jax import paths
-from qurl_jax.config import chain_config, split_seed
+from qurl_jax.config import EvalSettings, chain_config, split_seed
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
@@ -144,17 +144,15 @@ class Task:
     def has_eval(self) -> bool:
         return bool(self.eval_sets)
 
-    def evaluate(self, sampler: Sampler, params: Any, config: ml_collections.ConfigDict,
-                 key: jax.Array) -> dict[str, float]:
-        """Avg@k and Pass@k (sampled at eval.temperature) per eval set, plus greedy accuracy."""
-        e = config.eval
+    def evaluate(self, sampler: Sampler, params: Any, e: EvalSettings, key: jax.Array
+                 ) -> dict[str, float]:
+        """Avg@k and Pass@k (sampled at `e.temperature`) per eval set, plus greedy accuracy."""
         calls = iter(range(1 << 30))
 
         def generate_fn(prompts: list[str], n: int, greedy: bool = False) -> list[list[str]]:
             ids = [list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-            out = sampler.sample(params, ids, key=jax.random.fold_in(key, next(calls)), n=n,
-                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                                 greedy=greedy, eos_ids=self.eos_ids)
+            out = sampler.sample(params, ids, e.sampling(self.eos_ids, greedy),
+                                 key=jax.random.fold_in(key, next(calls)), n=n)
             out = to_host(out)  # the whole batch, also from other processes' devices
             texts = self.decode(out.tokens, out.mask)
             return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]

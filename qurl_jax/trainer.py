@@ -2,7 +2,7 @@
 
     params --requantize--> rollout_params --sample(n per prompt)--> tokens, logp_behav
            --verify--> rewards, accuracy --group--> advantages
-           (DAPO: drop groups whose accuracy is all equal, refill from more rounds)
+           (DAPO: drop groups whose accuracy is all equal, regenerate from more rounds)
            --learner forward (fp32)--> logp_prox (and logp_ref for the KL)
            --policy_loss(acr | tis | ...) x minibatches--> AdamW update of params
 
@@ -23,7 +23,6 @@ rounds share a key, and no stream of one seed is a stream of another.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import enum
 import math
 import os
@@ -41,11 +40,12 @@ from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
-    kv_policy_from_config,
+    eval_settings,
     learner_micro_batch_size,
     objective_from_config,
     optim_from_config,
-    refill_enabled,
+    rollout_sampler_settings,
+    sampling_params_from_config,
     validate,
 )
 from qurl_jax.errors import ConfigError
@@ -63,8 +63,10 @@ from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.preemption import PreemptionGuard
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
+from qurl_jax.rollout import Rollout, regenerate_groups
 from qurl_jax.rollout_speed import compare_rollout_speed
-from qurl_jax.sampling import RefillSampler, Sampler
+from qurl_jax.sampling import SamplingParams
+from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
@@ -80,7 +82,7 @@ _ADVANTAGES = {"grpo": adv_lib.grpo_advantages, "dr_grpo": adv_lib.dr_grpo_advan
 class Stream(enum.IntEnum):
     """What a random key is for; each purpose is a distinct tag folded into the run's root key."""
 
-    ROLLOUT = 1  # index: the generation round of the step (0, then DAPO refill rounds)
+    ROLLOUT = 1  # index: the generation round of the step (0, then DAPO's further rounds)
     MINIBATCH = 2  # index: the PPO epoch whose minibatch permutation it draws
     EVAL = 3  # index: unused (the evaluation folds in its own call counter)
     SPEED = 4  # index: unused
@@ -91,93 +93,6 @@ def stream_key(seed: int, purpose: Stream, step: int, index: int = 0) -> jax.Arr
     root = jax.random.key(seed)
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, int(purpose)), step),
                               index)
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One step's experience, host-side numpy, rows grouped by prompt (n consecutive rows each).
-
-    tokens i32[N, P+G] prompt (left-padded) + response; attn_mask bool[N, P+G];
-    resp_mask f32[N, G]; logp_behav f32[N, G] (see `rollout.behav_logp`);
-    logp_truncation_gap f32[N, G]: log-prob under the sampled (top-k/top-p truncated,
-    renormalised) distribution minus the one under the full tempered softmax, -log Z >= 0 on every
-    generated token (0 without truncation); lengths i32[N].
-    rewards f32[N] and accuracy f32[N] (the verifier's 0/1 outcome) are None while the verifier
-    still runs in the background (`pending`); `resolve()` waits for them.
-    """
-
-    tokens: np.ndarray
-    attn_mask: np.ndarray
-    resp_mask: np.ndarray
-    logp_behav: np.ndarray
-    logp_truncation_gap: np.ndarray
-    lengths: np.ndarray
-    rewards: np.ndarray | None = None
-    accuracy: np.ndarray | None = None
-    pending: concurrent.futures.Future | None = None
-
-    # Fields with one row per sample: what the DAPO refill exchanges between rollouts.
-    ROW_FIELDS = ("tokens", "attn_mask", "resp_mask", "logp_behav", "logp_truncation_gap",
-                  "lengths", "rewards", "accuracy")
-
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[0]
-
-    def resolve(self) -> Rollout:
-        if self.pending is not None:
-            rewards, accuracy = self.pending.result()
-            self.rewards = np.array(rewards, np.float32)
-            self.accuracy = np.array(accuracy, np.float32)
-            self.pending = None
-        return self
-
-
-def _left_pad_to_same_width(a: Rollout, b: Rollout) -> tuple[Rollout, Rollout]:
-    """Left-pads the prompt part of the narrower rollout so rows of both can be exchanged."""
-    width = max(a.tokens.shape[1], b.tokens.shape[1])
-
-    def pad(r: Rollout) -> Rollout:
-        extra = width - r.tokens.shape[1]
-        if not extra:
-            return r
-        return dataclasses.replace(
-            r, tokens=np.pad(r.tokens, ((0, 0), (extra, 0))),
-            attn_mask=np.pad(r.attn_mask, ((0, 0), (extra, 0))))
-
-    return pad(a), pad(b)
-
-
-def refill_groups(r: Rollout, keep: np.ndarray, extra: Rollout, extra_keep: np.ndarray,
-                  group_size: int) -> tuple[Rollout, np.ndarray]:
-    """DAPO dynamic sampling's refill, a pure function of two resolved rollouts.
-
-    The dropped groups of `r` (keep[g] False), in order, are replaced by the kept groups of
-    `extra`, in order, as far as `extra` has them; every per-row field moves with its group. The
-    narrower rollout's prompts are left-padded first so rows of both fit one array.
-
-    Args:
-      r: the batch so far, B groups of `group_size` rows.
-      keep: bool[B], the groups of `r` worth training on.
-      extra: a further generation round (any number of groups, any prompt width).
-      extra_keep: bool[B'], the groups of `extra` worth training on.
-      group_size: rows per group (rollout.n).
-
-    Returns:
-      (a new Rollout, bool[B] groups now kept); the inputs are not modified.
-    """
-    r, extra = _left_pad_to_same_width(r, extra)
-    fields = {f: np.array(getattr(r, f)) for f in Rollout.ROW_FIELDS}
-    keep = np.array(keep, bool)
-    free = np.flatnonzero(~keep)
-    take = np.flatnonzero(extra_keep)[: len(free)]
-    for dst, src in zip(free[: len(take)], take, strict=True):
-        rows_d = slice(dst * group_size, (dst + 1) * group_size)
-        rows_s = slice(src * group_size, (src + 1) * group_size)
-        for name, array in fields.items():
-            array[rows_d] = getattr(extra, name)[rows_s]
-        keep[dst] = True
-    return dataclasses.replace(r, **fields, pending=None), keep
 
 
 class Trainer:
@@ -214,19 +129,19 @@ class Trainer:
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
-        sampler_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
-                              max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
-                              pad_id=self.task.pad_id, mesh=self.mesh,
-                              max_concurrent_rows=c.rollout.max_concurrent_rows)
+        engine_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
+                             max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
+                             pad_id=self.task.pad_id, mesh=self.mesh)
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
         # the learner's log-probs (logp_prox) stay dense.
-        kv_policy = kv_policy_from_config(c.rollout)
-        rollout_sampler = RefillSampler if refill_enabled(c) else Sampler
-        self.sampler = rollout_sampler(self.model_config, quant.make_dot_general(self.recipe),
-                                       kv_policy=kv_policy, **sampler_kwargs)
-        logging.info("rollout sampler: %s, %s concurrent rows", rollout_sampler.__name__,
+        sampler_settings = rollout_sampler_settings(c)
+        self.sampler = build_rollout_sampler(self.model_config,
+                                             quant.make_dot_general(self.recipe),
+                                             sampler_settings, **engine_kwargs)
+        logging.info("rollout sampler: %s, %s concurrent rows", type(self.sampler).__name__,
                      c.rollout.max_concurrent_rows or "all")
-        self.eval_sampler = Sampler(self.model_config, **sampler_kwargs)
+        self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
+                                               **engine_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)
         self.ref_params = self.learner.shard_params(scaled) if c.rl.kl_coef else None
@@ -243,6 +158,11 @@ class Trainer:
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         self.last_metrics: dict[str, float] = {}
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The rollout's sampling settings, read from `config.rollout` at each use."""
+        return sampling_params_from_config(self.config.rollout, self.task.eos_ids)
 
     # ------------------------------------------------------------------------------------ set-up
     def _abstract_state(self) -> dict[str, Any]:
@@ -307,32 +227,18 @@ class Trainer:
     def _rollout(self, rollout_params: Any, round_: int, timer: PhaseTimer) -> Rollout:
         """Samples the next prompts (generation round `round_` of this step); the verifier starts
         on the reward thread, so the rewards are pending when this returns."""
-        c = self.config
+        c, sampling = self.config, self.sampling
         prompts, answers = self.task.next_prompts(c.data.prompts_per_step,
                                                   shard=(self._block, self._blocks))
         with timer.phase("rollout"):
-            out = self.sampler.sample(
-                rollout_params, prompts, key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
-                max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
-                top_k=c.rollout.top_k, top_p=c.rollout.top_p, eos_ids=self.task.eos_ids,
-                **({"process_local": True} if self._blocks > 1 else {}))
+            out = self.sampler.sample(rollout_params, prompts, sampling,
+                                      key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
+                                      process_local=self._blocks > 1)
             out = jax.device_get(out)
         texts = self.task.decode(out.tokens, out.mask)
         pending = self._reward_thread.submit(
             self.task.rewards, texts, [a for a in answers for _ in range(c.rollout.n)])
-        resp_mask = np.asarray(out.mask, np.float32)
-        tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
-        attn = np.concatenate([out.prompt_mask, resp_mask > 0], axis=1)
-        # pi_behav is the distribution that drew the token: under top-k/top-p the truncated,
-        # renormalised q/Z (out.logp). The untruncated log-prob would inflate every kept token's
-        # weight pi_prox / pi_behav by 1/Z; it stays selectable for comparison.
-        logp_behav = out.logp if c.rollout.behav_logp == "sampled" else out.logp_untruncated
-        gap = (np.asarray(out.logp, np.float32) - np.asarray(out.logp_untruncated, np.float32))
-        # Owned, writable copies: device_get returns read-only views.
-        return Rollout(tokens=tokens, attn_mask=attn, resp_mask=resp_mask,
-                       logp_behav=np.array(logp_behav, np.float32),
-                       logp_truncation_gap=gap * resp_mask,
-                       lengths=np.array(out.lengths, np.int32), pending=pending)
+        return Rollout.from_sample(out, sampling, pending)
 
     def _shaped_rewards(self, r: Rollout) -> np.ndarray:
         """f32[N] rewards plus DAPO's overlong penalty (when rl.overlong_buffer > 0)."""
@@ -358,7 +264,7 @@ class Trainer:
         (`Rollout.pending`). Groups still all-equal after `max_gen_batches` generation rounds stay
         in the batch with a zero loss mask, so shapes stay static and they add nothing.
 
-        In a multi-process run each process refills its own groups, and every process runs as
+        In a multi-process run each process regenerates its own groups, and every process runs as
         many rounds as the one that needs the most (the rounds are collective); the statistics
         are over all processes' rows.
         """
@@ -377,7 +283,7 @@ class Trainer:
                 generated.append(extra)
                 with timer.phase("reward"):
                     extra.resolve()
-                r, keep = refill_groups(r, keep, extra, self._groups_to_keep(extra), n)
+                r, keep = regenerate_groups(r, keep, extra, self._groups_to_keep(extra), n)
         sums = dist.host_sums({
             "rows": float(r.size), "tokens": float(r.lengths.sum()),
             "generated": float(sum(g.lengths.sum() for g in generated)),
@@ -388,7 +294,7 @@ class Trainer:
                  "rollout/tokens": sums["tokens"],
                  "rollout/generated_tokens": sums["generated"],
                  "rollout/logp_truncation_gap": sums["gap"] / max(sums["sampled"], 1.0),
-                 "rollout/kv_bytes_per_row": float(self.sampler.kv_bytes_per_row(
+                 "rollout/kv_bytes_per_row": float(self.sampler.engine.kv_bytes_per_row(
                      r.tokens.shape[1] - c.rollout.max_new_tokens, c.rollout.max_new_tokens))}
         if keep is not None:
             r.resp_mask = r.resp_mask * np.repeat(keep, n)[:, None].astype(np.float32)
@@ -447,7 +353,7 @@ class Trainer:
         out.update(timer.metrics())
         out["time/rollout_share"] = timer.seconds["rollout"] / max(sum(timer.seconds.values()),
                                                                    1e-9)
-        # Every round's tokens over every round's time (DAPO refill rounds included).
+        # Every round's tokens over every round's time (DAPO's further rounds included).
         out["rollout/tokens_per_s"] = metrics["rollout/generated_tokens"] / max(
             timer.seconds["rollout"], 1e-9)
         return out
@@ -504,7 +410,8 @@ class Trainer:
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
         params = self.params if params is None else params
-        return self.task.evaluate(self.eval_sampler, params, self.config, self.key(Stream.EVAL))
+        return self.task.evaluate(self.eval_sampler, params, eval_settings(self.config),
+                                  self.key(Stream.EVAL))
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
         """Rollout tokens/s of the quantized actor vs the fp32 actor on the same prompts
@@ -515,9 +422,11 @@ class Trainer:
         if self.recipe.quantizes:
             engines.append((self.recipe.name, self.sampler,
                             quant.requantize(self.params, self.recipe)))
-        return compare_rollout_speed(engines, prompts, key=self.key(Stream.SPEED), n=c.rollout.n,
-                                     max_new_tokens=c.rollout.max_new_tokens,
-                                     temperature=c.rollout.temperature)
+        # Plain sampling at the rollout's temperature, every row to the length limit.
+        settings = SamplingParams(max_new_tokens=self.sampling.max_new_tokens,
+                                  temperature=self.sampling.temperature)
+        return compare_rollout_speed(engines, prompts, settings, key=self.key(Stream.SPEED),
+                                     n=c.rollout.n)
 
     def _write_eval(self, metrics: dict[str, float]) -> None:
         self.writer.write(self.step_count, {f"eval/{k}": v for k, v in metrics.items()})

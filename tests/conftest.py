@@ -25,6 +25,29 @@ from tests.tolerances import Precision  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from qurl_jax.models.config import ModelConfig  # noqa: E402
+
+# The tiny models the sampler and trainer tests run: two layers, 4 heads over 2 kv heads of 16,
+# a 256-token vocabulary. 'qwen2' has biases on q/k/v and a tied LM head; 'llama' has neither.
+TINY_MODELS = {
+    "qwen2": dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True,
+                  tie_word_embeddings=True, rope_theta=1e6),
+    "llama": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
+}
+
+
+def tiny_model(name: str = "qwen2", **overrides: object) -> ModelConfig:
+    """A tiny model configuration (`TINY_MODELS[name]`, fields replaced by `overrides`); for
+    module-level constants. Test functions take the `tiny_model_config` fixture instead."""
+    return ModelConfig(**{**TINY_MODELS[name], **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_model_config():
+    """`tiny_model`: (name='qwen2', **overrides) -> ModelConfig."""
+    return tiny_model
 
 @pytest.fixture(scope="session")
 def precision() -> Precision:

@@ -12,7 +12,7 @@ import pytest
 
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models import KVCache, ModelConfig, Transformer, init_params
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import Sampler, SamplingParams
 
 requires_kernel = pytest.mark.skipif(
     not cpu_attention.available(),
@@ -102,8 +102,8 @@ def test_sampler_with_kernel_matches_xla_attention(monkeypatch) -> None:
 
     def sample():
         sampler = Sampler(CONFIG, max_prompt_len=8, max_new_tokens=10)
-        out = sampler.sample(params, prompts, key=jax.random.key(0), greedy=True,
-                             max_new_tokens=10)
+        out = sampler.sample(params, prompts, SamplingParams(greedy=True, max_new_tokens=10),
+                             key=jax.random.key(0))
         return np.asarray(out.tokens), np.asarray(out.logp)
 
     tokens, logp = sample()

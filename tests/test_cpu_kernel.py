@@ -11,7 +11,7 @@ import pytest
 
 from qurl_jax.models import ModelConfig, Transformer, init_params
 from qurl_jax.quant import _cpu_kernel, pack_for_decode, requantize, rollout_dot_general
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import Sampler, SamplingParams
 
 LINEAR = (((1,), (0,)), ((), ()))
 
@@ -170,8 +170,8 @@ def test_int8_sampler_tokens_identical_with_and_without_kernel(monkeypatch) -> N
 
     def sample() -> tuple[np.ndarray, np.ndarray]:
         sampler = Sampler(CONFIG, rollout_dot_general, max_prompt_len=8, max_new_tokens=12)
-        out = sampler.sample(params, prompts, key=jax.random.key(3), n=2, max_new_tokens=12,
-                             temperature=1.0)
+        out = sampler.sample(params, prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
+                             key=jax.random.key(3), n=2)
         return np.asarray(out.tokens), np.asarray(out.logp)
 
     tokens, logp = sample()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from qurl_jax.models import KVCache, param_logical_axes
-from qurl_jax.sampling import FinishReason, RefillSampler, Sampler
+from qurl_jax.sampling import FinishReason, RefillSampler, Sampler, SamplingParams
 from qurl_jax.sharding import make_mesh, shard_params
 from tests.test_sampler import PROMPTS, TINY, _random_params
 
@@ -49,7 +49,7 @@ def _assert_prefix_equal(out, ref, limits: np.ndarray, atol: float = 1e-5) -> No
                          ids=["greedy", "sampled"])
 def test_same_tokens_as_static_for_long_tailed_lengths(qwen, kw) -> None:
     cfg, params, static = qwen
-    kw = dict(key=jax.random.key(3), n=2, max_new_tokens=16, **kw)
+    kw = dict(key=jax.random.key(3), n=2, settings=SamplingParams(max_new_tokens=16, **kw))
     ref = static.sample(params, PROMPTS6, **kw)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=4,
                            refill_min=1)
@@ -72,13 +72,15 @@ def test_same_tokens_as_static_for_long_tailed_lengths(qwen, kw) -> None:
 
 def test_eos_lengths_and_finish_reasons_match_static(qwen) -> None:
     cfg, params, static = qwen
-    kw = dict(key=jax.random.key(5), n=2, max_new_tokens=16, temperature=1.0)
+    kw = dict(key=jax.random.key(5), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=1.0))
     free = np.asarray(static.sample(params, PROMPTS6, **kw).tokens)
     # EOS ids taken from tokens rows draw at different steps, so lengths differ widely.
     eos = (int(free[0, 1]), int(free[5, 9]), int(free[7, 4]))
-    ref = static.sample(params, PROMPTS6, eos_ids=eos, **kw)
+    kw["settings"] = kw["settings"].replace(eos_ids=eos)
+    ref = static.sample(params, PROMPTS6, **kw)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=2)
-    out = refill.sample(params, PROMPTS6, eos_ids=eos, **kw)
+    out = refill.sample(params, PROMPTS6, **kw)
     lengths = np.asarray(ref.lengths)
     assert lengths.min() <= 2 and lengths.max() >= 10
     _assert_prefix_equal(out, ref, lengths)
@@ -94,19 +96,20 @@ def test_refilled_slot_never_reads_its_previous_contents(qwen, monkeypatch) -> N
     # overwrite (the initial poison or the previous row's keys, which sit at positions the next
     # row's queries would see) changes the log-probs or makes them NaN.
     cfg, params, static = qwen
-    kw = dict(key=jax.random.key(9), n=2, max_new_tokens=16, temperature=1.0)
+    kw = dict(key=jax.random.key(9), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=1.0))
     ref = static.sample(params, PROMPTS6, **kw)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=1)
     clean_init = refill._init_state
 
     def poisoned_init(**shapes):
         state = clean_init(**shapes)
-        c = state.cache
+        c = state.slots.cache
         nan = lambda x: jnp.full_like(x, jnp.nan)  # noqa: E731
         cache = KVCache(k=tuple(map(nan, c.k)), v=tuple(map(nan, c.v)),
                         pos=jnp.broadcast_to(jnp.arange(c.length, dtype=jnp.int32), c.pos.shape),
                         n_used=jnp.full_like(c.n_used, 3), next_pos=jnp.full_like(c.next_pos, 40))
-        return state.replace(cache=cache)
+        return state.replace(slots=state.slots.replace(cache=cache))
 
     monkeypatch.setattr(refill, "_init_state", poisoned_init)
     out = refill.sample(params, PROMPTS6, length_limits=LIMITS, **kw)
@@ -120,7 +123,8 @@ def test_shrink_moves_the_last_rows_into_fewer_slots(qwen) -> None:
     # gathered down until the last row decodes alone in one slot.
     cfg, params, static = qwen
     limits = np.array([3, 2, 5, 1, 4, 2, 3, 6, 2, 1, 16, 12])
-    kw = dict(key=jax.random.key(2), n=2, max_new_tokens=16, temperature=1.0)
+    kw = dict(key=jax.random.key(2), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=1.0))
     ref = static.sample(params, PROMPTS6, **kw)
     runs = {}
     for shrink in (True, False):
@@ -148,7 +152,7 @@ def test_insert_prefill_is_batched_and_bounded(qwen) -> None:
                            refill_min=3)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, 256, rng.integers(1, 12))) for _ in range(16)]
-    kw = dict(key=jax.random.key(1), n=4, max_new_tokens=16, greedy=True)
+    kw = dict(key=jax.random.key(1), n=4, settings=SamplingParams(max_new_tokens=16, greedy=True))
     for seed in range(3):
         limits = np.random.default_rng(seed).integers(1, 17, 64)
         out = refill.sample(params, prompts, length_limits=limits, **kw)
@@ -173,7 +177,8 @@ def test_int8_actor_matches_static(qwen) -> None:
 
     cfg, params, _ = qwen
     qparams, hook = requantize(params, "int8"), make_dot_general("int8")
-    kw = dict(key=jax.random.key(4), n=2, max_new_tokens=16, temperature=0.7)
+    kw = dict(key=jax.random.key(4), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=0.7))
     ref = Sampler(cfg, hook, max_prompt_len=16, max_new_tokens=16).sample(qparams, PROMPTS6, **kw)
     refill = RefillSampler(cfg, hook, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=4)
     out = refill.sample(qparams, PROMPTS6, length_limits=LIMITS, **kw)
@@ -193,7 +198,8 @@ def test_compressed_kv_matches_static(qwen, policy, selection) -> None:
     cfg, params, _ = qwen
     kv = KVPolicyConfig(policy=policy, budget=6, interval=3, window=2, pool_kernel=3, sinks=1,
                         selection=selection)
-    kw = dict(key=jax.random.key(6), n=2, max_new_tokens=16, temperature=0.9)
+    kw = dict(key=jax.random.key(6), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=0.9))
     static = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, kv_policy=kv)
     ref = static.sample(params, PROMPTS6, **kw)
     dense = Sampler(cfg, max_prompt_len=16, max_new_tokens=16).sample(params, PROMPTS6, **kw)
@@ -203,8 +209,8 @@ def test_compressed_kv_matches_static(qwen, policy, selection) -> None:
     out = refill.sample(params, PROMPTS6, length_limits=LIMITS, **kw)
     _assert_prefix_equal(out, ref, LIMITS)
     assert max(len(rows) for rows in refill.last_run.slot_rows) >= 3
-    assert refill.kv_bytes_per_row(16, 16) == static.kv_bytes_per_row(16, 16)
-    assert refill.kv_bytes_per_row(16, 16) < Sampler(cfg).kv_bytes_per_row(16, 16)
+    assert refill.engine.kv_bytes_per_row(16, 16) == static.engine.kv_bytes_per_row(16, 16)
+    assert refill.engine.kv_bytes_per_row(16, 16) < Sampler(cfg).engine.kv_bytes_per_row(16, 16)
 
 
 @pytest.mark.parametrize("policy", ["dense", "rkv"])
@@ -213,7 +219,7 @@ def test_mesh_each_shard_refills_its_own_slots(qwen, policy) -> None:
 
     cfg, params, _ = qwen
     kv = KVPolicyConfig(policy=policy, budget=6, interval=3, window=2, pool_kernel=3)
-    kw = dict(key=jax.random.key(0), n=2, max_new_tokens=16, greedy=True)
+    kw = dict(key=jax.random.key(0), n=2, settings=SamplingParams(max_new_tokens=16, greedy=True))
     prompts = PROMPTS6 + [[4, 4]]  # 7 prompts: padded to 8 for 4 batch shards
     limits = np.concatenate([LIMITS, [2, 14]])
     ref = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, kv_policy=kv).sample(
@@ -242,7 +248,7 @@ def test_lower_programs_are_the_programs_sample_runs(qwen, policy) -> None:
 
     cfg, params, _ = qwen
     kv = KVPolicyConfig(policy=policy, budget=6, interval=3, window=2, pool_kernel=3)
-    kw = dict(key=jax.random.key(0), n=2, max_new_tokens=16, greedy=True)
+    kw = dict(key=jax.random.key(0), n=2, settings=SamplingParams(max_new_tokens=16, greedy=True))
     prompts = PROMPTS6 + [[4, 4]]
     limits = np.concatenate([LIMITS, [2, 14]])
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
@@ -289,8 +295,8 @@ def test_each_program_compiles_once_on_a_mesh(qwen) -> None:
     sharded = shard_params(params, param_logical_axes(cfg), mesh)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
                            max_concurrent_rows=8, shrink=False)
-    refill.sample(sharded, PROMPTS6 + [[4, 4]], key=jax.random.key(0), n=2, max_new_tokens=6,
-                  greedy=True)
+    refill.sample(sharded, PROMPTS6 + [[4, 4]], SamplingParams(max_new_tokens=6, greedy=True),
+                  key=jax.random.key(0), n=2)
     assert refill.last_run.inserts == 2 and refill.num_insert_programs == 1
     traced = {key[0]: fn._cache_size() for key, fn in refill._refill_programs.items()}
     assert traced == {"init": 1, "insert": 1, "decode": 1, "finish": 1}, traced
@@ -302,10 +308,10 @@ def test_bad_arguments_raise(qwen) -> None:
         RefillSampler(cfg, mesh=make_mesh(data=2, fsdp=2), max_concurrent_rows=6)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=2)
     with pytest.raises(ValueError, match="length_limits must be B \\* n = 6"):
-        refill.sample(params, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=4,
+        refill.sample(params, PROMPTS, SamplingParams(max_new_tokens=4), key=jax.random.key(0), n=2,
                       length_limits=[1, 2, 3, 4, 5, 6, 7])
     with pytest.raises(ValueError, match="length_limits"):
-        refill.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=4,
+        refill.sample(params, PROMPTS, SamplingParams(max_new_tokens=4), key=jax.random.key(0),
                       length_limits=[1, 5, 2])
 
 

@@ -22,18 +22,20 @@ import transformers
 
 from qurl_jax.models import ModelConfig, Transformer, init_params, param_logical_axes
 from qurl_jax.models.hf import to_transformers
-from qurl_jax.sampling import FinishReason, Sampler, SamplingMode, generate, sample_tokens
+from qurl_jax.sampling import (
+    FinishReason,
+    Sampler,
+    SamplingMode,
+    SamplingParams,
+    generate,
+    sample_tokens,
+)
 from qurl_jax.sharding import make_mesh, shard_params
+from tests.conftest import tiny_model
 
 STORIES = "/work/shared/models/stories260K/stories260K.bin"
 
-TINY = {
-    "qwen2": ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                         attention_bias=True, tie_word_embeddings=True, rope_theta=1e6),
-    "llama": ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
-}
+TINY = {name: tiny_model(name) for name in ("qwen2", "llama")}
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [12], [200, 201, 202, 9]]
 
 
@@ -121,8 +123,8 @@ def test_greedy_matches_transformers_qwen2(qwen) -> None:
     cfg, params, sampler = qwen
     expected = _hf_greedy(_hf_model(cfg, params), PROMPTS, 12)
     # n = 2 (the program the other greedy tests reuse): both copies of a prompt decode alike.
-    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), n=2, max_new_tokens=12,
-                         greedy=True)
+    out = sampler.sample(params, PROMPTS, SamplingParams(max_new_tokens=12, greedy=True),
+                         key=jax.random.key(0), n=2)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.repeat(expected, 2, axis=0))
     assert np.asarray(out.mask).all()
     np.testing.assert_array_equal(np.asarray(out.lengths), [12] * 6)
@@ -132,7 +134,8 @@ def test_greedy_matches_transformers_qwen2(qwen) -> None:
 def test_greedy_matches_transformers_llama(llama) -> None:
     cfg, params, sampler = llama
     expected = _hf_greedy(_hf_model(cfg, params), PROMPTS, 12)
-    out = sampler.sample(params, PROMPTS, key=jax.random.key(0), max_new_tokens=12, greedy=True)
+    out = sampler.sample(params, PROMPTS, SamplingParams(max_new_tokens=12, greedy=True),
+                         key=jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
 
 
@@ -144,7 +147,8 @@ def test_greedy_matches_transformers_stories260k() -> None:
     prompts = [[1, 403, 407, 261, 378], [1, 78], [1, 306, 263, 365, 309, 296, 290, 263, 325]]
     expected = _hf_greedy(_hf_model(cfg, params), prompts, 24)
     sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=32)
-    out = sampler.sample(params, prompts, key=jax.random.key(0), max_new_tokens=24, greedy=True)
+    out = sampler.sample(params, prompts, SamplingParams(max_new_tokens=24, greedy=True),
+                         key=jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
 
 
@@ -156,8 +160,10 @@ def test_greedy_matches_transformers_stories260k() -> None:
 def test_logp_matches_learner_recomputation(qwen, temperature: float, top_k: int, top_p: float
                                             ) -> None:
     cfg, params, sampler = qwen
-    out = sampler.sample(params, PROMPTS, key=jax.random.key(3), n=2, max_new_tokens=10,
-                         temperature=temperature, top_k=top_k, top_p=top_p)
+    out = sampler.sample(params, PROMPTS,
+                         SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k,
+                                        top_p=top_p),
+                         key=jax.random.key(3), n=2)
     mask = np.asarray(out.mask)
     assert mask.all()
     tokens = np.asarray(out.tokens)
@@ -215,7 +221,8 @@ def test_first_token_distribution_matches_softmax(qwen) -> None:
     prompt = [5, 17, 99]
     probs = _first_token_probs(cfg, params, prompt)
     rows = 4000
-    out = sampler.sample(params, [prompt], key=jax.random.key(0), n=rows, max_new_tokens=1)
+    out = sampler.sample(params, [prompt], SamplingParams(max_new_tokens=1), key=jax.random.key(0),
+                         n=rows)
     counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=cfg.vocab_size)
     assert _chi_square_pvalue(counts, probs) > 1e-3
     tv = 0.5 * np.abs(counts / rows - probs).sum()
@@ -240,8 +247,9 @@ def test_truncated_first_token_distribution(qwen, top_p: float) -> None:
     if top_p < 0.9:
         assert len(kept) < top_k
     rows = 4000
-    out = sampler.sample(params, [prompt], key=jax.random.key(5), n=rows, max_new_tokens=1,
-                         top_k=top_k, top_p=top_p)
+    out = sampler.sample(params, [prompt],
+                         SamplingParams(max_new_tokens=1, top_k=top_k, top_p=top_p),
+                         key=jax.random.key(5), n=rows)
     first = np.asarray(out.tokens[:, 0])
     assert np.isin(first, kept).all()
     renorm = np.zeros_like(probs)
@@ -307,30 +315,31 @@ def test_sample_tokens_large_vocab_distribution(top_p: float) -> None:
 
 def test_early_exit_and_eos_handling(qwen) -> None:
     cfg, params, sampler = qwen
-    kw = dict(key=jax.random.key(0), n=2, greedy=True)
-    free = np.asarray(sampler.sample(params, PROMPTS, max_new_tokens=16, **kw).tokens)
+    kw = dict(key=jax.random.key(0), n=2)
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+    free = np.asarray(sampler.sample(params, PROMPTS, greedy, **kw).tokens)
     # EOS ids chosen from tokens the rows produce early; the steps needed follow from `free`.
     eos = {int(free[0, 2]), int(free[2, 4]), int(free[4, 3])}
     is_eos = np.isin(free, list(eos))
     first = np.where(is_eos.any(1), is_eos.argmax(1) + 1, 16)
-    out = sampler.sample(params, PROMPTS, max_new_tokens=16, eos_ids=tuple(eos), **kw)
+    out = sampler.sample(params, PROMPTS, greedy.replace(eos_ids=tuple(eos)), **kw)
     assert int(out.num_steps) == first.max() < 16
     np.testing.assert_array_equal(np.asarray(out.lengths), first)
     cols = np.arange(16)[None, :]
     np.testing.assert_array_equal(np.asarray(out.mask), cols < first[:, None])
     np.testing.assert_array_equal(np.asarray(out.tokens),
-                                  np.where(cols < first[:, None], free, sampler.pad_id))
+                                  np.where(cols < first[:, None], free, sampler.engine.pad_id))
     assert (np.asarray(out.finish_reason) == FinishReason.EOS).all()
     assert (np.asarray(out.logp)[~np.asarray(out.mask)] == 0).all()
     # Without EOS every row runs to the limit.
-    out = sampler.sample(params, PROMPTS, max_new_tokens=5, **kw)
+    out = sampler.sample(params, PROMPTS, greedy.replace(max_new_tokens=5), **kw)
     assert int(out.num_steps) == 5
     assert (np.asarray(out.finish_reason) == FinishReason.LENGTH).all()
 
 
 def test_reproducible_and_key_dependent(qwen) -> None:
     cfg, params, sampler = qwen
-    kw = dict(n=2, max_new_tokens=8, temperature=1.0)
+    kw = dict(n=2, settings=SamplingParams(max_new_tokens=8, temperature=1.0))
     a = sampler.sample(params, PROMPTS, key=jax.random.key(11), **kw)
     b = sampler.sample(params, PROMPTS, key=jax.random.key(11), **kw)
     c = sampler.sample(params, PROMPTS, key=jax.random.key(12), **kw)
@@ -345,20 +354,21 @@ def test_reproducible_and_key_dependent(qwen) -> None:
 
 def test_buckets_limit_compilations(llama) -> None:
     cfg, params, sampler = llama  # prompt buckets (8, 16), generation buckets (4, 16)
-    kw = dict(key=jax.random.key(0), greedy=True)
-    sampler.sample(params, [[1, 2, 3], [4], [5, 6]], max_new_tokens=12, **kw)
+    kw = dict(key=jax.random.key(0))
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    sampler.sample(params, [[1, 2, 3], [4], [5, 6]], greedy, **kw)
     before = sampler.num_programs
     # Same batch size, prompts up to 8 tokens, 5..16 new tokens: the same (8, 16) programs.
-    sampler.sample(params, [[1] * 8, [2] * 5, [3]], max_new_tokens=16, **kw)
-    out = sampler.sample(params, [[7, 8], [9], [10]], max_new_tokens=5, **kw)
+    sampler.sample(params, [[1] * 8, [2] * 5, [3]], greedy.replace(max_new_tokens=16), **kw)
+    out = sampler.sample(params, [[7, 8], [9], [10]], greedy.replace(max_new_tokens=5), **kw)
     assert sampler.num_programs == before
     assert out.prompt_tokens.shape == (3, 8) and out.tokens.shape == (3, 5)
     # A 9-token prompt moves to the 16 bucket: one more program, no more.
-    out = sampler.sample(params, [[1] * 9, [2], [3]], max_new_tokens=12, **kw)
+    out = sampler.sample(params, [[1] * 9, [2], [3]], greedy, **kw)
     assert sampler.num_programs == before + 1
     assert out.prompt_tokens.shape == (3, 16) and out.tokens.shape == (3, 12)
     with pytest.raises(ValueError, match=r"prompts\[0\] has 17 tokens"):
-        sampler.sample(params, [[1] * 17], max_new_tokens=4, **kw)
+        sampler.sample(params, [[1] * 17], greedy.replace(max_new_tokens=4), **kw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,15 +378,15 @@ def test_buckets_limit_compilations(llama) -> None:
 def test_sharded_chunked_greedy_matches_single_device(qwen) -> None:
     cfg, params, sampler = qwen
     prompts = PROMPTS * 2
-    expected = sampler.sample(params, prompts, key=jax.random.key(0), n=2, max_new_tokens=10,
-                              greedy=True)
+    expected = sampler.sample(params, prompts, SamplingParams(max_new_tokens=10, greedy=True),
+                              key=jax.random.key(0), n=2)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     sharded = shard_params(params, param_logical_axes(cfg), mesh)
     # 4 batch shards x n = 2: chunks of 4 prompts (8 rows), so 6 prompts run as 4 + 2 (+ 2 pads).
     sharded_sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
                               max_concurrent_rows=8)
-    out = sharded_sampler.sample(sharded, prompts, key=jax.random.key(0), n=2, max_new_tokens=10,
-                                 greedy=True)
+    out = sharded_sampler.sample(sharded, prompts, SamplingParams(max_new_tokens=10, greedy=True),
+                                 key=jax.random.key(0), n=2)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
     np.testing.assert_allclose(np.asarray(out.logp), np.asarray(expected.logp), atol=1e-5)
     assert out.tokens.shape == (12, 10)
@@ -391,7 +401,8 @@ def test_chunking_does_not_change_results(qwen) -> None:
     # One group (n = 2 rows) per chunk, two groups per chunk (3 prompts: 2 + 1 and a padding
     # prompt), all at once: per-row random streams make the draws independent of the chunking.
     cfg, params, all_at_once = qwen
-    kw = dict(key=jax.random.key(7), n=2, max_new_tokens=8, temperature=1.0, top_k=40)
+    kw = dict(key=jax.random.key(7), n=2,
+              settings=SamplingParams(max_new_tokens=8, temperature=1.0, top_k=40))
     outs = [all_at_once.sample(params, PROMPTS, **kw)]
     for rows in (2, 4):
         chunked = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=rows)
@@ -416,7 +427,8 @@ def test_max_concurrent_rows_must_hold_a_group(qwen) -> None:
         Sampler(cfg, max_concurrent_rows=-1)
     sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, max_concurrent_rows=3)
     with pytest.raises(ValueError, match=r"max_concurrent_rows=3 holds no whole group.*n=4"):
-        sampler.sample(params, PROMPTS, key=jax.random.key(0), n=4, max_new_tokens=4)
+        sampler.sample(params, PROMPTS, SamplingParams(max_new_tokens=4), key=jax.random.key(0),
+                       n=4)
 
 
 def _abstract(tree):
@@ -443,14 +455,14 @@ def test_cpu_only_decode_work_follows_the_platform() -> None:
     from qurl_jax.quant import make_dot_general, requantize
 
     cfg = TINY["qwen2"]  # tied LM head
-    assert Sampler(cfg).platform == jax.default_backend()
-    assert Sampler(cfg, mesh=make_mesh(data=2)).platform == "cpu"
+    assert Sampler(cfg).engine.platform == jax.default_backend()
+    assert Sampler(cfg, mesh=make_mesh(data=2)).engine.platform == "cpu"
     abstract = _abstract(jax.eval_shape(lambda p: requantize(p, "int8"), _random_params(cfg)))
 
     def decode_text(platform: str) -> str:
         sampler = Sampler(cfg, make_dot_general("int8"), max_prompt_len=8, max_new_tokens=8,
                           platform=platform)
-        assert sampler.platform == platform
+        assert sampler.engine.platform == platform
         lowered = sampler.lower_programs(abstract, 2, 8, 8, lowering_platforms=(platform,))
         return lowered["decode"].as_text()
 
@@ -486,17 +498,18 @@ def _word_tokenizer() -> transformers.PreTrainedTokenizerFast:
 def test_generate_text_roundtrip(qwen) -> None:
     cfg, params, sampler = qwen
     tokenizer = _word_tokenizer()
-    kw = dict(key=jax.random.key(0), n=2, greedy=True)
+    kw = dict(key=jax.random.key(0), n=2)
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
     got = generate(sampler, params, ["w5 w17 w99", "w12", "w200 w1"], tokenizer,
-                   max_new_tokens=6, eos_ids=(), **kw)
+                   greedy.replace(eos_ids=()), **kw)
     # Word w<i> is token i + 4; <pad> (0) and <eos> (1) are special and dropped from the text.
-    out = sampler.sample(params, [[9, 21, 103], [16], [204, 5]], max_new_tokens=6, **kw)
+    out = sampler.sample(params, [[9, 21, 103], [16], [204, 5]], greedy, **kw)
     expected = [" ".join(_WORDS[t] for t in row if t >= 2) for row in np.asarray(out.tokens)]
     assert got == expected
-    chat = generate(sampler, params, ["w5", "w6", "w7"], tokenizer, max_new_tokens=6,
-                    chat_template=True, **kw)
-    out = sampler.sample(params, [[2, 9, 3], [2, 10, 3], [2, 11, 3]], max_new_tokens=6,
-                         eos_ids=(1,), **kw)
+    chat = generate(sampler, params, ["w5", "w6", "w7"], tokenizer, greedy, chat_template=True,
+                    **kw)
+    out = sampler.sample(params, [[2, 9, 3], [2, 10, 3], [2, 11, 3]],
+                         greedy.replace(eos_ids=(1,)), **kw)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     assert chat == [" ".join(_WORDS[t] for t in row[:n] if t >= 2)
                     for row, n in zip(tokens, lengths, strict=True)]
@@ -517,9 +530,10 @@ def test_generate_text_roundtrip(qwen) -> None:
 )
 def test_bad_input_raises(qwen, prompts, kwargs, match) -> None:
     cfg, params, sampler = qwen
-    kw = {"key": jax.random.key(0), "max_new_tokens": 4, **kwargs}
+    settings = {"max_new_tokens": 4, **kwargs}
+    n = settings.pop("n", 1)
     with pytest.raises(ValueError, match=match):
-        sampler.sample(params, prompts, **kw)
+        sampler.sample(params, prompts, SamplingParams(**settings), key=jax.random.key(0), n=n)
 
 
 def test_int8_rollout_params_same_code_path(qwen) -> None:
@@ -529,8 +543,8 @@ def test_int8_rollout_params_same_code_path(qwen) -> None:
     qparams = requantize(params, "int8")
     hook = make_dot_general("int8")
     sampler = Sampler(cfg, hook, max_prompt_len=16, max_new_tokens=16)
-    out = sampler.sample(qparams, PROMPTS, key=jax.random.key(4), n=2, max_new_tokens=10,
-                         temperature=0.7)
+    out = sampler.sample(qparams, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.7),
+                         key=jax.random.key(4), n=2)
     # Expected: the quantized model's plain forward over prompt + response (the same hook and
     # params without a cache), i.e. the cached decode changes nothing but the cost.
     ref = _log_softmax(_reference_logits(cfg, qparams, out, hook) / 0.7)

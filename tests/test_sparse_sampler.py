@@ -20,7 +20,6 @@ from qurl_jax import memory_plan as memory
 from qurl_jax.config import base_config, kv_policy_from_config, validate
 from qurl_jax.models import (
     KVCache,
-    ModelConfig,
     Transformer,
     init_params,
     param_logical_axes,
@@ -28,14 +27,13 @@ from qurl_jax.models import (
 )
 from qurl_jax.models.transformer import write_rows
 from qurl_jax.rl.objectives import ObjectiveConfig, sparse_rl_rejections
-from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingMode
-from qurl_jax.sampling._sampler import _left_pad
+from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingMode, SamplingParams
+from qurl_jax.sampling._host import left_pad as _left_pad
 from qurl_jax.sharding import make_mesh, shard_params
 from qurl_jax.trainer import Trainer
+from tests.conftest import tiny_model
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True,
-                  tie_word_embeddings=True, rope_theta=1e6)
+CFG = tiny_model("qwen2")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [12], [200, 201, 202, 9]]
 LONG_PROMPTS = [list(range(30, 42)), [7, 8, 9], list(range(100, 110))]  # 12 > budget 8
 BUDGET, INTERVAL, WINDOW = 8, 4, 2
@@ -68,14 +66,15 @@ def _sampler(policy: KVPolicyConfig | None = None, dot_general=jax.lax.dot_gener
 @pytest.mark.parametrize("selection", ["shared", "per_layer"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_budget_covering_the_sequence_equals_dense(params, policy, selection) -> None:
-    kw = dict(key=jax.random.key(3), n=2, max_new_tokens=16, temperature=1.0)
+    kw = dict(key=jax.random.key(3), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=1.0))
     dense = _sampler(min_bucket=16).sample(params, PROMPTS, **kw)
     sparse_sampler = _sampler(_policy(policy, budget=32, selection=selection), min_bucket=16)
     sparse = sparse_sampler.sample(params, PROMPTS, **kw)
     np.testing.assert_array_equal(np.asarray(sparse.tokens), np.asarray(dense.tokens))
     np.testing.assert_array_equal(np.asarray(sparse.logp), np.asarray(dense.logp))
     np.testing.assert_array_equal(np.asarray(sparse.mask), np.asarray(dense.mask))
-    assert sparse_sampler.cache_slots(16, 16) == 32
+    assert sparse_sampler.engine.cache_slots(16, 16) == 32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,16 +85,15 @@ def _run_chunk(sampler: Sampler, params: dict, prompts: list[list[int]], max_new
                key: jax.Array):
     """One chunk of `Sampler.sample` (all rows at once, n = 1, plain sampling), returning the
     response and the final decode state (a `CompressedCache`)."""
-    p_len = sampler.prompt_buckets[0]
+    p_len = sampler.engine.prompt_buckets[0]
     assert max(map(len, prompts)) <= p_len
-    g_len = sampler.gen_buckets[-1]
-    tokens, mask = _left_pad(prompts, p_len, len(prompts), sampler.pad_id)
+    g_len = sampler.engine.gen_buckets[-1]
+    tokens, mask = _left_pad(prompts, p_len, len(prompts), sampler.engine.pad_id)
     prefill, decode = sampler._programs_for(len(prompts), 1, p_len, g_len, SamplingMode(), 8)
     logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(mask))
-    eos = jnp.full((8,), -1, jnp.int32)
+    decoding = SamplingParams(max_new_tokens=max_new_tokens).decoding(key)  # no EOS
     response, state = decode(params, state, logits, jnp.arange(len(prompts), dtype=jnp.int32),
-                             key, jnp.float32(1.0), jnp.float32(1.0), jnp.int32(max_new_tokens),
-                             eos)
+                             decoding, jnp.int32(max_new_tokens))
     return jax.device_get(response), jax.device_get(state), tokens, mask
 
 
@@ -126,7 +124,7 @@ def test_logits_equal_a_dense_forward_with_the_evicted_positions_masked(params, 
     p_len = 16 if prompts is LONG_PROMPTS else 8
     sampler = _sampler(_policy(policy), max_prompt_len=p_len, prompt_buckets=[p_len],
                        max_new_tokens=32, gen_buckets=[32], dot_general=hook)
-    slots = sampler.cache_slots(p_len, 32)
+    slots = sampler.engine.cache_slots(p_len, 32)
     assert slots == BUDGET + INTERVAL
     key, steps = jax.random.key(11), 16
     full, final, tokens, mask = _run_chunk(sampler, params, prompts, steps, key)
@@ -308,7 +306,8 @@ def test_blocked_decode_equals_compressing_inside_every_step(params, interval, w
     from qurl_jax.sampling import RefillSampler
 
     kv = _policy(policy, interval=interval, window=window, selection=selection)
-    kw = dict(key=jax.random.key(5), n=2, max_new_tokens=16, temperature=1.0)
+    kw = dict(key=jax.random.key(5), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=1.0))
     sizes = dict(max_prompt_len=16, max_new_tokens=16, min_bucket=8)
     blocked = _sampler(kv, **sizes).sample(params, LONG_PROMPTS, **kw)
     per_step = RefillSampler(CFG, kv_policy=kv, max_concurrent_rows=6, **sizes).sample(
@@ -330,7 +329,8 @@ def test_bfloat16_cache(params, policy) -> None:
     from qurl_jax.sampling import RefillSampler
 
     bf16 = CFG.replace(dtype="bfloat16")
-    kw = dict(key=jax.random.key(7), n=2, max_new_tokens=16, temperature=1.0)
+    kw = dict(key=jax.random.key(7), n=2,
+              settings=SamplingParams(max_new_tokens=16, temperature=1.0))
     sizes = dict(max_prompt_len=16, max_new_tokens=16, min_bucket=8)
     dense = Sampler(bf16, **sizes).sample(params, LONG_PROMPTS, **kw)
     wide = Sampler(bf16, kv_policy=_policy(policy, budget=32), **sizes).sample(
@@ -355,7 +355,8 @@ def test_bfloat16_cache(params, policy) -> None:
 
 
 def test_sharded_compressed_sampler_matches_single_device(params) -> None:
-    kw = dict(key=jax.random.key(5), n=2, max_new_tokens=20, temperature=1.0)
+    kw = dict(key=jax.random.key(5), n=2,
+              settings=SamplingParams(max_new_tokens=20, temperature=1.0))
     policy = _policy("rkv")
     expected = _sampler(policy).sample(params, PROMPTS * 2, **kw)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
@@ -367,8 +368,8 @@ def test_sharded_compressed_sampler_matches_single_device(params) -> None:
 
 def test_kv_bytes_per_row() -> None:
     per_slot = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
-    assert _sampler().kv_bytes_per_row(7, 20) == (8 + 32) * per_slot
-    assert _sampler(_policy("rkv")).kv_bytes_per_row(7, 20) == (BUDGET + INTERVAL) * per_slot
+    assert _sampler().engine.kv_bytes_per_row(7, 20) == (8 + 32) * per_slot
+    assert _sampler(_policy("rkv")).engine.kv_bytes_per_row(7, 20) == (BUDGET + INTERVAL) * per_slot
 
 
 def test_decode_program_holds_budget_plus_interval_slots() -> None:
@@ -453,13 +454,13 @@ def _sparse_trainer(tmp_path, **overrides) -> Trainer:
 ])
 def test_rl_step_on_sparse_rollouts(tmp_path, overrides) -> None:
     t = _sparse_trainer(tmp_path, **overrides)
-    assert t.eval_sampler.kv_policy.compresses is False  # evaluation stays dense
+    assert t.eval_sampler.engine.kv_policy.compresses is False  # evaluation stays dense
     m = t.step()
     bad = {k: v for k, v in m.items() if not np.isfinite(v)}
     assert not bad, bad
     # budget + interval slots of one layer's K and V (1 KV head of 16 float32 values).
     assert m["rollout/kv_bytes_per_row"] == (6 + 4) * 2 * 16 * 4
-    assert m["rollout/kv_bytes_per_row"] < t.eval_sampler.kv_bytes_per_row(8, 12)
+    assert m["rollout/kv_bytes_per_row"] < t.eval_sampler.engine.kv_bytes_per_row(8, 12)
     assert m["update/skipped"] == 0.0
     if t.objective.mode == "sparse_rl":
         for k in ("vetoed_tokens", "band_masked_tokens"):

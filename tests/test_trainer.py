@@ -32,14 +32,8 @@ from qurl_jax.config import (
 from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.metrics import PhaseTimer, read_metrics
 from qurl_jax.rl.objectives import policy_loss
-from qurl_jax.trainer import (
-    Rollout,
-    Stream,
-    Trainer,
-    _Progress,
-    refill_groups,
-    stream_key,
-)
+from qurl_jax.rollout import Rollout, regenerate_groups
+from qurl_jax.trainer import Stream, Trainer, _Progress, stream_key
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -330,14 +324,14 @@ def _rollout(width: int, groups: int, n: int, base: float, accuracy) -> Rollout:
 
 
 @pytest.mark.parametrize("first_width, extra_width", [(5, 9), (9, 5)])
-def test_refill_groups_moves_every_field_from_the_extra_round(first_width, extra_width):
+def test_regenerate_groups_moves_every_field_from_the_extra_round(first_width, extra_width):
     n = 2
     # First round: groups 0 and 2 all-equal (dropped); extra round: groups 1 and 2 kept.
     r = _rollout(first_width, 3, n, 100.0, [0, 1, 0, 0, 1, 1])
     extra = _rollout(extra_width, 3, n, 500.0, [0, 0, 1, 0, 0, 1])
     keep, extra_keep = np.array([False, True, False]), np.array([False, True, True])
     snapshot = {f: np.copy(getattr(r, f)) for f in Rollout.ROW_FIELDS}
-    out, new_keep = refill_groups(r, keep, extra, extra_keep, n)
+    out, new_keep = regenerate_groups(r, keep, extra, extra_keep, n)
     np.testing.assert_array_equal(new_keep, [True, True, True])
     for f, v in snapshot.items():  # pure: the input is untouched
         np.testing.assert_array_equal(getattr(r, f), v)
@@ -361,9 +355,9 @@ def _recording_sampler(t: Trainer):
     keys, lengths = [], []
     sample = t.sampler.sample
 
-    def wrapped(params, prompts, **kw):
+    def wrapped(params, prompts, settings, **kw):
         keys.append(np.asarray(jax.random.key_data(kw["key"])))
-        out = sample(params, prompts, **kw)
+        out = sample(params, prompts, settings, **kw)
         lengths.append(int(np.asarray(out.lengths).sum()))
         return out
 

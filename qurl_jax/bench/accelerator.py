@@ -128,7 +128,7 @@ def rollout(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
     weight_bytes = tree_bytes(rollout_params)
     # The buckets sampler_timer's sampler uses: exactly p_len + new slots per row.
     kv_bytes = batch * Sampler(config, prompt_buckets=(p_len,), gen_buckets=(new,)
-                               ).kv_bytes_per_row(p_len, new)
+                               ).engine.kv_bytes_per_row(p_len, new)
     del rollout_params
     return {"precision": precision, "batch": batch, "prompt_len": p_len, "new_tokens": new,
             "decode_tokens_per_s": batch * (new - 1) / decode, "decode_step_ms": step * 1e3,

@@ -35,7 +35,7 @@ from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, init_params
 from qurl_jax.quant import fp8_block_linear
 from qurl_jax.rl.objectives import ObjectiveConfig, mismatch_metrics
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import Sampler, SamplingParams
 
 # The learner measurements' model: small, but every linear layer spans whole 128x128 blocks.
 LEARNER_CONFIG = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=256,
@@ -133,8 +133,9 @@ def unified_flow_mismatch(config: ModelConfig, params: Any, prompts: list[list[i
     sampler = Sampler(config, quant.make_dot_general("fp8_block"), mesh=mesh,
                       max_prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens)
     out = sampler.sample(quant.requantize(params, "fp8_block"), prompts,
-                         key=jax.random.key(seed), n=n, max_new_tokens=max_new_tokens,
-                         temperature=temperature, eos_ids=eos_ids)
+                         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                        eos_ids=eos_ids),
+                         key=jax.random.key(seed), n=n)
     tokens, attn_mask, positions = out.sequences()
     learner = Learner(config, ObjectiveConfig(), OptimConfig(), mesh, temperature=temperature,
                       precision=train_precision)

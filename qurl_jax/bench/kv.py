@@ -7,7 +7,7 @@ Policies: dense, and StreamingLLM / SnapKV / R-KV with budget 512 and interval 1
 holds budget + interval = 640 slots per row instead of prompt + generation). All in one run, per
 (policy, new tokens):
 
-- KV bytes per row: the K and V buffers of one row, all layers (`Sampler.kv_bytes_per_row`);
+- KV bytes per row: the K and V buffers of one row, all layers (`Engine.kv_bytes_per_row`);
 - peak memory of the compiled decode program (arguments + outputs - donated + temporaries, from
   `memory_analysis()`: every buffer live at once, an upper bound of the true peak);
 - decode tokens/s = batch * (new_tokens - 1) / (time of a new_tokens call - time of a 1-token
@@ -32,7 +32,7 @@ import numpy as np
 
 from qurl_jax.bench.sampler import BENCH_CONFIG
 from qurl_jax.models.params import init_params
-from qurl_jax.sampling import KVPolicyConfig, Sampler
+from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingParams
 
 POLICIES = ("dense", "streaming", "snapkv", "rkv")
 
@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     def run(sampler: Sampler, new_tokens: int) -> float:
         t0 = time.perf_counter()
-        out = sampler.sample(params, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
-                             temperature=1.0)
+        out = sampler.sample(params, prompts,
+                             SamplingParams(max_new_tokens=new_tokens, temperature=1.0),
+                             key=jax.random.key(0))
         jax.block_until_ready(out.tokens)
         elapsed = time.perf_counter() - t0
         if int(out.num_steps) != new_tokens:
@@ -115,10 +116,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             sampler = samplers[(policy, n)]
             decode_s = min(times[(policy, n)]) - min(times[(policy, 1)])
             row = {"policy": policy, "new_tokens": n,
-                   "kv_bytes_per_row": sampler.kv_bytes_per_row(args.prompt_len, n),
+                   "kv_bytes_per_row": sampler.engine.kv_bytes_per_row(args.prompt_len, n),
                    "tokens_per_s": args.batch * (n - 1) / decode_s,
                    "peak_bytes": _peak_bytes(sampler, params, args.batch, args.prompt_len, n),
-                   "cache_slots": sampler.cache_slots(args.prompt_len, n)}
+                   "cache_slots": sampler.engine.cache_slots(args.prompt_len, n)}
             rows.append(row)
             dense_row = dense_row or (row if policy == "dense" else None)
             print(f"{policy:<10}{n:>6}{row['cache_slots']:>7}"

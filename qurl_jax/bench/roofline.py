@@ -123,7 +123,7 @@ def predict(target: targets.Target, model: str, batch: int, actor: str,
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     arg_bytes = int(mem.argument_size_in_bytes)
-    slots = sampler.cache_slots(PROMPT_LEN, NEW_TOKENS)
+    slots = sampler.engine.cache_slots(PROMPT_LEN, NEW_TOKENS)
     flops = step_flops(config, batch, slots)
     chip = CHIPS[target.chip.name]
     t_mem, t_flops = arg_bytes / chip["bandwidth"], flops / chip[actor]
@@ -131,7 +131,7 @@ def predict(target: targets.Target, model: str, batch: int, actor: str,
     record = {
         "target": target.name, "device_kind": device.device_kind, "model": model,
         "batch": batch, "actor": actor, "compile_s": round(compile_s, 1),
-        "weight_bytes": _bytes(params), "kv_cache_bytes": batch * sampler.kv_bytes_per_row(
+        "weight_bytes": _bytes(params), "kv_cache_bytes": batch * sampler.engine.kv_bytes_per_row(
             PROMPT_LEN, NEW_TOKENS),
         "argument_bytes": arg_bytes, "flops_per_step": flops,
         "predicted_step_ms": step * 1e3, "bound": "memory" if t_mem >= t_flops else "compute",

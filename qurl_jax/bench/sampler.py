@@ -48,7 +48,7 @@ import numpy as np
 from qurl_jax.cpu_kernels import decode_attention
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.params import init_params
-from qurl_jax.sampling import RefillSampler, Sampler
+from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
 
 # ~98M parameters: 73M in 12 decoder layers, 24.6M in the tied 32k x 768 embedding / LM head.
 BENCH_CONFIG = ModelConfig(
@@ -88,8 +88,9 @@ def sampler_timer(config: ModelConfig, params: Any, dot_general: Any,
 
     def run(new_tokens: int) -> float:
         t0 = time.perf_counter()
-        out = sampler.sample(params, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
-                             temperature=1.0)
+        out = sampler.sample(params, prompts,
+                             SamplingParams(max_new_tokens=new_tokens, temperature=1.0),
+                             key=jax.random.key(0))
         out.tokens.block_until_ready()
         elapsed = time.perf_counter() - t0
         if int(out.num_steps) != new_tokens:
@@ -147,7 +148,8 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
     limits = tail_limits(rows, max_new)
     equal = np.full(rows, max_new, np.int32)
     group = slots // n  # prompts per static chunk
-    kw = dict(key=jax.random.key(0), n=n, temperature=1.0)
+    kw = dict(key=jax.random.key(0), n=n)
+    settings = SamplingParams(max_new_tokens=max_new, temperature=1.0)
     buckets = dict(prompt_buckets=(args.prompt_len,), gen_buckets=(max_new,))
 
     cases: dict[str, Callable[[], float]] = {}
@@ -165,14 +167,14 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
             t0 = time.perf_counter()
             for c in range(0, group * chunks or len(prompts), group):
                 chunk_limit = int(lim[c * n: (c + group) * n].max())
-                out = static.sample(params, prompts[c: c + group], max_new_tokens=chunk_limit,
-                                    **kw)
+                out = static.sample(params, prompts[c: c + group],
+                                    settings.replace(max_new_tokens=chunk_limit), **kw)
             out.tokens.block_until_ready()
             return time.perf_counter() - t0
 
         def refill_run(lim: np.ndarray, case: str, refill=refill, params=params) -> float:
             t0 = time.perf_counter()
-            out = refill.sample(params, prompts, max_new_tokens=max_new, length_limits=lim, **kw)
+            out = refill.sample(params, prompts, settings, length_limits=lim, **kw)
             out.tokens.block_until_ready()
             elapsed = time.perf_counter() - t0
             if int(np.asarray(out.lengths).sum()) != int(lim.sum()):

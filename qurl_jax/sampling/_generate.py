@@ -12,7 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from qurl_jax.sampling._sampler import Params, Sampler
+from qurl_jax.sampling._host import Params
+from qurl_jax.sampling.settings import SamplingParams
 
 
 def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -38,35 +39,29 @@ def encode_prompts(texts: Sequence[str], tokenizer: Any, chat_template: bool = F
 
 
 def generate(
-    sampler: Sampler,
+    sampler: Any,
     params: Params,
     texts: Sequence[str],
     tokenizer: Any,
+    settings: SamplingParams,
     *,
     key: jax.Array,
-    max_new_tokens: int,
     chat_template: bool = False,
     n: int = 1,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    eos_ids: Sequence[int] | None = None,
     skip_special_tokens: bool = True,
 ) -> list[str]:
-    """Samples `n` completions per text and returns them decoded (B * n strings, prompt-major).
+    """Samples `n` completions per text with `sampler` (`Sampler` or `RefillSampler`) and returns
+    them decoded (B * n strings, prompt-major).
 
-    `eos_ids` defaults to the tokenizer's EOS id(s). The EOS token itself is dropped from the text
-    when `skip_special_tokens` is set (the tokenizer decides what is special).
+    `settings.eos_ids` None means the tokenizer's EOS id(s). The EOS token itself is dropped from
+    the text when `skip_special_tokens` is set (the tokenizer decides what is special).
     """
     if isinstance(texts, str):
         raise ValueError("texts must be a list of strings, not one string")
     prompts = encode_prompts(texts, tokenizer, chat_template)
-    out = sampler.sample(
-        params, prompts, key=key, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, greedy=greedy,
-        eos_ids=_eos_ids(tokenizer) if eos_ids is None else eos_ids,
-    )
+    if settings.eos_ids is None:
+        settings = settings.replace(eos_ids=_eos_ids(tokenizer))
+    out = sampler.sample(params, prompts, settings, key=key, n=n)
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     return [

@@ -1,0 +1,332 @@
+"""KV-cache layouts: how a sampler's rows hold their past, behind one narrow interface.
+
+A layout owns everything the programs do to a cache: its empty form, the prompt forward that
+fills it (prefill), the forward of one decode step (the KV write, plus whatever the layout keeps
+beside the keys and values), the compression hook, the scatter of prompt caches into row slots
+(insert), gathers of rows, and the cache's sharding. The engine (`_engine.py`) calls only these
+methods, so a new cache layout or attention kernel is one new class here:
+
+- `DenseKV`: a `models.transformer.KVCache` of prompt + generation slots per row.
+- `CompressedKV`: Sparse-RL's compressed cache (`kv_policy`): a `CompressedCache`, the KV cache of
+  budget + interval slots per row and the observation window of recent queries that scores it.
+
+The cache values are pytrees (`KVCache`, `CompressedCache`) whose leaves all lead with the row
+axis, so `jax.tree.map` concatenates, takes or scatters rows of either layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.transformer import KVCache, Transformer, positions_from_mask
+from qurl_jax.sampling._host import Params, RowSharding
+from qurl_jax.sampling._kv_policy import (
+    KVPolicyConfig,
+    Selection,
+    compress_cache,
+    needs_compression,
+    push_window,
+    where_rows,
+    window_from_prompt,
+)
+
+
+@flax.struct.dataclass
+class CompressedCache:
+    """A compressed policy's decode state: the KV cache and the observation window that scores it.
+
+    cache: KVCache                       `KVPolicyConfig.physical_slots` slots per row.
+    win_q: tuple of f[R, H, W, D]        post-RoPE queries of each row's last W positions, oldest
+                                         first; layer 0's only (SHARED selection) or every
+                                         layer's (PER_LAYER).
+    win_valid: bool[R, W]                window entries that hold a real query.
+    """
+
+    cache: KVCache
+    win_q: tuple[jax.Array, ...]
+    win_valid: jax.Array
+
+
+Cache = KVCache | CompressedCache
+
+
+class CacheLayout(Protocol):
+    """What the engine asks of a cache layout (R rows, S slots per row)."""
+
+    compresses: bool
+
+    def slots(self, p_len: int, g_len: int) -> int:
+        """S: physical slots per row for a prompt bucket and a generation bucket."""
+
+    def prefill_slots(self, p_len: int) -> int:
+        """Slots per row a prompt bucket holds after `prefill`."""
+
+    def empty(self, rows: int, length: int) -> Cache:
+        """An empty cache of `rows` rows and `length` slots (traced; for jitted programs)."""
+
+    def abstract(self, rows: int, length: int) -> Cache:
+        """The empty cache as ShapeDtypeStructs with the shardings `constrain` gives it."""
+
+    def prefill(self, model: Transformer, params: Params, tokens: jax.Array, mask: jax.Array
+                ) -> tuple[jax.Array, Cache]:
+        """The prompts' forward (tokens i32[P, p_len], mask bool[P, p_len]): last-position
+        logits f32[P, V] and their cache of `prefill_slots(p_len)` slots."""
+
+    def repeat(self, cache: Cache, n: int, length: int) -> Cache:
+        """Each row n times (rows r*n .. r*n+n-1) in a cache of `length` slots."""
+
+    def forward(self, model: Transformer, params: Params, tok: jax.Array, cache: Cache,
+                live: jax.Array, observe: bool) -> tuple[jax.Array, Cache]:
+        """One decode step: tok i32[R] through the model (logits f32[R, V]); the live rows'
+        tokens are written, the others' slots stay as they were. `observe` asks a layout that
+        scores its cache to record this step's queries."""
+
+    def due(self, cache: Cache, step: jax.Array) -> jax.Array:
+        """bool[R]: rows to compress after decode step `step` (i32[] or i32[R])."""
+
+    def compress(self, cache: Cache, due: jax.Array) -> Cache:
+        """The rows with due bool[R] compressed (the others unchanged)."""
+
+    def admit(self, cache: Cache, slots: jax.Array, prompt: Cache) -> Cache:
+        """Rows `prompt` (K prompt caches of `prefill_slots` slots) written into row slots
+        slots i32[K] (out-of-range entries dropped)."""
+
+    def constrain(self, cache: Cache, batch: str | None = "batch") -> Cache:
+        """The cache with its rows over the batch shards (batch=None: whole on every one)."""
+
+
+def cache_layout(config: ModelConfig, kv_policy: KVPolicyConfig, sharding: RowSharding
+                 ) -> CacheLayout:
+    """The layout a sampler with this KV policy uses."""
+    if kv_policy.compresses:
+        return CompressedKV(config, kv_policy, sharding)
+    return DenseKV(config, kv_policy, sharding)
+
+
+def take_rows(cache: Cache, index: jax.Array) -> Cache:
+    """Rows `index` of a cache of any layout."""
+    return jax.tree.map(lambda x: jnp.take(x, index, axis=0), cache)
+
+
+def concat_rows(a: Cache, b: Cache) -> Cache:
+    """The rows of a, then those of b (in a's dtypes)."""
+    return jax.tree.map(lambda x, y: jnp.concatenate([x, y.astype(x.dtype)]), a, b)
+
+
+def _admit_kv(cache: KVCache, slots: jax.Array, prompt: KVCache) -> KVCache:
+    """Writes the K prompt caches into row slots `slots`: all of each slot's positions and
+    counters, and the keys / values of the prompt's n slots only: the slots after them are empty
+    by their positions, and an empty slot's stale keys and values are never read (KVCache).
+    Writing all S slots made the partitioner gather K rows x S slots."""
+    n = prompt.length
+
+    def admit(buf: jax.Array, new: jax.Array) -> jax.Array:
+        return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
+
+    def admit_prompt(buf: jax.Array, new: jax.Array) -> jax.Array:
+        return buf.at[slots, :, :n].set(new.astype(buf.dtype), mode="drop")
+
+    return KVCache(
+        k=tuple(map(admit_prompt, cache.k, prompt.k)),
+        v=tuple(map(admit_prompt, cache.v, prompt.v)),
+        pos=admit(cache.pos, jnp.pad(prompt.pos, ((0, 0), (0, cache.length - n)),
+                                     constant_values=-1)),
+        n_used=admit(cache.n_used, prompt.n_used),
+        next_pos=admit(cache.next_pos, prompt.next_pos),
+    )
+
+
+class DenseKV:
+    """Every token of a row in its own slot: prompt bucket + generation bucket slots."""
+
+    compresses = False
+
+    def __init__(self, config: ModelConfig, kv_policy: KVPolicyConfig,
+                 sharding: RowSharding) -> None:
+        self.config, self.kv_policy, self.sharding = config, kv_policy, sharding
+
+    def slots(self, p_len: int, g_len: int) -> int:
+        return self.kv_policy.physical_slots(p_len, g_len)
+
+    def prefill_slots(self, p_len: int) -> int:
+        return p_len
+
+    def empty(self, rows: int, length: int) -> KVCache:
+        return KVCache.zeros(self.config, rows, length)
+
+    def abstract(self, rows: int, length: int) -> KVCache:
+        cache = jax.eval_shape(lambda: self.empty(rows, length))
+        if self.sharding.mesh is None:
+            return cache
+        return self.sharding.with_shardings(cache, self.sharding.cache_shardings(cache))
+
+    def empty_prompts(self, tokens: jax.Array) -> KVCache:
+        return self.sharding.cache(KVCache.zeros(self.config, *tokens.shape))
+
+    def prefill(self, model: Transformer, params: Params, tokens: jax.Array, mask: jax.Array
+                ) -> tuple[jax.Array, KVCache]:
+        logits, cache = model.apply({"params": params}, tokens, positions_from_mask(mask), mask,
+                                    cache=self.empty_prompts(tokens), last_only=True)
+        return logits[:, 0], cache
+
+    def repeat(self, cache: KVCache, n: int, length: int) -> KVCache:
+        return self.sharding.cache(cache.repeat(n, length))
+
+    def forward(self, model: Transformer, params: Params, tok: jax.Array, cache: KVCache,
+                live: jax.Array, observe: bool) -> tuple[jax.Array, KVCache]:
+        del observe
+        logits, new = model.apply({"params": params}, tok[:, None], cache.next_pos[:, None],
+                                  live[:, None], cache=cache)
+        # A row that is not live stays where it was (its write went to an empty slot).
+        return logits[:, 0], new.replace(n_used=jnp.where(live, new.n_used, cache.n_used))
+
+    def due(self, cache: KVCache, step: jax.Array) -> jax.Array:
+        return jnp.zeros(cache.n_used.shape, jnp.bool_)
+
+    def compress(self, cache: KVCache, due: jax.Array) -> KVCache:
+        return cache
+
+    def admit(self, cache: KVCache, slots: jax.Array, prompt: KVCache) -> KVCache:
+        return _admit_kv(cache, slots, prompt)
+
+    def constrain(self, cache: KVCache, batch: str | None = "batch") -> KVCache:
+        return self.sharding.cache(cache, batch)
+
+
+class CompressedKV:
+    """Sparse-RL's compressed cache (`KVPolicyConfig`): at most budget + interval slots per row.
+
+    After prefill, a row with more than `budget` slots (a prompt bucket longer than the budget)
+    is compressed once with its last `window` prompt queries, so decoding starts with at most
+    `budget` slots. A decode step feeds the previous token through the model (attending to the
+    cache as it is); steps that `observe` push their post-RoPE queries into the window, and
+    `compress` compresses the rows `due` marks (`needs_compression`: at multiples of
+    `interval`), under `lax.cond` so the scoring and gathers run only on the steps where some
+    row is due. Positions stay logical.
+    """
+
+    compresses = True
+
+    def __init__(self, config: ModelConfig, kv_policy: KVPolicyConfig,
+                 sharding: RowSharding) -> None:
+        self.config, self.kv_policy, self.sharding = config, kv_policy, sharding
+        self.dense = DenseKV(config, kv_policy, sharding)  # the KV cache inside
+
+    def slots(self, p_len: int, g_len: int) -> int:
+        return self.kv_policy.physical_slots(p_len, g_len)
+
+    def prefill_slots(self, p_len: int) -> int:
+        return min(p_len, self.kv_policy.budget)
+
+    def _scored_layers(self) -> range:
+        """Layers whose queries score the cache: layer 0 (SHARED) or all (PER_LAYER)."""
+        if self.kv_policy.selection is Selection.SHARED:
+            return range(1)
+        return range(self.config.num_layers)
+
+    def empty(self, rows: int, length: int) -> CompressedCache:
+        cfg, w = self.config, self.kv_policy.window
+        q = jnp.zeros((rows, cfg.num_heads, w, cfg.head_dim), cfg.compute_dtype)
+        return CompressedCache(cache=KVCache.zeros(cfg, rows, length),
+                               win_q=(q,) * len(self._scored_layers()),
+                               win_valid=jnp.zeros((rows, w), jnp.bool_))
+
+    def abstract(self, rows: int, length: int) -> CompressedCache:
+        s = self.sharding
+        cfg, w = self.config, self.kv_policy.window
+        return CompressedCache(
+            cache=self.dense.abstract(rows, length),
+            win_q=tuple(s.abstract_batch((rows, cfg.num_heads, w, cfg.head_dim),
+                                         cfg.compute_dtype) for _ in self._scored_layers()),
+            win_valid=s.abstract_batch((rows, w), jnp.bool_))
+
+    def prefill(self, model: Transformer, params: Params, tokens: jax.Array, mask: jax.Array
+                ) -> tuple[jax.Array, CompressedCache]:
+        """Also fills the window with the last prompt queries; a prompt bucket longer than the
+        budget is compressed to it (which also drops its left pads)."""
+        kv = self.kv_policy
+        (logits, cache), inter = model.apply(
+            {"params": params}, tokens, positions_from_mask(mask), mask,
+            cache=self.dense.empty_prompts(tokens), last_only=True, mutable=["intermediates"])
+        queries = _layer_queries(inter, self._scored_layers())
+        windows = [window_from_prompt(q, mask, kv.window) for q in queries]
+        win_q, win_valid = tuple(w[0] for w in windows), windows[0][1]
+        if tokens.shape[1] > kv.budget:
+            keys, values, pos, n_used = compress_cache(
+                kv, cache.k, cache.v, cache.pos, cache.n_used, win_q, win_valid,
+                cache.n_used > kv.budget)
+            keep = lambda x: x[:, :, :kv.budget]  # noqa: E731
+            cache = KVCache(k=tuple(map(keep, keys)), v=tuple(map(keep, values)),
+                            pos=pos[:, :kv.budget], n_used=n_used, next_pos=cache.next_pos)
+        return logits[:, 0], CompressedCache(cache, win_q, win_valid)
+
+    def repeat(self, cache: CompressedCache, n: int, length: int) -> CompressedCache:
+        rows = self.sharding.rows
+        return CompressedCache(
+            cache=self.dense.repeat(cache.cache, n, length),
+            win_q=tuple(rows(jnp.repeat(q, n, axis=0)) for q in cache.win_q),
+            win_valid=rows(jnp.repeat(cache.win_valid, n, axis=0)))
+
+    def forward(self, model: Transformer, params: Params, tok: jax.Array,
+                cache: CompressedCache, live: jax.Array, observe: bool
+                ) -> tuple[jax.Array, CompressedCache]:
+        """With `observe`, the live rows also push this step's queries into their windows."""
+        if not observe:
+            logits, kv = self.dense.forward(model, params, tok, cache.cache, live, False)
+            return logits, cache.replace(cache=kv)
+        kv = cache.cache
+        (logits, new), inter = model.apply(
+            {"params": params}, tok[:, None], kv.next_pos[:, None], live[:, None], cache=kv,
+            mutable=["intermediates"])
+        new = new.replace(n_used=jnp.where(live, new.n_used, kv.n_used))
+        queries = _layer_queries(inter, self._scored_layers())
+        pushed = [push_window(w, cache.win_valid, q[:, 0])
+                  for w, q in zip(cache.win_q, queries, strict=True)]
+        win_q = tuple(where_rows(live, p[0], old) for p, old in zip(pushed, cache.win_q,
+                                                                    strict=True))
+        win_valid = where_rows(live, pushed[0][1], cache.win_valid)
+        return logits[:, 0], CompressedCache(new, win_q, win_valid)
+
+    def due(self, cache: CompressedCache, step: jax.Array) -> jax.Array:
+        return needs_compression(self.kv_policy, step, cache.cache.n_used)
+
+    def compress(self, cache: CompressedCache, due: jax.Array) -> CompressedCache:
+        kv = self.kv_policy
+
+        def run(c: KVCache) -> KVCache:
+            keys, values, pos, n_used = compress_cache(kv, c.k, c.v, c.pos, c.n_used,
+                                                       cache.win_q, cache.win_valid, due)
+            return self.sharding.cache(KVCache(k=keys, v=values, pos=pos, n_used=n_used,
+                                               next_pos=c.next_pos))
+
+        return cache.replace(cache=jax.lax.cond(jnp.any(due), run, lambda c: c, cache.cache))
+
+    def admit(self, cache: CompressedCache, slots: jax.Array, prompt: CompressedCache
+              ) -> CompressedCache:
+        def put(buf: jax.Array, new: jax.Array) -> jax.Array:
+            return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
+
+        return CompressedCache(cache=_admit_kv(cache.cache, slots, prompt.cache),
+                               win_q=tuple(map(put, cache.win_q, prompt.win_q)),
+                               win_valid=put(cache.win_valid, prompt.win_valid))
+
+    def constrain(self, cache: CompressedCache, batch: str | None = "batch") -> CompressedCache:
+        s = self.sharding
+        if batch is None:
+            q = lambda x: s.constrain(x, (None, "heads", None, "head_dim"))  # noqa: E731
+            valid = lambda x: s.constrain(x, (None, None))  # noqa: E731
+        else:
+            q = valid = s.rows
+        return CompressedCache(cache=s.cache(cache.cache, batch),
+                               win_q=tuple(map(q, cache.win_q)), win_valid=valid(cache.win_valid))
+
+
+def _layer_queries(intermediates: dict[str, Any], layers: range) -> list[jax.Array]:
+    """The post-RoPE queries f[R, T, H, D] that the model sowed in each of `layers`."""
+    tree = intermediates["intermediates"]
+    return [tree[f"layers_{i}"]["self_attn"]["queries"][0] for i in layers]

@@ -1,0 +1,352 @@
+"""The sampling engine: the programs' building blocks and the decode state, for both samplers.
+
+`Engine` holds one model configuration's models, cache layout (`_cache.py`) and sharding, and
+offers the pieces the host drivers compose into jitted programs:
+
+    prefill   the prompts' forward into their cache (last-position logits, cache)
+    admit     rows into slots of a `DecodeState`: each row's first token sampled from its prompt's
+              logits, its counters and random stream set (the cache rows are the layout's `admit`)
+    step      ONE decode step for every slot: the last token through the model (KV write, and a
+              compressed layout's window; optionally its compression), the next token sampled
+              with its log-probs and written into the row-indexed outputs, the finish bookkeeping
+              (EOS or the row's length limit)
+    finish    per-row lengths and finish reasons (`finish_reasons`, the one rule)
+
+`Sampler` (`_static.py`) runs chunks of rows start to end; `RefillSampler` (`_refill.py`)
+refills finished slots with waiting rows. Both run these same pieces, so they return the same
+tokens and log-probs for the same key: row i draws its token t with `fold_in(fold_in(key, i), t)`
+whatever chunk or slot it lands in.
+
+The same code path serves full-precision parameters and quantized rollout parameters: the
+model's `dot_general` hook and the parameter pytree are supplied from outside (`qurl_jax.quant`).
+Under a mesh rows are sharded over ('data', 'fsdp') and the cache's kv heads over 'tensor';
+parameters are expected to be placed already (`qurl_jax.sharding.shard_params`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from qurl_jax.cpu_kernels import decode_attention as cpu_attention
+from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.transformer import DotGeneral, Transformer, cast_floats
+from qurl_jax.quant import pack_for_decode
+from qurl_jax.sampling._cache import Cache, cache_layout
+from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
+from qurl_jax.sampling._host import (
+    ROW_AXES,
+    Params,
+    RowSharding,
+    bucket,
+    check_buckets,
+    check_prompts,
+    power_of_two_buckets,
+)
+from qurl_jax.sampling._kv_policy import KVPolicyConfig
+from qurl_jax.sampling._output import finish_reasons
+from qurl_jax.sampling.settings import Decoding, SamplingParams
+from qurl_jax.sharding import activation_pinner
+
+_OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """R row slots being decoded and the row-indexed outputs of N rows (G = generation bucket).
+
+    cache: the layout's cache of R rows (`CacheLayout.slots(p_len, g_len)` slots each).
+    tok: i32[R]        each slot's last sampled token (the next step's input).
+    step: i32[R]       tokens its occupant has generated (the output column of its next token).
+    live: bool[R]      the slot holds a row that is still generating.
+    row: i32[R]        its occupant's output row; N when never filled.
+    stream: i32[R]     its occupant's random stream (its row in a one-process call).
+    limit: i32[R]      its occupant's response length limit.
+    tokens: i32[N, G]; logp, logp_untruncated: f32[N, G]; mask: bool[N, G] - `SampleOutput`'s
+                       per-token fields, written in place as tokens are sampled.
+    """
+
+    cache: Cache
+    tok: jax.Array
+    step: jax.Array
+    live: jax.Array
+    row: jax.Array
+    stream: jax.Array
+    limit: jax.Array
+    tokens: jax.Array
+    logp: jax.Array
+    logp_untruncated: jax.Array
+    mask: jax.Array
+
+    @property
+    def slots(self) -> int:
+        return self.live.shape[0]
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Engine:
+    """Models, cache layout, buckets and sharding of one model configuration and `dot_general`.
+
+    Args:
+      config: the model configuration.
+      dot_general: the model's matmul hook (`jax.lax.dot_general` for full-precision parameters, the
+        quantized hook from `qurl_jax.quant` for quantized rollout parameters).
+      max_prompt_len: longest prompt accepted (the largest prompt bucket).
+      max_new_tokens: longest response accepted (the largest generation bucket).
+      prompt_buckets / gen_buckets: explicit bucket lists; default powers of two from `min_bucket`
+        up to the maximum. A dense cache holds prompt_bucket + gen_bucket slots.
+      min_bucket: smallest power-of-two bucket.
+      pad_id: token id written into prompt pads and after EOS (always masked out).
+      mesh: optional device mesh; rows are sharded over ('data', 'fsdp'). Parameters must already
+        be placed on the mesh.
+      platform: the platform the programs are built for (default: the mesh's devices', or JAX's
+        default backend without a mesh). Work that only pays on the CPU is done only when it is
+        'cpu' (see `prepare`); on an accelerator the decode loop runs the plain model. Naming an
+        accelerator here on a host mesh builds the accelerator's programs for the host (what a
+        memory estimate wants).
+      kv_policy: Sparse-RL's KV compression (`KVPolicyConfig`; default dense, no compression);
+        see `_cache.CompressedKV`. The reported log-probs are those of the sparse forward that
+        sampled each token.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dot_general: DotGeneral = jax.lax.dot_general,
+        *,
+        max_prompt_len: int = 1024,
+        max_new_tokens: int = 1024,
+        prompt_buckets: Sequence[int] | None = None,
+        gen_buckets: Sequence[int] | None = None,
+        min_bucket: int = 16,
+        pad_id: int = 0,
+        mesh: Mesh | None = None,
+        platform: str | None = None,
+        kv_policy: KVPolicyConfig | None = None,
+    ) -> None:
+        self.config = config.validate()
+        self.kv_policy = KVPolicyConfig() if kv_policy is None else kv_policy.validate()
+        self.model = Transformer(config, dot_general)
+        # Prompts run with the residual stream pinned to the batch shards, as in the learner (left
+        # free, the int8 prefill of the 1.5B paper config split its MLP products over the
+        # contracting dimension, every token on every device). Decode is left free: a step has
+        # one token per row.
+        self.prompt_model = Transformer(config, dot_general,
+                                        shard_activation=activation_pinner(mesh))
+        self.prompt_buckets = check_buckets(
+            "prompt_buckets", prompt_buckets if prompt_buckets is not None
+            else power_of_two_buckets(min_bucket, max_prompt_len))
+        self.gen_buckets = check_buckets(
+            "gen_buckets", gen_buckets if gen_buckets is not None
+            else power_of_two_buckets(min_bucket, max_new_tokens))
+        if not 0 <= pad_id < config.vocab_size:
+            raise ValueError(f"Sampler.pad_id={pad_id} is outside the vocabulary [0, "
+                             f"{config.vocab_size})")
+        self.pad_id = int(pad_id)
+        self.mesh = mesh
+        self.sharding = RowSharding(mesh)
+        self.layout = cache_layout(self.config, self.kv_policy, self.sharding)
+        if platform is None:
+            platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        self.platform = platform
+
+    # ------------------------------------------------------------------------------ shapes
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_buckets[-1]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.gen_buckets[-1]
+
+    def buckets(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        """(prompt bucket, generation bucket) of these lengths."""
+        return bucket(prompt_len, self.prompt_buckets), bucket(max_new_tokens, self.gen_buckets)
+
+    def cache_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Physical KV-cache slots per row for these lengths (after rounding up to buckets)."""
+        return self.layout.slots(*self.buckets(prompt_len, max_new_tokens))
+
+    def prefill_slots(self, p_len: int) -> int:
+        """Cache slots a prompt bucket of p_len holds after prefill (a compressed policy keeps at
+        most `budget`)."""
+        return self.layout.prefill_slots(p_len)
+
+    def kv_bytes_per_row(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Bytes of keys and values one rollout row's cache holds, all layers (`cache_slots`
+        slots of num_kv_heads * head_dim elements in the compute dtype, for K and for V; the
+        4-byte position per slot is not counted)."""
+        cfg = self.config
+        per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(
+            cfg.compute_dtype).itemsize
+        return self.cache_slots(prompt_len, max_new_tokens) * per_slot
+
+    def check(self, prompts: Sequence[Sequence[int]], n: int, settings: SamplingParams
+              ) -> SamplingParams:
+        """Raises ValueError naming the bad argument or field; returns `settings`."""
+        if not isinstance(settings, SamplingParams):
+            raise ValueError(f"settings={settings!r} must be a SamplingParams")
+        check_prompts(prompts, n, self.config.vocab_size, self.max_prompt_len)
+        return settings.check(self.config.vocab_size, self.max_new_tokens)
+
+    # ------------------------------------------------------------------------------ programs
+    def prefill(self, params: Params, tokens: jax.Array, mask: jax.Array
+                ) -> tuple[jax.Array, Cache]:
+        """The P prompts' forward (tokens i32[P, p_len], mask bool[P, p_len]): last-position
+        logits f32[P, V] and their cache (`prefill_slots(p_len)` slots), rows over the batch
+        shards."""
+        logits, cache = self.layout.prefill(self.prompt_model, params, tokens, mask)
+        return self.sharding.rows(logits), self.layout.constrain(cache)
+
+    def prepare(self, params: Params) -> Params:
+        """The decode loop's parameters: loop-invariant work on `params`, done once per decode
+        program (`Sampler`) or once per `sample` call (`RefillSampler`, which runs many).
+
+        Float parameters are cast to the compute dtype here rather than by the model every step.
+
+        CPU-only work, done only when the `platform` is 'cpu' (the one predicate; on an
+        accelerator each of these would cost memory or time for nothing):
+        - A tied LM head multiplies by the embedding transposed ([V, E] contracted on E); XLA's
+          CPU matmuls read such a transposed operand far slower than a [E, V] kernel (the LM head
+          is the largest matrix of a small model), so the loop runs the same model untied, with
+          the head kernel materialised once as embedding.T (a second copy of the embedding) under
+          `lm_head`. The optimization barrier keeps XLA from folding the transpose back into the
+          product.
+        - On a single device, int8 kernels are stored once in qurl_jax's int8 matmul kernel's
+          packed layout (`quant.pack_for_decode`, a packed copy of those weights) where this
+          machine can run it.
+        """
+        cfg = self.config
+        params = cast_floats(params, cfg.compute_dtype)
+        if self.platform != "cpu":
+            return params
+        if self.sharding.single_device:
+            params = pack_for_decode(params)
+        embedding = params["embed_tokens"]["embedding"]
+        if not (cfg.tie_word_embeddings and isinstance(embedding, jax.Array)):
+            return params
+        head = jax.lax.optimization_barrier(jnp.transpose(embedding))
+        return {**params, "lm_head": {"kernel": self.sharding.constrain(head, ("embed", "vocab"))}}
+
+    def decode_model(self, prepared: Params) -> Transformer:
+        """The model that runs `prepare`'s output: untied when it carries the head kernel, and on
+        a single CPU device with qurl_jax's decode attention kernel where this machine can run it
+        (it reads only the cache slots in use)."""
+        cfg = self.config
+        if self.platform != "cpu":
+            return self.model
+        decode_attention = None
+        if self.sharding.single_device and cpu_attention.usable(cfg.compute_dtype, cfg.head_dim):
+            decode_attention = cpu_attention.decode_attention
+        if cfg.tie_word_embeddings and "lm_head" in prepared:
+            cfg = cfg.replace(tie_word_embeddings=False)
+        return Transformer(cfg, self.model.dot_general, decode_attention)
+
+    def empty_state(self, slots: int, rows: int, cache: Cache, g_len: int) -> DecodeState:
+        """Every slot idle (row N: out of range) over `cache`, outputs of N = rows empty."""
+        i32 = jnp.int32
+        return DecodeState(
+            cache=cache, tok=jnp.full((slots,), self.pad_id, i32), step=jnp.zeros((slots,), i32),
+            live=jnp.zeros((slots,), jnp.bool_), row=jnp.full((slots,), rows, i32),
+            stream=jnp.zeros((slots,), i32), limit=jnp.ones((slots,), i32),
+            tokens=jnp.full((rows, g_len), self.pad_id, i32),
+            logp=jnp.zeros((rows, g_len), jnp.float32),
+            logp_untruncated=jnp.zeros((rows, g_len), jnp.float32),
+            mask=jnp.zeros((rows, g_len), jnp.bool_))
+
+    def admit(self, state: DecodeState, slots: jax.Array, rows: jax.Array, streams: jax.Array,
+              limits: jax.Array, logits: jax.Array, decoding: Decoding, mode: SamplingMode
+              ) -> DecodeState:
+        """Admits K rows: row rows[i] (random stream streams[i], length limit limits[i]) goes to
+        slot slots[i] with its first token sampled from logits f32[K, V] (its prompt's last
+        position; column 0 of its stream). Entries with slot R / row N are dropped. The slots'
+        cache rows are the caller's (`CacheLayout.admit`)."""
+        tok, lp, lp_full = self._sample(logits, decoding, streams, jnp.zeros_like(streams), mode)
+        state = _record(state, rows, jnp.zeros_like(rows), tok, lp, lp_full)
+        ended = decoding.is_eos(tok) | (limits <= 1)
+
+        def put(buf: jax.Array, x: jax.Array) -> jax.Array:
+            return buf.at[slots].set(x.astype(buf.dtype), mode="drop")
+
+        return state.replace(tok=put(state.tok, tok), step=put(state.step, jnp.ones_like(rows)),
+                             live=put(state.live, ~ended), row=put(state.row, rows),
+                             stream=put(state.stream, streams), limit=put(state.limit, limits))
+
+    def step(self, model: Transformer, params: Params, state: DecodeState, decoding: Decoding,
+             mode: SamplingMode, *, observe: bool = False, compress: bool = False
+             ) -> DecodeState:
+        """One decode step of every slot: each live slot's last token through `model` (with
+        `prepare`d params), its next token sampled (column `step` of its stream), recorded in
+        its output row, and the slot finished on an EOS id or at its length limit.
+
+        A slot that is not live still runs through the model (the batch has a static shape), but
+        its token is masked as an empty cache slot and its cache does not move, so its cache
+        stays within its S slots and nothing it computes is recorded. `observe` has a compressed
+        layout record the step's queries; `compress` then compresses the live rows due at their
+        own step (the refilling sampler, whose rows are at different steps; the static sampler
+        compresses its aligned rows once per interval instead)."""
+        live = state.live
+        logits, cache = self.layout.forward(model, params, state.tok, state.cache, live, observe)
+        if compress:
+            cache = self.layout.compress(cache, self.layout.due(cache, state.step) & live)
+        tok, lp, lp_full = self._sample(logits, decoding, state.stream, state.step, mode)
+        state = _record(state, jnp.where(live, state.row, state.rows), state.step, tok, lp,
+                        lp_full)
+        step = state.step + live.astype(jnp.int32)
+        ended = decoding.is_eos(tok) | (step >= state.limit)
+        return state.replace(cache=cache, tok=jnp.where(live, tok, state.tok), step=step,
+                             live=live & ~ended)
+
+    def _sample(self, logits: jax.Array, decoding: Decoding, streams: jax.Array,
+                steps: jax.Array, mode: SamplingMode
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(token, log-prob, untruncated log-prob) per row of logits f32[R, V], row r drawing
+        column steps[r] of stream streams[r]."""
+        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(decoding.key, streams)
+        step_keys = jax.vmap(jax.random.fold_in)(row_keys, steps)
+        return sample_tokens(logits, step_keys, decoding.temperature, decoding.top_p, mode)
+
+    def finish(self, state: DecodeState, eos_ids: jax.Array) -> dict[str, jax.Array]:
+        """The outputs' `SampleOutput.PER_ROW` fields (N rows, G columns)."""
+        lengths, finish = finish_reasons(state.tokens, state.mask, eos_ids)
+        return dict(tokens=state.tokens, logp=state.logp, logp_untruncated=state.logp_untruncated,
+                    mask=state.mask, lengths=lengths, finish_reason=finish)
+
+    def take(self, state: DecodeState, index: jax.Array) -> DecodeState:
+        """The state of slots `index` (i32[R']) in that order; the outputs as they are."""
+        take = lambda x: jnp.take(x, index, axis=0)  # noqa: E731
+        return state.replace(cache=jax.tree.map(take, state.cache), tok=take(state.tok),
+                             step=take(state.step), live=take(state.live), row=take(state.row),
+                             stream=take(state.stream), limit=take(state.limit))
+
+    def constrain(self, state: DecodeState) -> DecodeState:
+        """Slots and output rows over the batch shards."""
+        if self.mesh is None:
+            return state
+        c = self.sharding.constrain
+        return DecodeState(
+            cache=self.layout.constrain(state.cache), tok=c(state.tok, ROW_AXES),
+            step=c(state.step, ROW_AXES), live=c(state.live, ROW_AXES),
+            row=c(state.row, ROW_AXES), stream=c(state.stream, ROW_AXES),
+            limit=c(state.limit, ROW_AXES),
+            tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
+            logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES))
+
+
+def _record(state: DecodeState, rows: jax.Array, cols: jax.Array, tok: jax.Array,
+            lp: jax.Array, lp_full: jax.Array) -> DecodeState:
+    """Writes one token per entry at (rows, cols) of the outputs; entries with row N are
+    dropped."""
+    def put(buf: jax.Array, x: jax.Array) -> jax.Array:
+        return buf.at[rows, cols].set(x.astype(buf.dtype), mode="drop")
+
+    return state.replace(tokens=put(state.tokens, tok), logp=put(state.logp, lp),
+                         logp_untruncated=put(state.logp_untruncated, lp_full),
+                         mask=put(state.mask, jnp.ones_like(tok, jnp.bool_)))
