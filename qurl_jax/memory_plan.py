@@ -1,8 +1,8 @@
 """Per-device memory of a run's programs, compiled for a target: XLA's buffer sizes and an estimate.
 
-`plan(config, shapes_dir, target)` compiles every program of `PROGRAMS` for a config and returns
+`report(config, shapes_dir, target)` compiles every program of `PROGRAMS` for a config and returns
 their figures; `preflight(setup, limit_bytes)` is the trainer's check before its first step;
-`python -m qurl_jax.bench.memory --config=... --target=...` is the command line over `plan`.
+`python -m qurl_jax.bench.memory --config=... --target=...` is the command line over `report`.
 
 Nothing is loaded or allocated: the model shape comes from `configs/shapes/<model dir name>.json`
 (the `config.json` of the model `model.path` names; a real checkpoint's own `config.json` wins when
