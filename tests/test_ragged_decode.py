@@ -113,6 +113,8 @@ def test_the_choice_per_platform(tiny_model_config) -> None:
     assert hook(decode_attention="auto", platform="tpu") is None  # no dense ragged TPU kernel
     assert hook(decode_attention="auto", platform="gpu") is not None
     assert hook(decode_attention="pallas", platform="cpu") is not None
+    # A GPU's programs built on host devices (a memory estimate) keep XLA under 'auto'.
+    assert hook(decode_attention="auto", platform="gpu", mesh=make_mesh(data=2)) is None
     kv = KVPolicyConfig(policy="streaming", budget=6, interval=3, window=2, sinks=1)
     assert hook(decode_attention="auto", platform="gpu", kv_policy=kv) is None
     with pytest.raises(ValueError, match="decode_attention='pallas'.*'tpu'"):

@@ -117,9 +117,10 @@ class Engine:
         see `_cache.CompressedKV`. The reported log-probs are those of the sparse forward that
         sampled each token.
       decode_attention: how a decode step's attention reads a dense cache (`decode_model`):
-        'auto' = the ragged Pallas kernel on GPU (`models.decode_attention`: only each row's live
-        slots are read), XLA's masked attention on TPU, qurl_jax's CPU kernel on a single CPU
-        device; 'xla' = XLA's dense masked attention on every platform (the reference);
+        'auto' = the ragged Pallas kernel on GPU devices (`models.decode_attention`: only each
+        row's live slots are read), XLA's masked attention on TPU (and for a GPU's programs
+        built on host devices), qurl_jax's CPU kernel on a single CPU device; 'xla' = XLA's
+        dense masked attention on every platform (the reference);
         'pallas' = the ragged Pallas kernel (GPU; on CPU in Pallas' interpreter, for tests; TPU
         has no dense ragged kernel: an error). A compressed cache (`kv_policy`) has holes in its
         live slots, which the ragged kernel cannot express: it keeps the masked path.
@@ -169,16 +170,15 @@ class Engine:
         if platform is None:
             platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.platform = platform
-        if decode_attention == "pallas" and self._kernel_platform not in ("gpu", "cpu"):
+        # Where the programs run: the mesh's devices (host devices when `platform` names an
+        # accelerator for an estimate), else `platform`.
+        self._devices = _kernel_platform(
+            mesh.devices.flat[0].platform if mesh is not None else platform)
+        if decode_attention == "pallas" and self._devices not in ("gpu", "cpu"):
             raise ValueError(f"decode_attention='pallas' has no dense ragged kernel on platform "
-                             f"{platform!r} (GPU, or CPU in Pallas' interpreter); use 'auto' or "
-                             f"'xla'")
+                             f"{self._devices!r} (GPU, or CPU in Pallas' interpreter); use "
+                             f"'auto' or 'xla'")
         self.decode_attention = decode_attention
-
-    @property
-    def _kernel_platform(self) -> str:
-        """`platform` as `models.decode_attention` names it ('cuda' and 'rocm' are 'gpu')."""
-        return "gpu" if self.platform in ("cuda", "rocm") else self.platform
 
     # ------------------------------------------------------------------------------ shapes
     @property
@@ -276,21 +276,25 @@ class Engine:
         The ragged Pallas kernel reads each row's window [first live slot, last live slot] off
         the key mask (`ragged.model_hook`), exact for a dense cache, whose live slots are
         contiguous; a compressed cache keeps the masked path (the CPU kernel takes the mask
-        itself, so it serves both). On a mesh the kernel runs per shard (`_per_shard`)."""
+        itself, so it serves both). 'auto' takes the GPU kernel only where the programs run on
+        GPU devices (an accelerator's programs built on host devices for an estimate keep XLA);
+        'pallas' on host devices runs it in Pallas' interpreter. On a mesh the kernel runs per
+        shard (`_per_shard`)."""
         cfg = self.config
-        choice, platform = self.decode_attention, self._kernel_platform
+        choice, devices = self.decode_attention, self._devices
         if choice == "xla":
             return None
-        if choice == "auto" and platform == "cpu":
+        if choice == "auto" and self.platform == "cpu":
             if self.sharding.single_device and cpu_attention.usable(cfg.compute_dtype,
                                                                     cfg.head_dim):
                 return cpu_attention.decode_attention
             return None
-        if self.layout.compresses or platform not in ("gpu", "cpu"):
+        if self.layout.compresses or (choice == "auto" and (
+                _kernel_platform(self.platform) != "gpu" or devices != "gpu")):
             return None
         # 'auto' on GPU falls back to XLA per call when the slots have no kernel tiling.
-        hook = ragged.model_hook("pallas" if choice == "pallas" else "auto", platform=platform,
-                                 interpret=platform == "cpu")
+        hook = ragged.model_hook("pallas" if choice == "pallas" else "auto", platform=devices,
+                                 interpret=devices == "cpu")
         return self._per_shard(hook)
 
     def _per_shard(self, hook: DecodeAttention) -> DecodeAttention:
@@ -402,6 +406,11 @@ class Engine:
             limit=c(state.limit, ROW_AXES),
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES))
+
+
+def _kernel_platform(platform: str) -> str:
+    """A JAX platform as `models.decode_attention` names it ('cuda' and 'rocm' are 'gpu')."""
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def _record(state: DecodeState, rows: jax.Array, cols: jax.Array, tok: jax.Array,
