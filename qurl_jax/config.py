@@ -26,7 +26,7 @@ from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
 from qurl_jax.sampling import KVPolicyConfig, SamplingParams
-from qurl_jax.sampling.factory import RolloutSamplerSettings
+from qurl_jax.sampling.factory import DECODE_ATTENTION, RolloutSamplerSettings
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
@@ -59,6 +59,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.path = ""  # local Hugging Face directory (config.json + *.safetensors + tokenizer)
     c.model.dtype = "float32"  # compute dtype; master weights are always float32
     c.model.attention = "auto"  # auto (blockwise above 1024 keys) | dense | blockwise | cudnn
+    # How rollout decode steps read the KV cache (docs/paged_kv.md): auto | xla | pallas. auto:
+    # GPU the ragged Pallas kernel (only each row's live slots), TPU XLA, CPU the CPU kernel;
+    # xla: dense masked attention over every slot (the reference); pallas: the Pallas kernel
+    # (CPU: Pallas' interpreter, for tests). Compressed caches (rollout.kv_policy) keep the mask.
+    c.model.decode_attention = "auto"
     c.model.tiny = ml_collections.ConfigDict(dict(  # used when source == 'tiny'
         model_type="qwen2", hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
@@ -344,7 +349,7 @@ def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSett
     return RolloutSamplerSettings(
         refill=c.rollout.refill, max_concurrent_rows=c.rollout.max_concurrent_rows,
         rows_per_step=c.data.prompts_per_step * c.rollout.n,
-        kv_policy=kv_policy_from_config(c.rollout))
+        kv_policy=kv_policy_from_config(c.rollout), decode_attention=c.model.decode_attention)
 
 
 def sampling_params_from_config(rollout: ml_collections.ConfigDict,
@@ -477,6 +482,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         if not paths.exists(f):
             raise ConfigError(f"config.eval.files: {f!r} does not exist")
     _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
+    _choice(c.model.decode_attention, DECODE_ATTENTION, "model.decode_attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
     _choice(c.train.precision, TRAIN_PRECISIONS, "train.precision")

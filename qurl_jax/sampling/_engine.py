@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
+from qurl_jax.models import decode_attention as ragged
 from qurl_jax.models.config import ModelConfig
-from qurl_jax.models.transformer import DotGeneral, Transformer, cast_floats
+from qurl_jax.models.transformer import DecodeAttention, DotGeneral, Transformer, cast_floats
 from qurl_jax.quant import pack_for_decode
 from qurl_jax.sampling._cache import Cache, cache_layout
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
@@ -50,8 +51,9 @@ from qurl_jax.sampling._host import (
 from qurl_jax.sampling._kv_policy import KVPolicyConfig
 from qurl_jax.sampling._output import finish_reasons
 from qurl_jax.sampling.settings import Decoding, SamplingParams
-from qurl_jax.sharding import activation_pinner
+from qurl_jax.sharding import activation_pinner, logical_to_mesh_spec
 
+DECODE_ATTENTION = ("auto", "xla", "pallas")  # `Engine.decode_attention` choices
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
 
 
@@ -114,6 +116,14 @@ class Engine:
       kv_policy: Sparse-RL's KV compression (`KVPolicyConfig`; default dense, no compression);
         see `_cache.CompressedKV`. The reported log-probs are those of the sparse forward that
         sampled each token.
+      decode_attention: how a decode step's attention reads a dense cache (`decode_model`):
+        'auto' = the ragged Pallas kernel on GPU devices (`models.decode_attention`: only each
+        row's live slots are read), XLA's masked attention on TPU (and for a GPU's programs
+        built on host devices), qurl_jax's CPU kernel on a single CPU device; 'xla' = XLA's
+        dense masked attention on every platform (the reference);
+        'pallas' = the ragged Pallas kernel (GPU; on CPU in Pallas' interpreter, for tests; TPU
+        has no dense ragged kernel: an error). A compressed cache (`kv_policy`) has holes in its
+        live slots, which the ragged kernel cannot express: it keeps the masked path.
     """
 
     def __init__(
@@ -130,7 +140,11 @@ class Engine:
         mesh: Mesh | None = None,
         platform: str | None = None,
         kv_policy: KVPolicyConfig | None = None,
+        decode_attention: str = "auto",
     ) -> None:
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r} must be one of "
+                             f"{DECODE_ATTENTION}")
         self.config = config.validate()
         self.kv_policy = KVPolicyConfig() if kv_policy is None else kv_policy.validate()
         self.model = Transformer(config, dot_general)
@@ -156,6 +170,15 @@ class Engine:
         if platform is None:
             platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.platform = platform
+        # Where the programs run: the mesh's devices (host devices when `platform` names an
+        # accelerator for an estimate), else `platform`.
+        self._devices = _kernel_platform(
+            mesh.devices.flat[0].platform if mesh is not None else platform)
+        if decode_attention == "pallas" and self._devices not in ("gpu", "cpu"):
+            raise ValueError(f"decode_attention='pallas' has no dense ragged kernel on platform "
+                             f"{self._devices!r} (GPU, or CPU in Pallas' interpreter); use "
+                             f"'auto' or 'xla'")
+        self.decode_attention = decode_attention
 
     # ------------------------------------------------------------------------------ shapes
     @property
@@ -236,18 +259,63 @@ class Engine:
         return {**params, "lm_head": {"kernel": self.sharding.constrain(head, ("embed", "vocab"))}}
 
     def decode_model(self, prepared: Params) -> Transformer:
-        """The model that runs `prepare`'s output: untied when it carries the head kernel, and on
-        a single CPU device with qurl_jax's decode attention kernel where this machine can run it
-        (it reads only the cache slots in use)."""
+        """The model that runs `prepare`'s output: untied when it carries the head kernel, with
+        the decode attention hook `attention_hook` chooses."""
         cfg = self.config
-        if self.platform != "cpu":
-            return self.model
-        decode_attention = None
-        if self.sharding.single_device and cpu_attention.usable(cfg.compute_dtype, cfg.head_dim):
-            decode_attention = cpu_attention.decode_attention
-        if cfg.tie_word_embeddings and "lm_head" in prepared:
+        hook = self.attention_hook()
+        if self.platform == "cpu" and cfg.tie_word_embeddings and "lm_head" in prepared:
             cfg = cfg.replace(tie_word_embeddings=False)
-        return Transformer(cfg, self.model.dot_general, decode_attention)
+        elif hook is None:
+            return self.model
+        return Transformer(cfg, self.model.dot_general, hook)
+
+    def attention_hook(self) -> DecodeAttention | None:
+        """The decode model's attention hook (None: XLA's masked attention over every slot), by
+        `decode_attention` (see the class docstring), the platform and the cache layout.
+
+        The ragged Pallas kernel reads each row's window [first live slot, last live slot] off
+        the key mask (`ragged.model_hook`), exact for a dense cache, whose live slots are
+        contiguous; a compressed cache keeps the masked path (the CPU kernel takes the mask
+        itself, so it serves both). 'auto' takes the GPU kernel only where the programs run on
+        GPU devices (an accelerator's programs built on host devices for an estimate keep XLA);
+        'pallas' on host devices runs it in Pallas' interpreter. On a mesh the kernel runs per
+        shard (`_per_shard`)."""
+        cfg = self.config
+        choice, devices = self.decode_attention, self._devices
+        if choice == "xla":
+            return None
+        if choice == "auto" and self.platform == "cpu":
+            if self.sharding.single_device and cpu_attention.usable(cfg.compute_dtype,
+                                                                    cfg.head_dim):
+                return cpu_attention.decode_attention
+            return None
+        if self.layout.compresses or (choice == "auto" and (
+                _kernel_platform(self.platform) != "gpu" or devices != "gpu")):
+            return None
+        # 'auto' on GPU falls back to XLA per call when the slots have no kernel tiling.
+        hook = ragged.model_hook("pallas" if choice == "pallas" else "auto", platform=devices,
+                                 interpret=devices == "cpu")
+        return self._per_shard(hook)
+
+    def _per_shard(self, hook: DecodeAttention) -> DecodeAttention:
+        """`hook` under `jax.shard_map` over the mesh (identity without one): XLA does not
+        partition a Pallas call, so each device runs the kernel on its own rows (batch shards)
+        and kv heads ('tensor'). JAX's kernels declare no varying axes: check_vma=False."""
+        mesh = self.mesh
+        if mesh is None or mesh.size == 1:
+            return hook
+
+        def sharded(q, keys, values, key_mask, length):
+            rows = logical_to_mesh_spec(jax.sharding.PartitionSpec("batch", "kv_heads"),
+                                        q.shape[:2], mesh)
+            mask = jax.sharding.PartitionSpec(rows[0], None)
+            del length  # the window is read off the key mask
+            run = jax.shard_map(lambda q, k, v, m: hook(q, k, v, m, None), mesh=mesh,
+                                in_specs=(rows, rows, rows, mask), out_specs=rows,
+                                check_vma=False)
+            return run(q, keys, values, key_mask)
+
+        return sharded
 
     def empty_state(self, slots: int, rows: int, cache: Cache, g_len: int) -> DecodeState:
         """Every slot idle (row N: out of range) over `cache`, outputs of N = rows empty."""
@@ -343,6 +411,11 @@ class Engine:
             limit=c(state.limit, ROW_AXES),
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES))
+
+
+def _kernel_platform(platform: str) -> str:
+    """A JAX platform as `models.decode_attention` names it ('cuda' and 'rocm' are 'gpu')."""
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def _record(state: DecodeState, rows: jax.Array, cols: jax.Array, tok: jax.Array,
