@@ -364,6 +364,9 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Ar
     (`positions_from_mask`: positions are the count of real tokens before, for any pad pattern);
     a KV cache or packed sequences do not. q_pos and k_pos are not read.
 
+    With bf16 inputs, lower it under jax_default_matmul_precision 'default' (not 'highest'):
+    Mosaic rejects fp32-pass matmuls on bf16 operands ("Bad lhs type").
+
     interpret=True runs the kernel in Pallas interpret mode, without the platform dispatch, on any
     backend (tests). Otherwise it lowers only for a TPU: the platform the program is lowered for,
     not this process's default backend.
