@@ -52,7 +52,8 @@ class ModelConfig:
 
     `dtype` is the compute dtype (float32 on CPU, bfloat16 on TPU/GPU); master parameters are always
     `param_dtype` (float32) so that tiny RL updates are not lost to bf16 rounding in the learner.
-    `attention` picks the attention implementation ('auto' | 'dense' | 'blockwise' | 'cudnn').
+    `attention` picks the attention implementation ('auto' | 'dense' | 'blockwise' | 'cudnn' |
+    'pallas_tpu').
     """
 
     model_type: str = "llama"

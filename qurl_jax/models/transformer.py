@@ -289,7 +289,8 @@ class Attention(nn.Module):
                                         jnp.max(write_slots) + 1)
             out = attn_lib.ungroup_queries(out, t)
         else:
-            out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention)
+            out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
+                                     causal_by_index=cache is None)
         out = out.reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache
@@ -339,6 +340,9 @@ class Transformer(nn.Module):
     Args to `__call__`:
       tokens: i32[B, T] token ids (pad positions may hold any id).
       positions: i32[B, T] RoPE positions (for a left-padded prompt: 0 at the first real token).
+        Without a cache, the real tokens' positions must strictly increase along each row (one
+        sequence in order, as `positions_from_mask` gives): attention may then run causal by index
+        (`attention.pallas_tpu_attention` on a TPU).
       mask: bool[B, T] real tokens; None means all real. Padded keys are never attended to.
       cache: optional KVCache; row r's T new keys/values go to slots [n_used[r], n_used[r] + T)
         (the caller leaves room), recorded at their `positions` (pads as empty slots); next_pos
