@@ -2,8 +2,9 @@
 
 Numerics: the kernel runs in Pallas' TPU interpret mode on the CPU and is compared with dense
 attention in float32 (outputs to 1e-5, gradients to 1e-4 absolute) on left-padded, unpadded and
-GQA inputs. Compile: `auto` lowered for a TPU v5e target picks the kernel and needs no more
-temporary memory than blockwise (skipped without libtpu).
+GQA inputs. Compile: `pallas_tpu` lowered for a TPU v5e device needs no more temporary memory
+than blockwise, and `auto` on a sharded TPU program stays blockwise, which XLA can partition
+(skipped without libtpu).
 """
 
 import importlib.util
@@ -67,7 +68,7 @@ def test_rejects_cross_attention():
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install -e .[tpu-compile])")
-def test_auto_compiles_the_kernel_for_tpu_within_blockwise_memory():
+def test_kernel_compiles_for_tpu_within_blockwise_memory():
     dev = targets.parse("tpu:v5e-4").devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(dev)
     b, t, h, hkv, d = 1, 1280, 2, 1, 128
@@ -85,8 +86,32 @@ def test_auto_compiles_the_kernel_for_tpu_within_blockwise_memory():
         with jax.default_matmul_precision("default"):
             return fn.trace(*args).lower(lowering_platforms=("tpu",)).compile()
 
-    auto, blockwise = compiled("auto"), compiled("blockwise")
+    auto, blockwise = compiled("pallas_tpu"), compiled("blockwise")
     assert "tpu_custom_call" in auto.as_text()
     assert "tpu_custom_call" not in blockwise.as_text()
     assert (auto.memory_analysis().temp_size_in_bytes
             <= blockwise.memory_analysis().temp_size_in_bytes)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install -e .[tpu-compile])")
+def test_auto_on_a_sharded_tpu_program_compiles():
+    # A learner's attention is batch-sharded over the mesh; XLA cannot partition a Mosaic kernel
+    # ("Mosaic kernels cannot be automatically partitioned"), so `auto` must not lower it there.
+    devices = np.array(targets.parse("tpu:v5e-4").devices())
+    mesh = jax.sharding.Mesh(devices, ("rows",))
+    b, t, h, hkv, d = 4, 1280, 2, 1, 128
+
+    def spec(shape, dtype):
+        pspec = jax.sharding.PartitionSpec("rows", *([None] * (len(shape) - 1)))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, pspec))
+
+    args = (spec((b, t, h, d), jnp.bfloat16), spec((b, hkv, t, d), jnp.bfloat16),
+            spec((b, hkv, t, d), jnp.bfloat16), spec((b, t), jnp.int32), spec((b, t), jnp.bool_))
+
+    def loss(q, k, v, pos, mask):
+        out = attn.attention(q, k, v, pos, pos, mask, "auto", causal_by_index=True)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with jax.default_matmul_precision("default"):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(
+            lowering_platforms=("tpu",)).compile()

@@ -63,8 +63,8 @@ class Implementation(enum.StrEnum):
     DENSE = "dense"
     BLOCKWISE = "blockwise"
     CUDNN = "cudnn"  # jax.nn.dot_product_attention on cuDNN; GPU only, never chosen by auto
-    # JAX's Pallas TPU splash attention; TPU only. `auto` lowers it for a TPU where blockwise
-    # would run and the call is self-attention over one in-order sequence (`causal_by_index`).
+    # JAX's Pallas TPU splash attention; TPU only, one device (or inside a shard_map): XLA
+    # cannot partition a Mosaic kernel over a mesh, so `auto` does not choose it.
     PALLAS_TPU = "pallas_tpu"
 
 
@@ -381,18 +381,11 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Ar
     return jax.lax.platform_dependent(q, k, v, k_valid, tpu=kernel)
 
 
-def _tpu_else_blockwise(q, k, v, q_pos, k_pos, k_valid):
-    """`auto` above the blockwise threshold for in-order self-attention: the Pallas TPU kernel
-    when lowered for a TPU, `blockwise_attention` on every other platform."""
-    return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, k_valid, tpu=pallas_tpu_attention,
-                                      default=blockwise_attention)
-
-
 # ----------------------------------------------------------------------------------- dispatcher
 def resolve_implementation(implementation: Implementation | str, num_queries: int,
                            num_keys: int) -> Implementation:
     """The concrete implementation `attention` runs for T = num_queries and S = num_keys on a
-    non-TPU platform (on a TPU, `auto`'s blockwise may become `pallas_tpu`: see `attention`)."""
+    platform."""
     impl = Implementation(implementation)
     if impl is not Implementation.AUTO:
         return impl
@@ -410,13 +403,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     k_valid: bool[B, S]. Returns f[B, T, H, D] in q's dtype.
 
     causal_by_index: the caller guarantees the condition of `pallas_tpu_attention` (in-order
-    self-attention). Only then does `auto`, where it would run blockwise, lower the Pallas TPU
-    kernel instead when the program is lowered for a TPU.
+    self-attention); without it `pallas_tpu` runs as `auto`. `auto` never picks the TPU
+    kernel: on a sharded learner XLA refuses to partition it ("Mosaic kernels cannot be
+    automatically partitioned"), so it waits for a shard_map wrapper over the batch axes.
     """
     impl = resolve_implementation(implementation, q.shape[1], k.shape[2])
-    if (impl is Implementation.BLOCKWISE and Implementation(implementation) is Implementation.AUTO
-            and causal_by_index and q.shape[1] == k.shape[2]):
-        return _tpu_else_blockwise(q, k, v, q_pos, k_pos, k_valid)
+    if impl is Implementation.PALLAS_TPU and not causal_by_index:
+        # With a KV cache (prefill, decode) the kernel's causal-by-index rule does not hold.
+        impl = resolve_implementation(Implementation.AUTO, q.shape[1], k.shape[2])
     fn = {Implementation.DENSE: dot_product_attention,
           Implementation.BLOCKWISE: blockwise_attention,
           Implementation.CUDNN: cudnn_attention,
