@@ -40,7 +40,6 @@ from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
-    eval_settings,
     learner_micro_batch_size,
     objective_from_config,
     optim_from_config,
@@ -67,6 +66,7 @@ from qurl_jax.rollout import Rollout, regenerate_groups
 from qurl_jax.rollout_speed import compare_rollout_speed
 from qurl_jax.sampling import SamplingParams
 from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
+from qurl_jax.settings import RunSettings
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
@@ -100,6 +100,8 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str) -> None:
         self.config = validate(config)
+        # The typed sections the code below reads (the tasks, the model, the warm start).
+        self.settings = RunSettings.from_config(self.config)
         self.workdir = local_abspath(workdir)
         c = self.config
         self.mesh = shd.mesh_from_config(c.mesh)
@@ -111,7 +113,7 @@ class Trainer:
                               f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = quant.get_recipe(c.rollout.precision)
         self.objective = objective_from_config(c.rl)
-        self.model_config = model_config_for(c)
+        self.model_config = model_config_for(self.settings.model)
         self.learner = Learner(self.model_config, self.objective, optim_from_config(c.optim),
                                self.mesh, temperature=c.rollout.temperature,
                                num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
@@ -128,7 +130,8 @@ class Trainer:
             run_config.check(c, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
-        self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
+        self.model_config, init_params_, self.task = build_model_and_task(self.settings,
+                                                                          self.workdir)
         engine_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                              max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                              pad_id=self.task.pad_id, mesh=self.mesh)
@@ -410,7 +413,7 @@ class Trainer:
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
         params = self.params if params is None else params
-        return self.task.evaluate(self.eval_sampler, params, eval_settings(self.config),
+        return self.task.evaluate(self.eval_sampler, params, self.settings.eval,
                                   self.key(Stream.EVAL))
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:

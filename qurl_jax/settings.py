@@ -1,0 +1,151 @@
+"""The run's typed settings: the sections of a validated `ConfigDict` that the code below the
+trainer reads, as frozen dataclasses.
+
+The trainer (and the other entry points: `study`, the benchmarks' command lines) validates the
+`ConfigDict` once (`config.validate`, which names a bad or unknown field in one line) and converts
+it once with `RunSettings.from_config`; everything below takes the typed section it needs
+(`ModelSettings` to build the model, `DataSettings` for the prompts, `RewardSettings` for the
+verifier, `SftSettings` for the embedded default's warm start). Each section has one converter,
+`from_config`, of its `ConfigDict` section; the converters copy values and check nothing (that is
+`validate`'s job). The objective, KV policy, optimizer, rollout sampler and evaluation have their
+own typed configs, converted in `qurl_jax.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from qurl_jax.config import EvalSettings, chain_config, eval_settings
+from qurl_jax.data.arithmetic import ArithmeticConfig
+from qurl_jax.data.chains import ChainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyShape:
+    """The in-code model's shape (`model.tiny`; its vocabulary is the character tokenizer's)."""
+
+    model_type: str = "qwen2"
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 256
+
+    @classmethod
+    def from_config(cls, tiny: ml_collections.ConfigDict) -> TinyShape:
+        return cls(**{f.name: tiny[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """Which policy to train (`model`).
+
+    source: 'hf' loads the Hugging Face directory `path`; 'tiny' builds `tiny` in code.
+    dtype: compute dtype (master weights are float32). attention: the attention implementation.
+    """
+
+    source: str = "hf"
+    path: str = ""
+    dtype: str = "float32"
+    attention: str = "auto"
+    tiny: TinyShape = TinyShape()
+
+    @classmethod
+    def from_config(cls, model: ml_collections.ConfigDict) -> ModelSettings:
+        return cls(source=model.source, path=model.path, dtype=model.dtype,
+                   attention=model.attention, tiny=TinyShape.from_config(model.tiny))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """What the task trains on (`data`).
+
+    task: 'math' (the `train_files`), 'arithmetic' or 'chain' (synthetic, shaped by `arith_digits`
+    / `arith_ops` and `chain`); prompts_per_step: distinct prompts per RL step; max_prompt_len:
+    longer prompts are skipped; chat_template: prompts through the tokenizer's chat template;
+    split_seed: the synthetic train / held-out split's seed, -1 = the run's seed (`split_seed_of`).
+    """
+
+    task: str = "math"
+    train_files: tuple[str, ...] = ()
+    prompts_per_step: int = 8
+    max_prompt_len: int = 512
+    chat_template: bool = True
+    arith_digits: int = 2
+    arith_ops: str = "+-"
+    chain: ChainConfig = ChainConfig()
+    split_seed: int = -1
+
+    @classmethod
+    def from_config(cls, data: ml_collections.ConfigDict) -> DataSettings:
+        return cls(task=data.task, train_files=tuple(data.train_files),
+                   prompts_per_step=data.prompts_per_step, max_prompt_len=data.max_prompt_len,
+                   chat_template=data.chat_template, arith_digits=data.arith_digits,
+                   arith_ops=data.arith_ops, chain=chain_config(data), split_seed=data.split_seed)
+
+    @property
+    def arithmetic(self) -> ArithmeticConfig:
+        """The arithmetic task's `ArithmeticConfig`."""
+        return ArithmeticConfig(max_digits=self.arith_digits, operators=tuple(self.arith_ops))
+
+    def split_seed_of(self, seed: int) -> int:
+        """The seed of the synthetic split in a run seeded with `seed`."""
+        return seed if self.split_seed < 0 else self.split_seed
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+    """The math verifier (`reward`): `workers` threads, `timeout_s` per response, and the weight
+    of the format term in the reward."""
+
+    workers: int = 4
+    timeout_s: float = 5.0
+    format_weight: float = 0.0
+
+    @classmethod
+    def from_config(cls, reward: ml_collections.ConfigDict) -> RewardSettings:
+        return cls(workers=reward.workers, timeout_s=reward.timeout_s,
+                   format_weight=reward.format_weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSettings:
+    """The tiny model's supervised warm start (`sft`): `steps` (0 = none) at `learning_rate` on
+    batches of `batch_size`; the noisy teacher's `format_noise` (arithmetic) and the buggy
+    teacher's `bug_rate` (chain)."""
+
+    steps: int = 0
+    learning_rate: float = 3e-3
+    batch_size: int = 64
+    format_noise: float = 0.0
+    bug_rate: float = 0.0
+
+    @classmethod
+    def from_config(cls, sft: ml_collections.ConfigDict) -> SftSettings:
+        return cls(**{f.name: sft[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """The typed sections of one run's config, converted once (`from_config`)."""
+
+    seed: int = 0
+    model: ModelSettings = ModelSettings()
+    data: DataSettings = DataSettings()
+    reward: RewardSettings = RewardSettings()
+    sft: SftSettings = SftSettings()
+    eval: EvalSettings = EvalSettings()
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> RunSettings:
+        """The settings of a validated config (`config.validate`); checks nothing itself."""
+        return cls(seed=c.seed, model=ModelSettings.from_config(c.model),
+                   data=DataSettings.from_config(c.data),
+                   reward=RewardSettings.from_config(c.reward),
+                   sft=SftSettings.from_config(c.sft), eval=eval_settings(c))
