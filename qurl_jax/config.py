@@ -327,11 +327,6 @@ def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
                        grad_clip=o.grad_clip)
 
 
-def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
-    """Rows of one learner micro-batch: the rollout batch / (minibatches * micro-batches)."""
-    return c.data.prompts_per_step * c.rollout.n // (c.rl.num_minibatches * c.rl.num_micro_batches)
-
-
 def refill_enabled(c: ml_collections.ConfigDict) -> bool:
     """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
     a slot, the only case where refilling can help)."""

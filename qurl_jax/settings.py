@@ -5,10 +5,11 @@ The trainer (and the other entry points: `study`, the benchmarks' command lines)
 `ConfigDict` once (`config.validate`, which names a bad or unknown field in one line) and converts
 it once with `RunSettings.from_config`; everything below takes the typed section it needs
 (`ModelSettings` to build the model, `DataSettings` for the prompts, `RewardSettings` for the
-verifier, `SftSettings` for the embedded default's warm start). Each section has one converter,
-`from_config`, of its `ConfigDict` section; the converters copy values and check nothing (that is
-`validate`'s job). The objective, KV policy, optimizer, rollout sampler and evaluation have their
-own typed configs, converted in `qurl_jax.config`.
+verifier, `SftSettings` for the embedded default's warm start; `RolloutSettings`,
+`TrainSettings` and `MeshSizes` for the memory plan of the run's programs). Each section has one
+converter, `from_config`; the converters copy values (the typed configs they hold, objective, KV
+policy, optimizer, rollout sampler and evaluation, are converted by `qurl_jax.config`, whose
+converters check their values and name a bad field).
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ from __future__ import annotations
 import dataclasses
 
 import ml_collections
+from jax.sharding import Mesh
 
-from qurl_jax.config import EvalSettings, chain_config, eval_settings
+from qurl_jax.config import (
+    EvalSettings,
+    chain_config,
+    eval_settings,
+    objective_from_config,
+    optim_from_config,
+    rollout_sampler_settings,
+)
 from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
+from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.models import ModelConfig
+from qurl_jax.rl.objectives import ObjectiveConfig
+from qurl_jax.sampling.factory import RolloutSamplerSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +145,82 @@ class SftSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout actor (`rollout`): its quantization `precision` (a `quant.RECIPES` name), `n`
+    samples per prompt of at most `max_new_tokens` at `temperature`, and the `sampler` that draws
+    them (continuous batching, concurrent rows, KV policy)."""
+
+    precision: str = "int8"
+    n: int = 8
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    sampler: RolloutSamplerSettings = RolloutSamplerSettings(rows_per_step=8 * 8)  # data's 8
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
+        """Of the whole config: the sampler's rows per step are `data.prompts_per_step * n`."""
+        r = c.rollout
+        return cls(precision=r.precision, n=r.n, max_new_tokens=r.max_new_tokens,
+                   temperature=r.temperature, sampler=rollout_sampler_settings(c))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """The learner: its `objective` and `optim`, the rollout batch cut into `num_minibatches`
+    optimizer steps of `num_micro_batches` accumulated micro-batches (`rl`), and its memory and
+    precision knobs (`train`: remat, scan_layers, logprob_chunk, precision)."""
+
+    objective: ObjectiveConfig = ObjectiveConfig()
+    optim: OptimConfig = OptimConfig()
+    num_minibatches: int = 1
+    num_micro_batches: int = 1
+    remat: str = "none"
+    scan_layers: bool = False
+    logprob_chunk: int = 512
+    precision: str = "fp"
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
+        """Of the whole config (its `rl`, `optim` and `train` sections)."""
+        return cls(objective=objective_from_config(c.rl), optim=optim_from_config(c.optim),
+                   num_minibatches=c.rl.num_minibatches, num_micro_batches=c.rl.num_micro_batches,
+                   remat=c.train.remat, scan_layers=c.train.scan_layers,
+                   logprob_chunk=c.train.logprob_chunk, precision=c.train.precision)
+
+    def micro_batch_rows(self, rollout_rows: int) -> int:
+        """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
+        return rollout_rows // (self.num_minibatches * self.num_micro_batches)
+
+    def learner(self, model_config: ModelConfig, mesh: Mesh, *, temperature: float,
+                rollout_rows: int) -> Learner:
+        """The `Learner` of these settings for a rollout batch of `rollout_rows` sampled at
+        `temperature` (its log-probs are computed in slices of one micro-batch)."""
+        return Learner(model_config, self.objective, self.optim, mesh, temperature=temperature,
+                       num_micro_batches=self.num_micro_batches, remat=self.remat,
+                       scan_layers=self.scan_layers, logprob_chunk=self.logprob_chunk,
+                       logprob_batch_size=self.micro_batch_rows(rollout_rows),
+                       precision=self.precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSizes:
+    """Devices per mesh axis within one slice (`mesh`; -1: the devices the others leave)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    @classmethod
+    def from_config(cls, mesh: ml_collections.ConfigDict) -> MeshSizes:
+        return cls(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor)
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> MeshSizes:
+        """The total sizes of a built mesh's axes (-1 resolved, slices folded in)."""
+        return cls(**{axis: int(size) for axis, size in mesh.shape.items()})
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSettings:
     """The typed sections of one run's config, converted once (`from_config`)."""
 
@@ -141,6 +230,14 @@ class RunSettings:
     reward: RewardSettings = RewardSettings()
     sft: SftSettings = SftSettings()
     eval: EvalSettings = EvalSettings()
+    rollout: RolloutSettings = RolloutSettings()
+    train: TrainSettings = TrainSettings()
+    mesh: MeshSizes = MeshSizes()
+
+    @property
+    def rollout_rows(self) -> int:
+        """Rows of one step's rollout batch: prompts per step x samples per prompt."""
+        return self.data.prompts_per_step * self.rollout.n
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> RunSettings:
@@ -148,4 +245,6 @@ class RunSettings:
         return cls(seed=c.seed, model=ModelSettings.from_config(c.model),
                    data=DataSettings.from_config(c.data),
                    reward=RewardSettings.from_config(c.reward),
-                   sft=SftSettings.from_config(c.sft), eval=eval_settings(c))
+                   sft=SftSettings.from_config(c.sft), eval=eval_settings(c),
+                   rollout=RolloutSettings.from_config(c), train=TrainSettings.from_config(c),
+                   mesh=MeshSizes.from_config(c.mesh))

@@ -40,15 +40,11 @@ from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
-    learner_micro_batch_size,
-    objective_from_config,
-    optim_from_config,
     rollout_sampler_settings,
     sampling_params_from_config,
     validate,
 )
 from qurl_jax.errors import ConfigError
-from qurl_jax.learner import Learner
 from qurl_jax.metrics import (
     MetricWriter,
     PhaseTimer,
@@ -112,14 +108,11 @@ class Trainer:
             raise ConfigError(f"config.data.prompts_per_step={c.data.prompts_per_step} must be "
                               f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = quant.get_recipe(c.rollout.precision)
-        self.objective = objective_from_config(c.rl)
+        self.objective = self.settings.train.objective
         self.model_config = model_config_for(self.settings.model)
-        self.learner = Learner(self.model_config, self.objective, optim_from_config(c.optim),
-                               self.mesh, temperature=c.rollout.temperature,
-                               num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
-                               scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
-                               logprob_batch_size=learner_micro_batch_size(c),
-                               precision=c.train.precision)
+        self.learner = self.settings.train.learner(self.model_config, self.mesh,
+                                                   temperature=c.rollout.temperature,
+                                                   rollout_rows=self.settings.rollout_rows)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
@@ -187,10 +180,11 @@ class Trainer:
             return
         limit = int(c.train.memory_limit_gib * memory_plan.GIB)
         if target is not None:
-            setup = memory_plan.build_setup(c, self.model_config, target.devices())
+            setup = memory_plan.build_setup(self.settings, self.model_config, target.devices())
             limit = limit or memory_plan.budget_bytes(target)
         else:
-            setup = memory_plan.setup_for(c, self.model_config, self.mesh, self.learner)
+            setup = memory_plan.setup_for(self.settings, self.model_config, self.mesh,
+                                          self.learner)
             limit = limit or (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
         if not limit:
             raise ValueError("config.train.memory_limit_gib: the device reports no memory limit; "

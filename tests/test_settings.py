@@ -30,6 +30,10 @@ def test_the_converters_carry_every_value():
     assert (s.data.split_seed_of(3), DataSettings().split_seed_of(3)) == (2, 3)
     assert s.sft == SftSettings(bug_rate=0.25) and s.reward.workers == 2
     assert s.eval.files == ("a.json",)
+    c.rollout.max_concurrent_rows, c.rl.num_minibatches, c.mesh.fsdp = 16, 2, -1
+    s = RunSettings.from_config(c)
+    assert s.rollout_rows == s.rollout.sampler.rows_per_step == 64 and s.rollout.sampler.refills
+    assert s.train.micro_batch_rows(s.rollout_rows) == 32 and s.mesh.fsdp == -1
     # Hashable and frozen: a section can key a cache and cannot drift after the conversion.
     assert hash(s)
     assert dataclasses.is_dataclass(s) and s.__dataclass_params__.frozen
