@@ -1,15 +1,15 @@
 """The run's typed settings: the sections of a validated `ConfigDict` that the code below the
 trainer reads, as frozen dataclasses.
 
-The trainer (and the other entry points: `study`, the benchmarks' command lines) validates the
-`ConfigDict` once (`config.validate`, which names a bad or unknown field in one line) and converts
-it once with `RunSettings.from_config`; everything below takes the typed section it needs
-(`ModelSettings` to build the model, `DataSettings` for the prompts, `RewardSettings` for the
-verifier, `SftSettings` for the embedded default's warm start; `RolloutSettings`,
-`TrainSettings` and `MeshSizes` for the memory plan of the run's programs). Each section has one
-converter, `from_config`; the converters copy values (the typed configs they hold, objective, KV
-policy, optimizer, rollout sampler and evaluation, are converted by `qurl_jax.config`, whose
-converters check their values and name a bad field).
+The trainer validates the `ConfigDict` once (`config.validate`, which names a bad or unknown field
+in one line) and converts it once with `RunSettings.from_config` (the other entry points, `study`
+and the benchmarks' command lines, convert theirs the same way); everything below takes the typed
+section it needs: `ModelSettings` to build the model, `DataSettings` for the prompts,
+`RewardSettings` for the verifier, `SftSettings` for the embedded default's warm start,
+`TrainSettings` for the learner, and `RolloutSettings`, `MeshSizes` (with the others) for the
+memory plan of the run's programs. Each section has one converter, `from_config`, which copies
+values; the typed configs the sections hold (objective, KV policy, optimizer, rollout sampler,
+evaluation) are converted by `qurl_jax.config`, whose converters name a bad field.
 """
 
 from __future__ import annotations
