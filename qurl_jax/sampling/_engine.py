@@ -272,12 +272,17 @@ class Engine:
         state = _record(state, rows, jnp.zeros_like(rows), tok, lp, lp_full)
         ended = decoding.is_eos(tok) | (limits <= 1)
 
-        def put(buf: jax.Array, x: jax.Array) -> jax.Array:
-            return buf.at[slots].set(x.astype(buf.dtype), mode="drop")
-
-        return state.replace(tok=put(state.tok, tok), step=put(state.step, jnp.ones_like(rows)),
-                             live=put(state.live, ~ended), row=put(state.row, rows),
-                             stream=put(state.stream, streams), limit=put(state.limit, limits))
+        # The six per-slot fields in one scatter: the TPU compiler fuses scatters that share
+        # their indices into one multi-output scatter and then fails a check on it
+        # (libtpu 0.0.42.1, scatter_emitter.cc: "operand_indices.size() == 1").
+        i32 = jnp.int32
+        fields = (state.tok, state.step, state.live, state.row, state.stream, state.limit)
+        new = (tok, jnp.ones_like(rows), ~ended, rows, streams, limits)
+        table = jnp.stack([f.astype(i32) for f in fields], axis=1)
+        table = table.at[slots].set(jnp.stack([x.astype(i32) for x in new], axis=1), mode="drop")
+        tok_, step, live, row, stream, limit = (table[:, i].astype(f.dtype)
+                                                for i, f in enumerate(fields))
+        return state.replace(tok=tok_, step=step, live=live, row=row, stream=stream, limit=limit)
 
     def step(self, model: Transformer, params: Params, state: DecodeState, decoding: Decoding,
              mode: SamplingMode, *, observe: bool = False, compress: bool = False
