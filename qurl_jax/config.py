@@ -332,11 +332,6 @@ def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
                        grad_clip=o.grad_clip)
 
 
-def learner_micro_batch_size(c: ml_collections.ConfigDict) -> int:
-    """Rows of one learner micro-batch: the rollout batch / (minibatches * micro-batches)."""
-    return c.data.prompts_per_step * c.rollout.n // (c.rl.num_minibatches * c.rl.num_micro_batches)
-
-
 def refill_enabled(c: ml_collections.ConfigDict) -> bool:
     """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
     a slot, the only case where refilling can help)."""
@@ -363,11 +358,13 @@ def sampling_params_from_config(rollout: ml_collections.ConfigDict,
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
-    """The `eval` section, typed (`eval_settings`): what `Task.evaluate` needs.
+    """The `eval` section, typed (`eval_settings`): the sets the task reads and what
+    `Task.evaluate` needs.
 
     k: samples per problem for Avg@k / Pass@k; temperature: their sampling temperature;
     greedy: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
-    max_examples: problems per set (0 = all).
+    max_examples: problems per set (0 = all); files: the math evaluation sets, read by the task
+    beside a synthetic task's own held-out set.
     """
 
     k: int = 1
@@ -375,6 +372,7 @@ class EvalSettings:
     greedy: bool = False
     max_new_tokens: int = 1024
     max_examples: int = 0
+    files: tuple[str, ...] = ()
 
     def sampling(self, eos_ids: Sequence[int], greedy: bool = False) -> SamplingParams:
         """The `SamplingParams` of an evaluation call (greedy, or at `temperature`)."""
@@ -386,7 +384,8 @@ def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
     """The run's `EvalSettings` (`config.eval`)."""
     e = c.eval
     return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
-                        max_new_tokens=e.max_new_tokens, max_examples=e.max_examples)
+                        max_new_tokens=e.max_new_tokens, max_examples=e.max_examples,
+                        files=tuple(e.files))
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -397,11 +396,6 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
-
-
-def split_seed(c: ml_collections.ConfigDict) -> int:
-    """The seed of a synthetic task's train / held-out split (`data.split_seed`, else `seed`)."""
-    return c.seed if c.data.split_seed < 0 else c.data.split_seed
 
 
 def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:

@@ -1,7 +1,8 @@
 """Per-device memory of a run's programs, compiled for a target: XLA's buffer sizes and an estimate.
 
-`report(config, shapes_dir, target)` compiles every program of `PROGRAMS` for a config and returns
-their figures; `preflight(setup, limit_bytes)` is the trainer's check before its first step;
+`report(settings, shapes_dir, target)` compiles every program of `PROGRAMS` for a run's typed
+settings (`qurl_jax.settings.RunSettings.from_config` of its config) and returns their figures;
+`preflight(setup, limit_bytes)` is the trainer's check before its first step;
 `python -m qurl_jax.bench.memory --config=... --target=...` is the command line over `report`.
 
 Nothing is loaded or allocated: the model shape comes from `configs/shapes/<model dir name>.json`
@@ -50,22 +51,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
 from qurl_jax import quant, targets
 from qurl_jax import sharding as shd
-from qurl_jax.config import (
-    learner_micro_batch_size,
-    objective_from_config,
-    optim_from_config,
-    rollout_sampler_settings,
-)
 from qurl_jax.errors import UserError
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, hf, init_params
 from qurl_jax.sampling.factory import build_rollout_sampler
+from qurl_jax.settings import MeshSizes, ModelSettings, RunSettings
 
 GIB = 1 << 30
 # A program fits a chip when its planned peak is at most this share of the chip's memory (the
@@ -84,13 +79,14 @@ class PlanError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """Everything a program needs: the run config, the model, mesh, learner and abstract state.
+    """Everything a program needs: the run's settings (their `mesh` the built mesh's total axis
+    sizes), the model, mesh, learner and abstract state.
 
     params / opt_state are `jax.ShapeDtypeStruct` trees with the learner's shardings; rollout_rows
     is the rollout batch (prompts_per_step * n), prompt_len P and response_len G its widths.
     """
 
-    config: ml_collections.ConfigDict
+    settings: RunSettings
     model_config: ModelConfig
     mesh: Mesh
     learner: Learner
@@ -106,7 +102,7 @@ class Setup:
     def requantize_fn(self) -> Callable:
         """The jitted requantize of the rollout precision: one function per Setup, so the
         `actor` shardings and the `requantize` program share one compile."""
-        recipe = quant.get_recipe(self.config.rollout.precision)
+        recipe = quant.get_recipe(self.settings.rollout.precision)
         return jax.jit(lambda params: quant.requantize(params, recipe))
 
     @functools.cached_property
@@ -158,13 +154,13 @@ def _symbols(setup: Setup, rows: int) -> dict[str, int]:
     """b rows per device, T = P + G, G, L, E, M, Q = H*D, K = Hkv*D, V, t = tensor-parallel ways,
     cb = compute dtype bytes, C = log-prob chunk, Pd = parameter bytes per device (f32),
     Pl = the decoder layers' share of Pd, N1 = parameters of one layer (unsharded)."""
-    m, c = setup.model_config, setup.config
+    m, s = setup.model_config, setup.settings
     layers = {k: v for k, v in setup.params.items() if k.startswith("layers_")}
-    return dict(b=max(rows // (c.mesh.data * c.mesh.fsdp), 1),
+    return dict(b=max(rows // (s.mesh.data * s.mesh.fsdp), 1),
                 T=setup.prompt_len + setup.response_len, G=setup.response_len, L=m.num_layers,
                 E=m.hidden_size, M=m.intermediate_size, Q=m.num_heads * m.head_dim,
-                K=m.num_kv_heads * m.head_dim, V=m.vocab_size, t=c.mesh.tensor,
-                cb=m.compute_dtype.itemsize, C=min(c.train.logprob_chunk, setup.response_len),
+                K=m.num_kv_heads * m.head_dim, V=m.vocab_size, t=s.mesh.tensor,
+                cb=m.compute_dtype.itemsize, C=min(s.train.logprob_chunk, setup.response_len),
                 Pd=_bytes_per_device(setup.params), Pl=_bytes_per_device(layers),
                 N1=sum(x.size for x in jax.tree.leaves(layers["layers_0"])))
 
@@ -186,7 +182,7 @@ def _weights_at_work(s: dict[str, int]) -> tuple[str, str, int]:
 def learner_update(setup: Setup) -> Program:
     """One optimizer step on one minibatch, micro-batches scanned inside."""
     keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
-            "advantages") + (("logp_ref",) if setup.config.rl.kl_coef else ())
+            "advantages") + (("logp_ref",) if setup.settings.train.objective.kl_coef else ())
     batch = _abstract_batch(setup, setup.minibatch_rows, keys)
     fn = setup.learner.update_fn(setup.params, setup.opt_state, batch)
     lowered = fn.lower(setup.params, setup.opt_state, batch)
@@ -220,7 +216,7 @@ def learner_logprobs(setup: Setup) -> Program:
     lowered = setup.learner.logprobs_fn(setup.params, batch).lower(setup.params, batch)
     s = _symbols(setup, setup.learner.logprob_batch_size or setup.rollout_rows)
     b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
-    rows_per_device = setup.rollout_rows // (setup.config.mesh.data * setup.config.mesh.fsdp)
+    rows_per_device = setup.rollout_rows // (setup.settings.mesh.data * setup.settings.mesh.fsdp)
     parts = (
         ("params", "Pd", s["Pd"]),
         ("stacked layer weights", "Pl * cb/4", s["Pl"] * cb // 4),
@@ -246,19 +242,18 @@ def requantize(setup: Setup) -> Program:
 
 
 def _rollout(setup: Setup, name: str) -> Program:
-    c = setup.config
-    settings = rollout_sampler_settings(c)
-    refill = settings.refills
+    run, rollout = setup.settings, setup.settings.rollout
+    refill = rollout.sampler.refills
     sampler = build_rollout_sampler(
-        setup.model_config, quant.make_dot_general(quant.get_recipe(c.rollout.precision)),
-        settings, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
+        setup.model_config, quant.make_dot_general(quant.get_recipe(rollout.precision)),
+        rollout.sampler, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
         mesh=setup.mesh, platform=targets.platform_of(setup.mesh))
-    rows = sampler.rows_per_chunk(c.data.prompts_per_step, c.rollout.n)
+    rows = sampler.rows_per_chunk(run.data.prompts_per_step, rollout.n)
     actor = setup.actor
     lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
-                                     n=c.rollout.n)[name]
+                                     n=rollout.n)[name]
     # The rows decoded at once: a chunk of the static sampler, or the refilling sampler's slots.
-    slots = min(c.rollout.max_concurrent_rows or rows, rows) if refill else rows
+    slots = min(rollout.sampler.max_concurrent_rows or rows, rows) if refill else rows
     s = _symbols(setup, slots)
     m = setup.model_config
     b, V, t = s["b"], s["V"], s["t"]
@@ -277,10 +272,10 @@ def _rollout(setup: Setup, name: str) -> Program:
            * s["cb"]),) if name == "prefill" else ()) + ((
         ("row-indexed outputs of every row (refill)",
          "rows/device * G * 13 (tokens, two log-probs, mask)",
-         max(rows // (c.mesh.data * c.mesh.fsdp), 1) * s["G"] * 13),
+         max(rows // (run.mesh.data * run.mesh.fsdp), 1) * s["G"] * 13),
         ("held prompt prefills (refill; one per batch shard, whole on every device)",
          "data*fsdp * 2*L*P*max(Hkv/t,1)*D * cb",
-         c.mesh.data * c.mesh.fsdp * 2 * s["L"] * sampler.engine.prefill_slots(setup.prompt_len)
+         run.mesh.data * run.mesh.fsdp * 2 * s["L"] * sampler.engine.prefill_slots(setup.prompt_len)
          * kv_heads * m.head_dim * s["cb"])) if refill else ())
     counts = {"rows per call": rows, "slots": slots} if refill else {"rows per chunk": rows}
     return Program(lowered, Estimate(parts, {**s, **counts}))
@@ -307,11 +302,11 @@ PROGRAMS: dict[str, Callable[[Setup], Program]] = {
 }
 
 
-def model_shape(config: ml_collections.ConfigDict, shapes_dir: str) -> ModelConfig:
-    """The `ModelConfig` of `config.model` from its config.json, without weights."""
-    path = config.model.path
-    if config.model.source != "hf":
-        raise PlanError(f"config.model.source={config.model.source!r}: the memory report needs "
+def model_shape(model: ModelSettings, shapes_dir: str) -> ModelConfig:
+    """The `ModelConfig` of `model` from its config.json, without weights."""
+    path = model.path
+    if model.source != "hf":
+        raise PlanError(f"config.model.source={model.source!r}: the memory report needs "
                          "a Hugging Face model shape (source 'hf')")
     candidates = [os.path.join(path, "config.json"),
                   os.path.join(shapes_dir, os.path.basename(os.path.normpath(path)) + ".json")]
@@ -319,53 +314,35 @@ def model_shape(config: ml_collections.ConfigDict, shapes_dir: str) -> ModelConf
         if os.path.isfile(candidate):
             with open(candidate) as f:
                 shape = hf.config_from_hf(json.load(f))
-            return shape.replace(dtype=config.model.dtype, attention=config.model.attention)
+            return shape.replace(dtype=model.dtype, attention=model.attention)
     raise PlanError(f"config.model.path={path!r}: no model shape in {candidates}")
 
 
-def with_mesh_sizes(config: ml_collections.ConfigDict, mesh: Mesh) -> ml_collections.ConfigDict:
-    """A copy of `config` whose `mesh` section holds `mesh`'s total axis sizes (-1 resolved,
-    `mesh.dcn` folded in), so the planner's per-device arithmetic reads real sizes; `config`
-    itself when it already holds them (callers may keep changing it)."""
-    dcn = config.mesh.get("dcn", {})
-    if all(config.mesh[a] == s and dcn.get(a, 1) == 1 for a, s in mesh.shape.items()):
-        return config
-    out = config.copy_and_resolve_references()
-    out.unlock()
-    for axis, size in mesh.shape.items():
-        out.mesh[axis] = int(size)
-        if "dcn" in out.mesh:
-            out.mesh.dcn[axis] = 1
-    out.lock()
-    return out
-
-
-def build_setup(config: ml_collections.ConfigDict, model_config: ModelConfig,
+def build_setup(settings: RunSettings, model_config: ModelConfig,
                 devices: list[jax.Device] | None = None) -> Setup:
-    """Mesh (on `devices`, default this process's), learner and abstract state for `config`."""
-    mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
-    c = with_mesh_sizes(config, mesh)
-    micro = learner_micro_batch_size(c)
-    learner = Learner(model_config, objective_from_config(c.rl), optim_from_config(c.optim), mesh,
-                      temperature=c.rollout.temperature, num_micro_batches=c.rl.num_micro_batches,
-                      remat=c.train.remat, scan_layers=c.train.scan_layers,
-                      logprob_chunk=c.train.logprob_chunk,
-                      logprob_batch_size=micro, precision=c.train.precision)
-    return setup_for(c, model_config, mesh, learner)
+    """Mesh (`settings.mesh` on `devices`, default this process's), learner and abstract state."""
+    mesh = shd.make_mesh(settings.mesh.data, settings.mesh.fsdp, settings.mesh.tensor,
+                         devices=devices)
+    learner = settings.train.learner(model_config, mesh, temperature=settings.rollout.temperature,
+                                     rollout_rows=settings.rollout_rows)
+    return setup_for(settings, model_config, mesh, learner)
 
 
-def setup_for(config: ml_collections.ConfigDict, model_config: ModelConfig, mesh: Mesh,
+def setup_for(settings: RunSettings, model_config: ModelConfig, mesh: Mesh,
               learner: Learner) -> Setup:
-    """The `Setup` of a run's own mesh and learner (what the trainer's preflight compiles)."""
-    c = with_mesh_sizes(config, mesh)
-    micro = learner_micro_batch_size(c)
+    """The `Setup` of a run's own mesh and learner (what the trainer's preflight compiles); its
+    settings' `mesh` is the mesh's total axis sizes (-1 resolved, `mesh.dcn` folded in), so the
+    planner's per-device arithmetic reads real sizes."""
+    settings = dataclasses.replace(settings, mesh=MeshSizes.of(mesh))
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
     params, opt_state = learner.abstract_state(shapes)
-    rows = c.data.prompts_per_step * c.rollout.n
-    return Setup(config=c, model_config=model_config, mesh=mesh, learner=learner, params=params,
-                 opt_state=opt_state, rollout_rows=rows,
-                 minibatch_rows=rows // c.rl.num_minibatches, micro_batch_rows=micro,
-                 prompt_len=c.data.max_prompt_len, response_len=c.rollout.max_new_tokens)
+    rows = settings.rollout_rows
+    return Setup(settings=settings, model_config=model_config, mesh=mesh, learner=learner,
+                 params=params, opt_state=opt_state, rollout_rows=rows,
+                 minibatch_rows=rows // settings.train.num_minibatches,
+                 micro_batch_rows=settings.train.micro_batch_rows(rows),
+                 prompt_len=settings.data.max_prompt_len,
+                 response_len=settings.rollout.max_new_tokens)
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
@@ -390,11 +367,11 @@ def budget_bytes(target: targets.Target) -> int:
     return int(FIT_FRACTION * target.memory_bytes)
 
 
-def report(config: ml_collections.ConfigDict, shapes_dir: str,
+def report(settings: RunSettings, shapes_dir: str,
            target: targets.Target | str = "cpu", log: Callable[[str], None] = print,
            programs: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Compiles every program of `PROGRAMS` (or those named) for `config` with `target`'s
-    compiler, the config's mesh on its first devices; returns the JSON-able figures: the target
+    """Compiles every program of `PROGRAMS` (or those named) for a run's `settings` with
+    `target`'s compiler, their mesh on its first devices; returns the JSON-able figures: the target
     (name, platform, device kind, memory per device), the budget, and per program its argument /
     output / temp / peak bytes per device (`programs`), seconds to lower and compile
     (`compile_s`) and whether its peak is within the budget (`fits`)."""
@@ -402,13 +379,13 @@ def report(config: ml_collections.ConfigDict, shapes_dir: str,
     unknown = set(programs or ()) - set(PROGRAMS)
     if unknown:
         raise PlanError(f"--programs: unknown {sorted(unknown)}; known: {list(PROGRAMS)}")
-    model_config = model_shape(config, shapes_dir)
+    model_config = model_shape(settings.model, shapes_dir)
     devices = target.devices()
     try:
-        setup = build_setup(config, model_config, devices)
+        setup = build_setup(settings, model_config, devices)
     except shd.MeshError as e:
         raise PlanError(f"target {target.name!r}: {e}") from None
-    c = setup.config
+    c = setup.settings
     budget = budget_bytes(target)
     described = target.describe()
     log(f"target {target.name}: {described['device_kind']} ({described['platform']}), "

@@ -140,6 +140,7 @@ def quick_overrides() -> dict[str, Any]:
 def build_warm_start(config_path: str, out: str, base: Mapping[str, Any]) -> str:
     """Builds (or reuses) the warm start every run loads; returns its Hugging Face directory."""
     from qurl_jax import tasks
+    from qurl_jax.settings import RunSettings
 
     c = load_config_file(config_path)
     c.update_from_flattened_dict(dict(base))
@@ -147,7 +148,7 @@ def build_warm_start(config_path: str, out: str, base: Mapping[str, Any]) -> str
         return c.model.path  # a real checkpoint: every run starts from it as it is
     validate(c)
     workdir = os.path.join(out, "warm_start")
-    _, _, task = tasks.build_model_and_task(c, workdir)
+    _, _, task = tasks.build_model_and_task(RunSettings.from_config(c), workdir)
     task.close()
     return os.path.join(workdir, "sft_model")
 

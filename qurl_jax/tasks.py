@@ -1,13 +1,13 @@
 """What the trainer trains on: the policy's weights and tokenizer, prompts, verifier and evaluation.
 
-`build_model_and_task(config, workdir)` returns the model configuration, the initial float32
-parameters and a `Task`:
+`build_model_and_task(settings, workdir)` (a `qurl_jax.settings.RunSettings`) returns the model
+configuration, the initial float32 parameters and a `Task`:
 - `model.source='hf'`: a local Hugging Face directory (`load_hf` + its tokenizer); a missing or
   incomplete checkpoint is an error, never a random initialisation.
 - `model.source='tiny'`: the embedded default's tiny model, built in code with its supervised warm
   start and cached under the workdir (`qurl_jax.warm_start`).
-`model_config_for(config)` gives the model configuration alone, without reading weights or writing
-anything, so a run can check its workdir's checkpoint first.
+`model_config_for(settings.model)` gives the model configuration alone, without reading weights or
+writing anything, so a run can check its workdir's checkpoint first.
 
 A `Task` turns examples into prompt token ids, responses into rewards and the verifier's 0/1
 accuracy (math-verify in verifier processes for math, exact match for arithmetic, the final answer
@@ -27,12 +27,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 
 from qurl_jax import paths
-from qurl_jax.config import EvalSettings, chain_config, split_seed
+from qurl_jax.config import EvalSettings
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
@@ -43,6 +42,7 @@ from qurl_jax.errors import DataError
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.sampling import Sampler
+from qurl_jax.settings import DataSettings, ModelSettings, RewardSettings, RunSettings
 from qurl_jax.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
@@ -180,29 +180,24 @@ class Task:
 
 
 # ------------------------------------------------------------------------------------ building
-def _arith_config(c: ml_collections.ConfigDict) -> arith.ArithmeticConfig:
-    return arith.ArithmeticConfig(max_digits=c.data.arith_digits,
-                                  operators=tuple(c.data.arith_ops))
-
-
-def _reward_computer(c: ml_collections.ConfigDict) -> RewardComputer:
-    """The correctness verifier (the format term is added by `Task.rewards`)."""
-    if c.data.task == "arithmetic":
+def _reward_computer(data: DataSettings, reward: RewardSettings) -> RewardComputer:
+    """The correctness verifier of `data.task` (the format term is added by `Task.rewards`)."""
+    if data.task == "arithmetic":
         return RewardComputer(exact_match_reward, num_workers=1, use_processes=False)
-    if c.data.task == "chain":
+    if data.task == "chain":
         return RewardComputer(chains.chain_reward, num_workers=1, use_processes=False)
-    return RewardComputer(math_reward, num_workers=c.reward.workers, timeout_s=c.reward.timeout_s)
+    return RewardComputer(math_reward, num_workers=reward.workers, timeout_s=reward.timeout_s)
 
 
-def model_config_for(c: ml_collections.ConfigDict) -> ModelConfig:
+def model_config_for(model: ModelSettings) -> ModelConfig:
     """The run's model configuration, read from `model.path`'s config.json or built for
     `model.tiny`; reads no weights and writes nothing."""
-    if c.model.source == "hf":
-        with open(os.path.join(c.model.path, "config.json"), encoding="utf-8") as f:
-            config = config_from_hf(json.load(f)).replace(dtype=c.model.dtype)
+    if model.source == "hf":
+        with open(os.path.join(model.path, "config.json"), encoding="utf-8") as f:
+            config = config_from_hf(json.load(f)).replace(dtype=model.dtype)
     else:
-        config = tiny_model_config(c)
-    return config.replace(attention=c.model.attention)
+        config = tiny_model_config(model)
+    return config.replace(attention=model.attention)
 
 
 def _load_examples(path: str, field: str) -> list[MathExample]:
@@ -220,40 +215,42 @@ def _load_examples(path: str, field: str) -> list[MathExample]:
     return examples
 
 
-def build_model_and_task(c: ml_collections.ConfigDict, workdir: str
-                         ) -> tuple[ModelConfig, Any, Task]:
-    """(model config, initial float32 params, task) for a validated run config."""
+def build_model_and_task(s: RunSettings, workdir: str) -> tuple[ModelConfig, Any, Task]:
+    """(model config, initial float32 params, task) of a validated run's settings: `s.model`,
+    the task of `s.data` with `s.eval.files`, the verifier of `s.reward`, the warm start of
+    `s.sft` (tiny model, cached under `workdir`), all seeded with `s.seed`."""
+    data, model = s.data, s.model
     eval_sets: dict[str, list[MathExample]] = {}
-    if c.data.task == "arithmetic":
+    if data.task == "arithmetic":
         train, held_out = arith.arithmetic_splits(ARITH_TRAIN_SIZE, ARITH_EVAL_SIZE,
-                                                  seed=split_seed(c),
-                                                  config=_arith_config(c))
+                                                  seed=data.split_seed_of(s.seed),
+                                                  config=data.arithmetic)
         eval_sets["arith"] = held_out
         template = arith.ARITHMETIC_TEMPLATE
-    elif c.data.task == "chain":
+    elif data.task == "chain":
         train, held_out = chains.chain_splits(CHAIN_TRAIN_SIZE, CHAIN_EVAL_SIZE,
-                                              seed=split_seed(c),
-                                              config=chain_config(c.data))
+                                              seed=data.split_seed_of(s.seed), config=data.chain)
         eval_sets["chain"] = held_out
         eval_sets["chain_carry10"] = chains.carry10_subset(held_out)
         template = chains.CHAIN_TEMPLATE
     else:
         train = []
-        for path in c.data.train_files:
+        for path in data.train_files:
             train.extend(_load_examples(path, "data.train_files"))
         template = None
-    for path in c.eval.files:
+    for path in s.eval.files:
         eval_sets[os.path.splitext(paths.basename(path))[0]] = _load_examples(path, "eval.files")
 
-    if c.model.source == "hf":
-        model_config, params = load_hf(c.model.path)
-        model_config = model_config.replace(dtype=c.model.dtype)
-        tokenizer = load_tokenizer(c.model.path)
+    if model.source == "hf":
+        model_config, params = load_hf(model.path)
+        model_config = model_config.replace(dtype=model.dtype)
+        tokenizer = load_tokenizer(model.path)
     else:
-        model_config, params, tokenizer = tiny_policy(c, workdir, train)
-    model_config = model_config.replace(attention=c.model.attention)
-    task = Task(tokenizer, train, eval_sets, reward=_reward_computer(c), template=template,
-                chat=c.data.chat_template, prompts_per_step=c.data.prompts_per_step,
-                max_prompt_len=c.data.max_prompt_len, seed=c.seed,
-                format_weight=c.reward.format_weight)
+        model_config, params, tokenizer = tiny_policy(model, data, s.sft, seed=s.seed,
+                                                      workdir=workdir, train=train)
+    model_config = model_config.replace(attention=model.attention)
+    task = Task(tokenizer, train, eval_sets, reward=_reward_computer(data, s.reward),
+                template=template, chat=data.chat_template,
+                prompts_per_step=data.prompts_per_step, max_prompt_len=data.max_prompt_len,
+                seed=s.seed, format_weight=s.reward.format_weight)
     return model_config, params, task

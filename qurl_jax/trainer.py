@@ -40,16 +40,11 @@ from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
-    eval_settings,
-    learner_micro_batch_size,
-    objective_from_config,
-    optim_from_config,
     rollout_sampler_settings,
     sampling_params_from_config,
     validate,
 )
 from qurl_jax.errors import ConfigError
-from qurl_jax.learner import Learner
 from qurl_jax.metrics import (
     MetricWriter,
     PhaseTimer,
@@ -67,6 +62,7 @@ from qurl_jax.rollout import Rollout, regenerate_groups
 from qurl_jax.rollout_speed import compare_rollout_speed
 from qurl_jax.sampling import SamplingParams
 from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
+from qurl_jax.settings import RunSettings
 from qurl_jax.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
@@ -100,6 +96,8 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str) -> None:
         self.config = validate(config)
+        # The typed sections the code below reads (the tasks, the model, the warm start).
+        self.settings = RunSettings.from_config(self.config)
         self.workdir = local_abspath(workdir)
         c = self.config
         self.mesh = shd.mesh_from_config(c.mesh)
@@ -110,14 +108,11 @@ class Trainer:
             raise ConfigError(f"config.data.prompts_per_step={c.data.prompts_per_step} must be "
                               f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = quant.get_recipe(c.rollout.precision)
-        self.objective = objective_from_config(c.rl)
-        self.model_config = model_config_for(c)
-        self.learner = Learner(self.model_config, self.objective, optim_from_config(c.optim),
-                               self.mesh, temperature=c.rollout.temperature,
-                               num_micro_batches=c.rl.num_micro_batches, remat=c.train.remat,
-                               scan_layers=c.train.scan_layers, logprob_chunk=c.train.logprob_chunk,
-                               logprob_batch_size=learner_micro_batch_size(c),
-                               precision=c.train.precision)
+        self.objective = self.settings.train.objective
+        self.model_config = model_config_for(self.settings.model)
+        self.learner = self.settings.train.learner(self.model_config, self.mesh,
+                                                   temperature=c.rollout.temperature,
+                                                   rollout_rows=self.settings.rollout_rows)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)
@@ -128,7 +123,8 @@ class Trainer:
             run_config.check(c, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
-        self.model_config, init_params_, self.task = build_model_and_task(c, self.workdir)
+        self.model_config, init_params_, self.task = build_model_and_task(self.settings,
+                                                                          self.workdir)
         engine_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                              max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                              pad_id=self.task.pad_id, mesh=self.mesh)
@@ -184,10 +180,11 @@ class Trainer:
             return
         limit = int(c.train.memory_limit_gib * memory_plan.GIB)
         if target is not None:
-            setup = memory_plan.build_setup(c, self.model_config, target.devices())
+            setup = memory_plan.build_setup(self.settings, self.model_config, target.devices())
             limit = limit or memory_plan.budget_bytes(target)
         else:
-            setup = memory_plan.setup_for(c, self.model_config, self.mesh, self.learner)
+            setup = memory_plan.setup_for(self.settings, self.model_config, self.mesh,
+                                          self.learner)
             limit = limit or (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
         if not limit:
             raise ValueError("config.train.memory_limit_gib: the device reports no memory limit; "
@@ -410,7 +407,7 @@ class Trainer:
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
         params = self.params if params is None else params
-        return self.task.evaluate(self.eval_sampler, params, eval_settings(self.config),
+        return self.task.evaluate(self.eval_sampler, params, self.settings.eval,
                                   self.key(Stream.EVAL))
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:

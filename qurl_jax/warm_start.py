@@ -12,6 +12,7 @@ The cache is keyed on every setting it depends on and rebuilt when one changes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -20,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from absl import logging
@@ -37,11 +37,13 @@ from qurl_jax.models import (
     token_logprobs,
 )
 from qurl_jax.models.hf import load_hf, load_tokenizer, save_hf
+from qurl_jax.settings import DataSettings, ModelSettings, SftSettings
 
 
-def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
-    """The `ModelConfig` of `model.tiny` with the character tokenizer's vocabulary."""
-    t = c.model.tiny
+def tiny_model_config(model: ModelSettings) -> ModelConfig:
+    """The `ModelConfig` of `model.tiny` (at `model.dtype`) with the character tokenizer's
+    vocabulary."""
+    t = model.tiny
     family = t.model_type
     return ModelConfig(
         model_type=family, vocab_size=len(build_char_tokenizer()), hidden_size=t.hidden_size,
@@ -49,7 +51,7 @@ def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
         num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
         tie_word_embeddings=t.tie_word_embeddings,
         max_position_embeddings=t.max_position_embeddings,
-        attention_bias=family == "qwen2", qk_norm=family == "qwen3", dtype=c.model.dtype,
+        attention_bias=family == "qwen2", qk_norm=family == "qwen3", dtype=model.dtype,
     ).validate()
 
 
@@ -118,54 +120,56 @@ def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], format_noise: float, s
     return out
 
 
-def _warm_start_key(c: ml_collections.ConfigDict) -> dict[str, Any]:
+def _warm_start_key(model: ModelSettings, data: DataSettings, sft: SftSettings,
+                    seed: int) -> dict[str, Any]:
     """Everything the cached warm start depends on; a cache with another key is rebuilt."""
-    key = {"seed": c.seed, "tiny": c.model.tiny.to_dict(), "sft": c.sft.to_dict(),
-           "task": c.data.task, "digits": c.data.arith_digits, "ops": c.data.arith_ops}
-    if c.data.split_seed >= 0:  # the examples it trains on come from this split
-        key.update(split_seed=c.data.split_seed)
-    if c.data.task == "chain":
-        key.update(chain_steps=[c.data.chain_min_steps, c.data.chain_max_steps],
-                   chain_carry10_share=c.data.chain_carry10_share,
-                   chat_template=c.data.chat_template)
+    key = {"seed": seed, "tiny": dataclasses.asdict(model.tiny), "sft": dataclasses.asdict(sft),
+           "task": data.task, "digits": data.arith_digits, "ops": data.arith_ops}
+    if data.split_seed >= 0:  # the examples it trains on come from this split
+        key.update(split_seed=data.split_seed)
+    if data.task == "chain":
+        key.update(chain_steps=[data.chain.min_steps, data.chain.max_steps],
+                   chain_carry10_share=data.chain.carry10_share,
+                   chat_template=data.chat_template)
     return key
 
 
-def tiny_policy(c: ml_collections.ConfigDict, workdir: str, train: Sequence[MathExample]
-                ) -> tuple[ModelConfig, Any, Any]:
-    """The tiny in-code policy: loaded from the workdir's cache, or built (and warm-started)."""
+def tiny_policy(model: ModelSettings, data: DataSettings, sft: SftSettings, *, seed: int,
+                workdir: str, train: Sequence[MathExample]) -> tuple[ModelConfig, Any, Any]:
+    """The tiny in-code policy of `model.tiny`: loaded from the workdir's cache, or built (and
+    warm-started on `train` per `sft`, seeded with `seed`)."""
     sft_dir = os.path.join(workdir, "sft_model")
     key_file = os.path.join(sft_dir, "warm_start.json")
-    key = json.loads(json.dumps(_warm_start_key(c)))
-    if c.sft.steps and os.path.isfile(key_file):
+    key = json.loads(json.dumps(_warm_start_key(model, data, sft, seed)))
+    if sft.steps and os.path.isfile(key_file):
         with open(key_file, encoding="utf-8") as f:
             cached = json.load(f)
         if cached == key:
             logging.info("reusing the cached warm start in %s", sft_dir)
             model_config, params = load_hf(sft_dir)
-            return model_config.replace(dtype=c.model.dtype), params, load_tokenizer(sft_dir)
+            return model_config.replace(dtype=model.dtype), params, load_tokenizer(sft_dir)
         logging.warning("the cached warm start in %s was built with other settings; rebuilding",
                         sft_dir)
     tokenizer = build_char_tokenizer()
-    model_config = tiny_model_config(c)
-    params = init_params(model_config, jax.random.key(c.seed))
-    if c.sft.steps:
-        if c.data.task == "arithmetic":
-            pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), c.sft.format_noise,
-                                        c.seed, tokenizer.eos_token)
-        elif c.data.task == "chain":
+    model_config = tiny_model_config(model)
+    params = init_params(model_config, jax.random.key(seed))
+    if sft.steps:
+        if data.task == "arithmetic":
+            pairs = noisy_teacher_pairs(arith.sft_pairs(train, tokenizer), sft.format_noise,
+                                        seed, tokenizer.eos_token)
+        elif data.task == "chain":
             prompt_fn = functools.partial(build_prompt, tokenizer=tokenizer,
-                                          chat=c.data.chat_template,
+                                          chat=data.chat_template,
                                           template=chains.CHAIN_TEMPLATE)
-            pairs = chains.teacher_pairs(train, prompt_fn, c.sft.bug_rate, c.seed,
+            pairs = chains.teacher_pairs(train, prompt_fn, sft.bug_rate, seed,
                                          tokenizer.eos_token)
         else:
             pairs = [(build_prompt(ex.problem, tokenizer),
                       f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}") for ex in train]
-        logging.info("supervised warm start: %d steps on %d examples", c.sft.steps, len(pairs))
-        params = supervised_warm_start(model_config, params, pairs, tokenizer, steps=c.sft.steps,
-                                       learning_rate=c.sft.learning_rate,
-                                       batch_size=c.sft.batch_size, seed=c.seed)
+        logging.info("supervised warm start: %d steps on %d examples", sft.steps, len(pairs))
+        params = supervised_warm_start(model_config, params, pairs, tokenizer, steps=sft.steps,
+                                       learning_rate=sft.learning_rate,
+                                       batch_size=sft.batch_size, seed=seed)
         params = jax.device_get(params)
         if jax.process_index() == 0:  # every process trains the same warm start; one saves it
             save_hf(sft_dir, model_config, params, tokenizer=tokenizer)

@@ -12,6 +12,7 @@ import pytest
 from qurl_jax import warm_start
 from qurl_jax.config import base_config, chain_config, validate
 from qurl_jax.data import chains
+from qurl_jax.settings import RunSettings
 from qurl_jax.tasks import CHAIN_EVAL_SIZE, CHAIN_TRAIN_SIZE, build_model_and_task
 from qurl_jax.trainer import Trainer
 
@@ -76,7 +77,7 @@ def test_warm_start_trains_on_the_buggy_teachers_chains(tmp_path, monkeypatch):
 
     monkeypatch.setattr(warm_start, "supervised_warm_start", fake_warm_start)
     c = tiny_chain_config(**{"sft.steps": 1, "sft.bug_rate": 1.0})
-    _, _, task = build_model_and_task(c, str(tmp_path))
+    _, _, task = build_model_and_task(RunSettings.from_config(c), str(tmp_path))
     assert len(seen["pairs"]) == len(task.train_examples) == CHAIN_TRAIN_SIZE
     rng = np.random.default_rng(0)
     for (prompt, reply), ex in zip(seen["pairs"][:20], task.train_examples[:20], strict=True):
@@ -86,10 +87,10 @@ def test_warm_start_trains_on_the_buggy_teachers_chains(tmp_path, monkeypatch):
 
     # The cache is keyed on the teacher's slip rate: another rate rebuilds, the same one reloads.
     seen.clear()
-    build_model_and_task(c, str(tmp_path))[2].close()
+    build_model_and_task(RunSettings.from_config(c), str(tmp_path))[2].close()
     assert not seen
-    build_model_and_task(tiny_chain_config(**{"sft.steps": 1, "sft.bug_rate": 0.5}),
-                         str(tmp_path))[2].close()
+    build_model_and_task(RunSettings.from_config(
+        tiny_chain_config(**{"sft.steps": 1, "sft.bug_rate": 0.5})), str(tmp_path))[2].close()
     assert seen
 
 
@@ -99,7 +100,8 @@ def test_split_seed_fixes_the_held_out_problems_across_seeds(tmp_path, monkeypat
     def held_out(seed: int, split_seed: int = -1) -> list[str]:
         c = tiny_chain_config(**{"sft.steps": 1, "data.split_seed": split_seed})
         c.seed = seed
-        _, _, task = build_model_and_task(c, str(tmp_path / f"{seed}_{split_seed}"))
+        _, _, task = build_model_and_task(RunSettings.from_config(c),
+                                          str(tmp_path / f"{seed}_{split_seed}"))
         task.close()
         return [ex.problem for ex in task.eval_sets["chain"]]
 

@@ -13,6 +13,7 @@ from qurl_jax.config import base_config
 from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, hf, init_params
 from qurl_jax.rl.objectives import ObjectiveConfig
+from qurl_jax.settings import RunSettings
 
 # A vocabulary 512x the model width, as in real LMs (152K / 1.5K-3.5K), so whole logits would
 # stand out against activations.
@@ -79,7 +80,7 @@ def test_memory_report_of_a_small_config(tmp_path):
     c.mesh.fsdp = 2
     c.train.remat, c.train.scan_layers = "full", True
     lines = []
-    figures = memory.report(c, str(tmp_path), log=lines.append)
+    figures = memory.report(RunSettings.from_config(c), str(tmp_path), log=lines.append)
     assert figures["devices"] == 2 and set(figures["programs"]) == set(memory.PROGRAMS)
     for program in figures["programs"].values():
         assert program["peak_bytes"] >= program["temp_bytes"] > 0
@@ -92,11 +93,11 @@ def test_rollout_chunk_bounds_decode_memory(tmp_path):
     # cache (the actor's parameters are the same).
     c = _shape_config(tmp_path, 8, 64, 448)
     c.mesh.fsdp = 2
-    setup = memory.build_setup(c, CFG.replace(vocab_size=512))
     kv_row = 2 * CFG.num_layers * 512 * CFG.num_kv_heads * CFG.head_dim * 4  # f32, T = 512
 
     def decode_bytes(rows: int) -> int:
         c.rollout.max_concurrent_rows = rows
+        setup = memory.build_setup(RunSettings.from_config(c), CFG.replace(vocab_size=512))
         compiled = memory.rollout_decode(setup).lowered.compile()
         return memory.compiled_memory(compiled)["peak_bytes"]
 
@@ -126,7 +127,7 @@ def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
         Trainer(c, str(tmp_path / "run"))
     assert not [p for p in (tmp_path / "run").glob("**/*") if p.is_file()]
     # With room, the preflight returns every program's figures.
-    setup = memory.build_setup(c, CFG.replace(vocab_size=64))
+    setup = memory.build_setup(RunSettings.from_config(c), CFG.replace(vocab_size=64))
     figures = memory.preflight(setup, 1 << 30, log=lambda _: None)
     assert set(figures) == set(memory.PROGRAMS)
 

@@ -29,6 +29,7 @@ from qurl_jax.models.transformer import write_rows
 from qurl_jax.rl.objectives import ObjectiveConfig, sparse_rl_rejections
 from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingMode, SamplingParams
 from qurl_jax.sampling._host import left_pad as _left_pad
+from qurl_jax.settings import RunSettings
 from qurl_jax.sharding import make_mesh, shard_params
 from qurl_jax.trainer import Trainer
 from tests.conftest import tiny_model
@@ -382,10 +383,10 @@ def test_decode_program_holds_budget_plus_interval_slots() -> None:
     c.data.max_prompt_len, c.rollout.max_new_tokens = 64, 1984
     c.mesh.fsdp = 2
     c.rollout.kv_budget, c.rollout.kv_interval = 64, 32
-    setup = memory.build_setup(c, CFG)
 
     def decode_bytes(policy: str) -> int:
         c.rollout.kv_policy = policy
+        setup = memory.build_setup(RunSettings.from_config(c), CFG)
         compiled = memory.rollout_decode(setup).lowered.compile()
         return memory.compiled_memory(compiled)["peak_bytes"]
 

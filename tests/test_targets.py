@@ -16,6 +16,7 @@ from jax._src import hardware_utils
 from qurl_jax import memory_plan, targets
 from qurl_jax.config import base_config, validate
 from qurl_jax.models import ModelConfig, hf
+from qurl_jax.settings import RunSettings
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAS_CUDA_PLUGIN = targets.compiler_installed("gpu")
@@ -70,8 +71,8 @@ def _step_config(tmp_path, rollout_precision: str, train_precision: str, kv_poli
 
 def _compiles_for(target: str, tmp_path, programs: tuple[str, ...] = tuple(memory_plan.PROGRAMS),
                   **settings) -> dict:
-    figures = memory_plan.report(_step_config(tmp_path, **settings), str(tmp_path), target,
-                                 log=lambda _: None, programs=programs)
+    figures = memory_plan.report(RunSettings.from_config(_step_config(tmp_path, **settings)),
+                                 str(tmp_path), target, log=lambda _: None, programs=programs)
     assert set(figures["programs"]) == set(programs)
     for program in figures["programs"].values():
         assert program["peak_bytes"] >= program["temp_bytes"] >= 0 and program["peak_bytes"] > 0

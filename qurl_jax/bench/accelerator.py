@@ -50,6 +50,7 @@ from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
 from qurl_jax.models.params import init_params
 from qurl_jax.sampling import Sampler
+from qurl_jax.settings import ModelSettings, RunSettings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,10 +184,10 @@ def learner(precision: str) -> dict[str, Any]:
     config.rl.num_minibatches, config.rl.num_micro_batches = 1, rows
     if precision != "fp":
         config.train.precision = precision
-    shape = _maybe_tiny(model_shape(config, SHAPES_DIR))
+    shape = _maybe_tiny(model_shape(ModelSettings.from_config(config.model), SHAPES_DIR))
     if ARGS.tiny:
         config.data.max_prompt_len, config.rollout.max_new_tokens = 64, 192
-    setup = build_setup(config, shape)
+    setup = build_setup(RunSettings.from_config(config), shape)
     t_len, g_len = setup.prompt_len + setup.response_len, setup.response_len
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(1, shape.vocab_size, (rows, t_len)).astype(np.int32),

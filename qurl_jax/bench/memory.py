@@ -23,6 +23,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from qurl_jax import memory_plan, targets
+from qurl_jax.settings import RunSettings
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> None:
         os.path.dirname(os.path.abspath(config_flags.get_config_filename(flags.FLAGS["config"]))),
         "shapes")
     try:
-        figures = memory_plan.report(config, shapes_dir, target,
+        figures = memory_plan.report(RunSettings.from_config(config), shapes_dir, target,
                                      programs=tuple(_PROGRAMS.value or ()))
     except (targets.TargetError, memory_plan.PlanError) as e:
         sys.exit(f"qurl_jax: {e}")
