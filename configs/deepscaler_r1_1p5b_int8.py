@@ -54,7 +54,7 @@ def get_config():
     c.optim.weight_decay = 0.01
     c.optim.grad_clip = 1.0
     c.mesh.data = 1
-    c.mesh.fsdp = 8
+    c.mesh.fsdp = -1  # every device: 8 on one H100 node or a v5p-16 slice (sized for 8)
     c.mesh.tensor = 1
     c.train.num_steps = 1200
     c.train.checkpoint_every = 20

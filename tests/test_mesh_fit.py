@@ -99,3 +99,30 @@ def test_sixteen_devices_and_fsdp_minus_one_run_as_written():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "{'data': 1, 'fsdp': 16, 'tensor': 1} (0, 1)" in out.stdout
+
+
+def test_paper_configs_take_every_device_of_their_slice():
+    # The paper configs say fsdp=-1: on 16 devices the 1.5B config spans all 16 and the 7B config
+    # splits them 8 (fsdp) x 2 (tensor); a cpu memory plan of either runs on the devices the
+    # config was sized for.
+    from qurl_jax.bench.memory import host_devices_for
+    from qurl_jax.config import load_config_file
+
+    sized_for = {"deepscaler_r1_1p5b_int8": 8, "jetrl_r1_1p5b_fp8_block": 8,
+                 "dapo_qwen2p5_7b_fp8": 16}
+    for name, devices in sized_for.items():
+        c = load_config_file(f"{REPO}/configs/{name}.py")
+        assert c.mesh.fsdp == -1, name
+        assert host_devices_for(c.mesh) == devices, name
+    code = ("from qurl_jax import sharding\n"
+            "from qurl_jax.config import load_config_file\n"
+            "for n in ('deepscaler_r1_1p5b_int8', 'dapo_qwen2p5_7b_fp8'):\n"
+            "    print(n, dict(sharding.mesh_from_config(load_config_file(f'configs/{n}.py').mesh)"
+            ".shape))\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "deepscaler_r1_1p5b_int8 {'data': 1, 'fsdp': 16, 'tensor': 1}" in out.stdout
+    assert "dapo_qwen2p5_7b_fp8 {'data': 1, 'fsdp': 8, 'tensor': 2}" in out.stdout

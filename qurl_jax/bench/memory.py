@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import jax
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -32,9 +34,20 @@ _TARGET = flags.DEFINE_string(
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 _SHAPES = flags.DEFINE_string(
     "shapes_dir", None, "Directory of model config.json files; default: shapes/ beside --config.")
+_DEVICES = flags.DEFINE_integer(
+    "devices", 0, "Host CPU devices for --target=cpu; 0: the config's mesh size, an axis of -1 "
+    "counting as one 8-device host per unit of the other axes.")
 _PROGRAMS = flags.DEFINE_list("programs", None,
                               f"Only these programs: {list(memory_plan.PROGRAMS)}.")
 flags.mark_flags_as_required(["config"])
+
+
+def host_devices_for(mesh: Any) -> int:
+    """Devices a `cpu` plan of `mesh` (data, fsdp, tensor) runs on: their product, where an
+    axis of -1 (the rest of a slice) stands for one 8-device host per unit of the others."""
+    sizes = [int(mesh[a]) for a in ("data", "fsdp", "tensor")]
+    fixed = int(np.prod([s for s in sizes if s != -1]))
+    return fixed * 8 if -1 in sizes else fixed
 
 
 def _use_host_devices(count: int) -> None:
@@ -57,7 +70,7 @@ def main(argv: list[str]) -> None:
     if target.compile_only:
         targets.use_cpu_unless_accelerator_attached()
     else:
-        _use_host_devices(config.mesh.data * config.mesh.fsdp * config.mesh.tensor)
+        _use_host_devices(_DEVICES.value or host_devices_for(config.mesh))
     shapes_dir = _SHAPES.value or os.path.join(
         os.path.dirname(os.path.abspath(config_flags.get_config_filename(flags.FLAGS["config"]))),
         "shapes")

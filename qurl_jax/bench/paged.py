@@ -122,12 +122,13 @@ def expectations(limits: np.ndarray, prompt_len: int, max_new: int) -> dict[str,
 def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int | None,
              stream_rows: int, seed: int, watermark_pages: int | None,
              log=print) -> dict[str, Any]:
+    from qurl_jax.bench.memory import host_devices_for
     from qurl_jax.bench.sampler import tail_limits
 
     c = config
     max_new, prompt = c.rollout.max_new_tokens, c.data.max_prompt_len
     prompt_len = prompt if prompt_len is None else prompt_len
-    devices = c.mesh.data * c.mesh.fsdp * c.mesh.tensor
+    devices = host_devices_for(c.mesh)  # the devices the config's mesh spans on its hosts
     fixed_slots = c.rollout.max_concurrent_rows // devices  # rows per device, as the mesh splits
     max_tokens = prompt + max_new
     num_pages = fixed_slots * max_tokens // page_size
