@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from qurl_jax import targets
 from qurl_jax.bench import native_products as nat
+from tests.compile_only import compiler_or_skip
 
 SMALL = (64, 256, 512)  # M, K, N: two 128-wide groups, compiles in seconds
 
@@ -25,15 +25,6 @@ def _element_types(matmul: str) -> tuple[str, ...]:
     """('f8e4m3fn', 'f8e4m3fn', 'f32') from 'dot f8e4m3fn[64,256] x f8e4m3fn[256,512] ->
     f32[64,512]' (shapes vary: XLA may split K into a batch dimension)."""
     return tuple(re.findall(r"(\w+)\[[\d,]*\]", matmul.split(" (precision")[0]))
-
-
-def _compiler_or_skip(target: str) -> targets.Target:
-    t = targets.parse(target)
-    try:
-        t.devices()
-    except targets.TargetError as e:
-        pytest.skip(str(e))
-    return t
 
 
 def test_hlo_matmuls_reads_operand_types_and_library_calls() -> None:
@@ -77,7 +68,7 @@ def test_h100_fp8_rollout_product_reaches_the_gemm_as_f8_with_f32_accumulation()
     the activation scale applied, before the GEMM) and returns float32; the per-token x
     per-channel scales come after it. With a tile the autotuner uses for large GEMMs it is an FP8
     tensor-core instruction (wgmma e4m3 x e4m3 -> f32), through cuBLAS the FP8 cuBLASLt call."""
-    target = _compiler_or_skip("gpu:h100-1")
+    target = compiler_or_skip("gpu:h100-1")
     records = {r["variant"]: r for r in nat.inspect_product(target, "fp8_rollout", SMALL)}
     assert set(records) == set(nat.GPU_VARIANTS)
     for r in records.values():
@@ -89,7 +80,7 @@ def test_h100_fp8_rollout_product_reaches_the_gemm_as_f8_with_f32_accumulation()
 
 
 def test_h100_int8_rollout_product_is_an_int8_tensor_core_gemm() -> None:
-    target = _compiler_or_skip("gpu:h100-1")
+    target = compiler_or_skip("gpu:h100-1")
     for r in nat.inspect_product(target, "int8_rollout", SMALL):
         assert _element_types(r["matmuls"][0]) == ("s8", "s8", "s32"), r
         assert r["verdict"].startswith("native"), r
@@ -98,7 +89,7 @@ def test_h100_int8_rollout_product_is_an_int8_tensor_core_gemm() -> None:
 @pytest.mark.parametrize("product", ["fp8_block_forward", "fp8_block_dgrad", "fp8_block_wgrad"])
 def test_h100_fp8_block_training_gemms_take_fp8_operands(product: str) -> None:
     """Jet-RL's three FP8 GEMMs reach the H100's GEMM as e4m3 x e4m3 -> f32, never upcast first."""
-    target = _compiler_or_skip("gpu:h100-1")
+    target = compiler_or_skip("gpu:h100-1")
     for r in nat.inspect_product(target, product, SMALL):
         assert r["matmuls"], r
         for line in r["matmuls"]:

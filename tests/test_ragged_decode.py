@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qurl_jax import config as qconfig
-from qurl_jax import targets
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.errors import ConfigError
 from qurl_jax.models import param_logical_axes
@@ -19,6 +18,7 @@ from qurl_jax.sampling import FinishReason, KVPolicyConfig, RefillSampler, Sampl
 from qurl_jax.sampling._engine import Engine
 from qurl_jax.sampling.factory import RolloutSamplerSettings, build_rollout_sampler
 from qurl_jax.sharding import make_mesh, shard_params
+from tests.compile_only import compiler_or_skip
 from tests.test_sampler import PROMPTS, _abstract, _random_params
 
 # The kernel's split-k flash decoding sums the softmax in another order than XLA's: float32
@@ -140,20 +140,11 @@ def test_config_field_reaches_the_engine(tiny_model_config) -> None:
         qconfig.validate(c)
 
 
-def _compiler_or_skip(target: str) -> targets.Target:
-    t = targets.parse(target)
-    try:
-        t.devices()
-    except targets.TargetError as e:
-        pytest.skip(str(e))
-    return t
-
-
 def test_static_decode_program_compiles_for_h100_with_the_kernel(tiny_model_config) -> None:
     """Compile-only H100 (needs the CUDA plugin, `pip install -e .[gpu-compile]`): the static
     sampler's decode program with decode_attention='pallas' compiles (a Triton call per layer);
     its memory analysis is printed beside the 'xla' program's."""
-    target = _compiler_or_skip("gpu:h100-1")
+    target = compiler_or_skip("gpu:h100-1")
     cfg = tiny_model_config("qwen2")
     mesh = make_mesh(devices=target.devices()[:1])
     whole = NamedSharding(mesh, PartitionSpec())
