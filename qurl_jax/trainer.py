@@ -40,7 +40,6 @@ from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
 from qurl_jax.config import (
-    rollout_sampler_settings,
     sampling_params_from_config,
     validate,
 )
@@ -130,7 +129,7 @@ class Trainer:
                              pad_id=self.task.pad_id, mesh=self.mesh)
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
         # the learner's log-probs (logp_prox) stay dense.
-        sampler_settings = rollout_sampler_settings(c)
+        sampler_settings = self.settings.rollout.sampler
         self.sampler = build_rollout_sampler(self.model_config,
                                              quant.make_dot_general(self.recipe),
                                              sampler_settings, **engine_kwargs)

@@ -54,7 +54,9 @@ _GPU_K_SPLITS = (16, 8, 4, 2, 1)
 _PAGES_PER_BLOCK = (8, 4, 2, 1)
 
 
-def _platform(platform: str | None) -> str:
+def kernel_platform(platform: str | None) -> str:
+    """A JAX platform as the kernels are chosen by ('cuda' and 'rocm' are 'gpu'; None: JAX's
+    default backend)."""
     p = jax.default_backend() if platform is None else platform
     return "gpu" if p in ("cuda", "rocm") else p
 
@@ -160,7 +162,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     lengths = jnp.asarray(lengths, jnp.int32)
     starts = jnp.zeros_like(lengths) if starts is None else jnp.asarray(starts, jnp.int32)
     _check_dense(q, k, v, starts, lengths)
-    plat = _platform(platform)
+    plat = kernel_platform(platform)
     if impl == "auto":
         gpu_kernel = (plat == "gpu" or (interpret and plat == "cpu")) and k.shape[2] % 16 == 0
         impl = "pallas" if gpu_kernel else "cpu" if _cpu_usable(q, plat) else "xla"
@@ -284,7 +286,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if page_table.ndim != 2 or page_table.shape[0] != b or lengths.shape != (b,):
         raise ValueError(f"paged_decode_attention: page_table must be i32[{b}, n] and lengths "
                          f"i32[{b}]; got {page_table.shape} and {lengths.shape}")
-    plat = _platform(platform)
+    plat = kernel_platform(platform)
     if impl == "cpu":
         raise ValueError("paged_decode_attention: impl='cpu' has no paged kernel (use 'xla')")
     if impl == "auto":

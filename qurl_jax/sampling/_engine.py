@@ -52,6 +52,7 @@ from qurl_jax.sampling._kv_policy import KVPolicyConfig
 from qurl_jax.sampling._output import finish_reasons
 from qurl_jax.sampling.settings import Decoding, SamplingParams
 from qurl_jax.sharding import activation_pinner, logical_to_mesh_spec
+from qurl_jax.targets import platform_of
 
 DECODE_ATTENTION = ("auto", "xla", "pallas")  # `Engine.decode_attention` choices
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
@@ -167,13 +168,11 @@ class Engine:
         self.mesh = mesh
         self.sharding = RowSharding(mesh)
         self.layout = cache_layout(self.config, self.kv_policy, self.sharding)
-        if platform is None:
-            platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-        self.platform = platform
+        devices = platform_of(mesh) if mesh is not None else None
+        self.platform = platform or devices or jax.default_backend()
         # Where the programs run: the mesh's devices (host devices when `platform` names an
         # accelerator for an estimate), else `platform`.
-        self._devices = _kernel_platform(
-            mesh.devices.flat[0].platform if mesh is not None else platform)
+        self._devices = ragged.kernel_platform(devices or self.platform)
         if decode_attention == "pallas" and self._devices not in ("gpu", "cpu"):
             raise ValueError(f"decode_attention='pallas' has no dense ragged kernel on platform "
                              f"{self._devices!r} (GPU, or CPU in Pallas' interpreter); use "
@@ -290,7 +289,7 @@ class Engine:
                 return cpu_attention.decode_attention
             return None
         if self.layout.compresses or (choice == "auto" and (
-                _kernel_platform(self.platform) != "gpu" or devices != "gpu")):
+                ragged.kernel_platform(self.platform) != "gpu" or devices != "gpu")):
             return None
         # 'auto' on GPU falls back to XLA per call when the slots have no kernel tiling.
         hook = ragged.model_hook("pallas" if choice == "pallas" else "auto", platform=devices,
@@ -411,11 +410,6 @@ class Engine:
             limit=c(state.limit, ROW_AXES),
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES))
-
-
-def _kernel_platform(platform: str) -> str:
-    """A JAX platform as `models.decode_attention` names it ('cuda' and 'rocm' are 'gpu')."""
-    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def _record(state: DecodeState, rows: jax.Array, cols: jax.Array, tok: jax.Array,
