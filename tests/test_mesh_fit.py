@@ -84,6 +84,16 @@ def test_dcn_without_slices_or_processes_fails_in_one_line():
         shd.make_mesh(1, -1, 1, dcn=dict(data=2, fsdp=1, tensor=1))
 
 
+def _on_16_host_devices(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a Python process that sees 16 host CPU devices; it must succeed."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 def test_sixteen_devices_and_fsdp_minus_one_run_as_written():
     # A launch example on a machine with more devices than the config's fixed mesh: fsdp=-1 spans
     # every device, and each batch block maps to the single process.
@@ -93,11 +103,7 @@ def test_sixteen_devices_and_fsdp_minus_one_run_as_written():
             "c.unlock(); c.mesh.fsdp = -1\n"
             "m = sharding.mesh_from_config(c.mesh)\n"
             "print(dict(m.shape), distributed.row_block(m))\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _on_16_host_devices(code)
     assert "{'data': 1, 'fsdp': 16, 'tensor': 1} (0, 1)" in out.stdout
 
 
@@ -119,10 +125,6 @@ def test_paper_configs_take_every_device_of_their_slice():
             "for n in ('deepscaler_r1_1p5b_int8', 'dapo_qwen2p5_7b_fp8'):\n"
             "    print(n, dict(sharding.mesh_from_config(load_config_file(f'configs/{n}.py').mesh)"
             ".shape))\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _on_16_host_devices(code)
     assert "deepscaler_r1_1p5b_int8 {'data': 1, 'fsdp': 16, 'tensor': 1}" in out.stdout
     assert "dapo_qwen2p5_7b_fp8 {'data': 1, 'fsdp': 8, 'tensor': 2}" in out.stdout
