@@ -1,9 +1,10 @@
 """Decoder-only transformer models (Llama, Mistral, Qwen2, Qwen3) and their checkpoint formats.
 
 Public API: `ModelConfig`, `Transformer` (with `Remat` and `AttentionImplementation` switches),
-`KVCache`, `init_params`, `param_logical_axes`, the log-prob helpers (`token_logprobs`,
-`token_logprobs_and_entropy`, `chunked_token_logprobs` over `lm_head_logits`), and the
-checkpoint readers/writers in `qurl_jax.models.hf` and `qurl_jax.models.llama2c`.
+`KVCache`, `PagedKVCache`, `init_params`, `param_logical_axes`, the log-prob helpers
+(`token_logprobs`, `token_logprobs_and_entropy`, `chunked_token_logprobs` over
+`lm_head_logits`), and the checkpoint readers/writers in `qurl_jax.models.hf` and
+`qurl_jax.models.llama2c`.
 """
 
 from qurl_jax.models.attention import Implementation as AttentionImplementation
@@ -17,6 +18,7 @@ from qurl_jax.models.params import (
 )
 from qurl_jax.models.transformer import (
     KVCache,
+    PagedKVCache,
     Transformer,
     cast_floats,
     lm_head_logits,
@@ -27,6 +29,7 @@ __all__ = [
     "AttentionImplementation",
     "KVCache",
     "ModelConfig",
+    "PagedKVCache",
     "Remat",
     "RopeScaling",
     "Transformer",

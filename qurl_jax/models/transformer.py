@@ -16,6 +16,11 @@ at its own next free slot and records their logical positions, and queries atten
 keys by those positions (never by slot index). A one-token step with a cache can run its attention
 through an injected `decode_attention` function instead of XLA's ops (the sampler passes
 `qurl_jax.cpu_kernels.decode_attention` on CPU).
+
+A decode step can also run over a `PagedKVCache`: every layer's keys and values in one pool of
+fixed-size pages shared by the rows, each row's tokens in the pages its page-table row names (a
+refilling sampler gives a row pages as it grows, `qurl_jax.sampling`). Its attention is the
+injected `paged_attention` (default: `models.decode_attention.paged_decode_attention`, XLA).
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ RESIDUAL_AXES = ("batch", "length", "embed")
 # f[B, Hkv, G, D]: attention of one query position per row to the slots of [0, length) that
 # key_mask marks (every cached key is in the query's past, so no position test is needed).
 DecodeAttention = Callable[..., jax.Array]
+# (q f[B, H, D], k_pages, v_pages f[Hkv, P, page_size, D], page_table i32[B, n], lengths i32[B])
+# -> f[B, H, D]: attention of one query per row to its first lengths[r] logical slots
+# (`models.decode_attention.paged_decode_attention`'s contract).
+PagedAttention = Callable[..., jax.Array]
 
 
 @flax.struct.dataclass
@@ -121,6 +130,87 @@ class KVCache:
         )
 
 
+@flax.struct.dataclass
+class PagedKVCache:
+    """A decode cache of L layers' keys and values in pools of pages shared by R rows.
+
+    k, v: L-tuples of f[Hkv, P, page_size, D]   post-RoPE keys / values, P pages per pool (the
+                                               layout JAX's paged attention kernels read).
+    page_table: i32[R, n]                      row r's logical slot s is page page_table[r, s //
+                                               page_size], offset s % page_size.
+    n_used: i32[R]                             tokens row r holds: logical slots [0, n_used[r]),
+                                               slot s holding position s (no pads, no holes), so
+                                               row r's next token has position n_used[r].
+
+    The cache takes one token per row per call (decode); a row whose token is masked writes
+    nothing and keeps its length. Page-table entries past a row's pages may name any page
+    (attention reads only [0, n_used)); the owner of the page table (the sampler's host
+    scheduler) guarantees that a row's next slot lies in a page it holds and that no two rows
+    hold one page.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    page_table: jax.Array
+    n_used: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, rows: int, num_pages: int, page_size: int,
+              pages_per_row: int, dtype: Any = None) -> PagedKVCache:
+        """An empty cache: `num_pages` zero pages per pool, every row empty."""
+        dtype = config.compute_dtype if dtype is None else dtype
+        shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+        layers = range(config.num_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   page_table=jnp.zeros((rows, pages_per_row), jnp.int32),
+                   n_used=jnp.zeros((rows,), jnp.int32))
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def length(self) -> int:
+        """Logical slots per row: page-table width x page size."""
+        return self.page_table.shape[1] * self.page_size
+
+
+@flax.struct.dataclass
+class PagedLayer:
+    """One layer's part of a `PagedKVCache` during a decode step: its pools, the page table, the
+    slot each row writes (its n_used) and which rows write (live)."""
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array
+    write_slots: jax.Array
+    live: jax.Array
+
+    def write(self, k: jax.Array, v: jax.Array) -> PagedLayer:
+        """The pools with each live row's key and value k, v f[B, Hkv, 1, D] at its next slot
+        (one scatter per pool; rows that are not live target page P and are dropped)."""
+        page_size, num_pages = self.k.shape[2], self.k.shape[1]
+        page = jnp.take_along_axis(self.page_table, (self.write_slots // page_size)[:, None],
+                                   axis=1)[:, 0]
+        page = jnp.where(self.live, page, num_pages)
+        offset = self.write_slots % page_size
+
+        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+            return pool.at[:, page, offset].set(new[:, :, 0].transpose(1, 0, 2).astype(pool.dtype),
+                                                mode="drop")
+
+        return self.replace(k=put(self.k, k), v=put(self.v, v))
+
+    def lengths(self) -> jax.Array:
+        """i32[B]: the slots each row attends to after the write (0 for a row not live)."""
+        return jnp.where(self.live, self.write_slots + 1, 0)
+
+
 def write_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
     """Writes new[r] into buffer[r] starting at slots[r] along `axis` (an axis of the per-row
     array, i.e. of buffer[r]); one scatter. buffer: [R, ...]; new: [R, ...] with T along `axis`;
@@ -130,6 +220,12 @@ def write_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -
         return jax.lax.dynamic_update_slice_in_dim(row, update.astype(row.dtype), slot, axis)
 
     return jax.vmap(one)(buffer, new, slots)
+
+
+def _xla_paged_attention(q, k_pages, v_pages, page_table, lengths):
+    from qurl_jax.models.decode_attention import paged_decode_attention
+
+    return paged_decode_attention(q, k_pages, v_pages, page_table, lengths, impl="xla")
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:
@@ -234,6 +330,7 @@ class Attention(nn.Module):
     config: ModelConfig
     dot_general: DotGeneral
     decode_attention: DecodeAttention | None = None
+    paged_attention: PagedAttention | None = None
 
     @nn.compact
     def __call__(
@@ -241,15 +338,16 @@ class Attention(nn.Module):
         x: jax.Array,
         positions: jax.Array,
         mask: jax.Array,
-        cache: tuple[jax.Array, jax.Array] | None,
+        cache: tuple[jax.Array, jax.Array] | PagedLayer | None,
         cache_pos: jax.Array | None,
         write_slots: jax.Array | None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """`cache` is this layer's (k, v) f[B, Hkv, S, D]; returns it with this call's tokens.
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | PagedLayer | None]:
+        """`cache` is this layer's (k, v) f[B, Hkv, S, D], or its `PagedLayer` (one token per
+        row); returns it with this call's tokens.
 
-        With a cache, cache_pos: i32[B, S] is `KVCache.pos` already updated with this call's
-        tokens, and write_slots: i32[B] the first slot each row writes (`KVCache.n_used` before
-        the call)."""
+        With a dense cache, cache_pos: i32[B, S] is `KVCache.pos` already updated with this
+        call's tokens, and write_slots: i32[B] the first slot each row writes (`KVCache.n_used`
+        before the call)."""
         cfg = self.config
         b, t, _ = x.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -272,6 +370,16 @@ class Attention(nn.Module):
         self.sow("intermediates", "queries", q)
 
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+        if isinstance(cache, PagedLayer):
+            if t != 1:
+                raise ValueError(f"Attention: a paged cache takes one token per row; got {t}")
+            new_cache = cache.write(k, v)
+            attend = self.paged_attention or _xla_paged_attention
+            out = attend(q[:, 0], new_cache.k, new_cache.v, new_cache.page_table,
+                         new_cache.lengths())
+            out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(
+                out.reshape(b, t, h * d))
+            return out, new_cache
         if cache is None:
             keys, values = k, v
             q_pos, k_pos, k_valid = positions, positions, mask
@@ -314,6 +422,7 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     dot_general: DotGeneral
     decode_attention: DecodeAttention | None = None
+    paged_attention: PagedAttention | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, cache, cache_pos, write_slots):
@@ -321,7 +430,7 @@ class DecoderLayer(nn.Module):
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
         attn, new_cache = Attention(cfg, self.dot_general, self.decode_attention,
-                                    name="self_attn")(
+                                    self.paged_attention, name="self_attn")(
             h, positions, mask, cache, cache_pos, write_slots
         )
         x = x + attn
@@ -348,6 +457,9 @@ class Transformer(nn.Module):
         (the caller leaves room), recorded at their `positions` (pads as empty slots); next_pos
         moves one past the last real position. The queries attend to every cached key at or
         before their own position. For a decode step pass positions = cache.next_pos[:, None].
+        Or a `PagedKVCache` (T = 1, positions = cache.n_used[:, None]): each row whose token is
+        real writes it at logical slot n_used[r] and attends to its slots [0, n_used[r] + 1)
+        with `paged_attention`.
       last_only: return logits for the last position only ([B, 1, V]); what prefill needs.
       return_hidden: return the final normed hidden states f[B, T, E] (compute dtype) instead of
         logits; `lm_head_logits` turns any slice of them into logits (the learner's response-only,
@@ -370,6 +482,7 @@ class Transformer(nn.Module):
     config: ModelConfig
     dot_general: DotGeneral = jax.lax.dot_general
     decode_attention: DecodeAttention | None = None
+    paged_attention: PagedAttention | None = None
     remat: Remat | str = Remat.NONE
     shard_activation: ShardActivation | None = None
     scan_layers: bool = False
@@ -380,10 +493,10 @@ class Transformer(nn.Module):
         tokens: jax.Array,
         positions: jax.Array,
         mask: jax.Array | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         last_only: bool = False,
         return_hidden: bool = False,
-    ) -> tuple[jax.Array, KVCache | None]:
+    ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         b, t = tokens.shape
@@ -394,7 +507,8 @@ class Transformer(nn.Module):
         x = pin(embed(tokens), RESIDUAL_AXES)
 
         cache_pos = write_slots = None
-        if cache is not None:
+        paged = isinstance(cache, PagedKVCache)
+        if cache is not None and not paged:
             write_slots = cache.n_used
             cache_pos = write_rows(cache.pos, jnp.where(mask, positions, -1), write_slots, 0)
         new_kv = []
@@ -405,10 +519,13 @@ class Transformer(nn.Module):
             layer = DecoderLayer if remat is Remat.NONE else nn.remat(
                 DecoderLayer, policy=_REMAT_POLICIES[remat])
             for i in range(cfg.num_layers):
-                kv = None if cache is None else (cache.k[i], cache.v[i])
-                x, kv = layer(cfg, self.dot_general, self.decode_attention, name=f"layers_{i}")(
-                    x, positions, mask, kv, cache_pos, write_slots
-                )
+                if paged:
+                    kv = PagedLayer(cache.k[i], cache.v[i], cache.page_table, cache.n_used,
+                                    mask[:, 0])
+                else:
+                    kv = None if cache is None else (cache.k[i], cache.v[i])
+                x, kv = layer(cfg, self.dot_general, self.decode_attention, self.paged_attention,
+                              name=f"layers_{i}")(x, positions, mask, kv, cache_pos, write_slots)
                 x = pin(x, RESIDUAL_AXES)
                 new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
@@ -422,7 +539,11 @@ class Transformer(nn.Module):
             out = Linear(cfg.vocab_size, ("embed", "vocab"), self.dot_general, dt, pdt,
                          name="lm_head")(x).astype(jnp.float32)
         new_cache = None
-        if cache is not None:
+        if paged:
+            new_cache = cache.replace(k=tuple(kv.k for kv in new_kv),
+                                      v=tuple(kv.v for kv in new_kv),
+                                      n_used=cache.n_used + mask[:, 0].astype(jnp.int32))
+        elif cache is not None:
             last = jnp.max(jnp.where(mask, positions + 1, 0), axis=1)
             new_cache = KVCache(k=tuple(kv[0] for kv in new_kv), v=tuple(kv[1] for kv in new_kv),
                                 pos=cache_pos, n_used=cache.n_used + t,
@@ -438,7 +559,8 @@ class Transformer(nn.Module):
         per_layer = [cast_floats(self.variables["params"][f"layers_{i}"], cfg.compute_dtype)
                      for i in range(cfg.num_layers)]
         stacked = jax.tree.map(lambda *p: jnp.stack(p), *per_layer)
-        layer = DecoderLayer(cfg, self.dot_general, self.decode_attention, parent=None)
+        layer = DecoderLayer(cfg, self.dot_general, self.decode_attention, self.paged_attention,
+                             parent=None)
 
         def body(x: jax.Array, params: Any) -> tuple[jax.Array, None]:
             x, _ = layer.apply({"params": params}, x, positions, mask, None, None, None)

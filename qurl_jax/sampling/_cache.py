@@ -9,6 +9,11 @@ methods, so a new cache layout or attention kernel is one new class here:
 - `DenseKV`: a `models.transformer.KVCache` of prompt + generation slots per row.
 - `CompressedKV`: Sparse-RL's compressed cache (`kv_policy`): a `CompressedCache`, the KV cache of
   budget + interval slots per row and the observation window of recent queries that scores it.
+- `PagedKV`: a `models.transformer.PagedKVCache`, one pool of fixed-size pages per layer shared
+  by the rows; a row holds the pages its page-table row names. The page table is the host's
+  (`_page_pool.PagedScheduler`): `with_table` hands it to a program. Prompts are prefilled into a
+  dense cache and `admit` copies their real tokens into the rows' pages. Only the refilling
+  sampler runs it (pages are what let it keep more rows in flight).
 
 The cache values are pytrees (`KVCache`, `CompressedCache`) whose leaves all lead with the row
 axis, so `jax.tree.map` concatenates, takes or scatters rows of either layout.
@@ -16,6 +21,7 @@ axis, so `jax.tree.map` concatenates, takes or scatters rows of either layout.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import flax.struct
@@ -23,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from qurl_jax.models.config import ModelConfig
-from qurl_jax.models.transformer import KVCache, Transformer, positions_from_mask
+from qurl_jax.models.transformer import KVCache, PagedKVCache, Transformer, positions_from_mask
 from qurl_jax.sampling._host import Params, RowSharding
 from qurl_jax.sampling._kv_policy import (
     KVPolicyConfig,
@@ -52,7 +58,22 @@ class CompressedCache:
     win_valid: jax.Array
 
 
-Cache = KVCache | CompressedCache
+Cache = KVCache | CompressedCache | PagedKVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Paging:
+    """A paged KV pool: `num_pages` pages of `page_size` tokens per pool (every layer's k and v
+    pools number their pages alike), split evenly over the batch shards."""
+
+    num_pages: int
+    page_size: int = 16
+
+    def validate(self, shards: int = 1) -> Paging:
+        if self.page_size < 1 or self.num_pages < shards or self.num_pages % shards:
+            raise ValueError(f"kv_pages={self.num_pages} must be a positive multiple of the "
+                             f"batch shards ({shards}) and kv_page_size={self.page_size} >= 1")
+        return self
 
 
 class CacheLayout(Protocol):
@@ -68,6 +89,12 @@ class CacheLayout(Protocol):
 
     def empty(self, rows: int, length: int) -> Cache:
         """An empty cache of `rows` rows and `length` slots (traced; for jitted programs)."""
+
+    def empty_prompts(self, rows: int, length: int) -> Cache:
+        """An empty cache of `rows` prefilled prompts of `length` slots (what `prefill` gives)."""
+
+    def with_table(self, cache: Cache, table: jax.Array | None) -> Cache:
+        """The cache with the host's page table i32[R, n] (a layout without pages: unchanged)."""
 
     def abstract(self, rows: int, length: int) -> Cache:
         """The empty cache as ShapeDtypeStructs with the shardings `constrain` gives it."""
@@ -100,9 +127,14 @@ class CacheLayout(Protocol):
         """The cache with its rows over the batch shards (batch=None: whole on every one)."""
 
 
-def cache_layout(config: ModelConfig, kv_policy: KVPolicyConfig, sharding: RowSharding
-                 ) -> CacheLayout:
-    """The layout a sampler with this KV policy uses."""
+def cache_layout(config: ModelConfig, kv_policy: KVPolicyConfig, sharding: RowSharding,
+                 paging: Paging | None = None) -> CacheLayout:
+    """The layout a sampler with this KV policy (and paging) uses."""
+    if paging is not None:
+        if kv_policy.compresses:
+            raise ValueError(f"rollout.kv_pages: a paged cache does not take the compressed KV "
+                             f"policy {kv_policy.policy!r} (its rows have holes)")
+        return PagedKV(config, kv_policy, sharding, paging.validate(sharding.batch_shards))
     if kv_policy.compresses:
         return CompressedKV(config, kv_policy, sharding)
     return DenseKV(config, kv_policy, sharding)
@@ -165,13 +197,20 @@ class DenseKV:
             return cache
         return self.sharding.with_shardings(cache, self.sharding.cache_shardings(cache))
 
-    def empty_prompts(self, tokens: jax.Array) -> KVCache:
+    def empty_prompts(self, rows: int, length: int) -> KVCache:
+        return self.empty(rows, length)
+
+    def with_table(self, cache: KVCache, table: jax.Array | None) -> KVCache:
+        return cache
+
+    def prefill_cache(self, tokens: jax.Array) -> KVCache:
+        """The empty cache `prefill` writes the prompts tokens i32[P, p_len] into."""
         return self.sharding.cache(KVCache.zeros(self.config, *tokens.shape))
 
     def prefill(self, model: Transformer, params: Params, tokens: jax.Array, mask: jax.Array
                 ) -> tuple[jax.Array, KVCache]:
         logits, cache = model.apply({"params": params}, tokens, positions_from_mask(mask), mask,
-                                    cache=self.empty_prompts(tokens), last_only=True)
+                                    cache=self.prefill_cache(tokens), last_only=True)
         return logits[:, 0], cache
 
     def repeat(self, cache: KVCache, n: int, length: int) -> KVCache:
@@ -236,6 +275,12 @@ class CompressedKV:
                                win_q=(q,) * len(self._scored_layers()),
                                win_valid=jnp.zeros((rows, w), jnp.bool_))
 
+    def empty_prompts(self, rows: int, length: int) -> CompressedCache:
+        return self.empty(rows, length)
+
+    def with_table(self, cache: CompressedCache, table: jax.Array | None) -> CompressedCache:
+        return cache
+
     def abstract(self, rows: int, length: int) -> CompressedCache:
         s = self.sharding
         cfg, w = self.config, self.kv_policy.window
@@ -252,7 +297,7 @@ class CompressedKV:
         kv = self.kv_policy
         (logits, cache), inter = model.apply(
             {"params": params}, tokens, positions_from_mask(mask), mask,
-            cache=self.dense.empty_prompts(tokens), last_only=True, mutable=["intermediates"])
+            cache=self.dense.prefill_cache(tokens), last_only=True, mutable=["intermediates"])
         queries = _layer_queries(inter, self._scored_layers())
         windows = [window_from_prompt(q, mask, kv.window) for q in queries]
         win_q, win_valid = tuple(w[0] for w in windows), windows[0][1]
@@ -324,6 +369,118 @@ class CompressedKV:
             q = valid = s.rows
         return CompressedCache(cache=s.cache(cache.cache, batch),
                                win_q=tuple(map(q, cache.win_q)), win_valid=valid(cache.win_valid))
+
+
+class PagedKV:
+    """Every token of a row in the pages of one pool the host's page table gives it.
+
+    A row's cache is its logical slots [0, n_used): its real prompt tokens (no pads: `admit`
+    copies them out of the left-padded prefill), then one slot per token fed. Logical slots per
+    row: prompt bucket + generation bucket, as a dense row's, so a row is never cut shorter;
+    what is shared is the pool's pages. Under a mesh each batch shard's rows hold pages of its
+    own block of the pool (the host's page ids: shard d's are [d P/D, (d+1) P/D)), pools and
+    page table sharded alike (pages and rows over the batch shards, kv heads over 'tensor').
+    Prompts are prefilled into a dense `KVCache` (`DenseKV.prefill`), which also holds the
+    refilling sampler's held prefills.
+    """
+
+    compresses = False
+
+    def __init__(self, config: ModelConfig, kv_policy: KVPolicyConfig, sharding: RowSharding,
+                 paging: Paging) -> None:
+        self.config, self.kv_policy, self.sharding = config, kv_policy, sharding
+        self.paging = paging
+        self.dense = DenseKV(config, kv_policy, sharding)  # prompts and held prefills
+
+    @property
+    def page_size(self) -> int:
+        return self.paging.page_size
+
+    def slots(self, p_len: int, g_len: int) -> int:
+        return self.kv_policy.physical_slots(p_len, g_len)
+
+    def pages_per_row(self, length: int) -> int:
+        return -(-length // self.page_size)
+
+    def prefill_slots(self, p_len: int) -> int:
+        return p_len
+
+    def empty(self, rows: int, length: int) -> PagedKVCache:
+        return PagedKVCache.zeros(self.config, rows, self.paging.num_pages, self.page_size,
+                                  self.pages_per_row(length))
+
+    def empty_prompts(self, rows: int, length: int) -> KVCache:
+        return self.dense.empty(rows, length)
+
+    def abstract(self, rows: int, length: int) -> PagedKVCache:
+        cache = jax.eval_shape(lambda: self.empty(rows, length))
+        if self.sharding.mesh is None:
+            return cache
+        return self.sharding.with_shardings(cache, self._shardings(cache))
+
+    def with_table(self, cache: PagedKVCache, table: jax.Array | None) -> PagedKVCache:
+        return cache.replace(page_table=table)
+
+    def prefill(self, model: Transformer, params: Params, tokens: jax.Array, mask: jax.Array
+                ) -> tuple[jax.Array, KVCache]:
+        return self.dense.prefill(model, params, tokens, mask)
+
+    def repeat(self, cache: Cache, n: int, length: int) -> Cache:
+        raise ValueError("a paged cache is filled row by row (`admit`), not repeated: only the "
+                         "refilling sampler runs it")
+
+    def forward(self, model: Transformer, params: Params, tok: jax.Array, cache: PagedKVCache,
+                live: jax.Array, observe: bool) -> tuple[jax.Array, PagedKVCache]:
+        del observe
+        logits, new = model.apply({"params": params}, tok[:, None], cache.n_used[:, None],
+                                  live[:, None], cache=cache)
+        return logits[:, 0], new
+
+    def due(self, cache: PagedKVCache, step: jax.Array) -> jax.Array:
+        return jnp.zeros(cache.n_used.shape, jnp.bool_)
+
+    def compress(self, cache: PagedKVCache, due: jax.Array) -> PagedKVCache:
+        return cache
+
+    def admit(self, cache: PagedKVCache, slots: jax.Array, prompt: KVCache) -> PagedKVCache:
+        """Copies each prompt's real tokens (the last next_pos[k] of its p slots: prompts are
+        left-padded) into logical slots [0, next_pos[k]) of row slots[k], through the page
+        table already in `cache`; one scatter per pool. Entries with slot R are dropped."""
+        p, ps, num_pages = prompt.length, cache.page_size, cache.num_pages
+        rows = cache.page_table.shape[0]
+        lengths = prompt.next_pos  # real tokens, at positions 0 .. length - 1
+        j = jnp.arange(p, dtype=jnp.int32)
+        src = jnp.minimum(p - lengths[:, None] + j[None], p - 1)  # [K, p] prefill slot of j
+        ok = (j[None] < lengths[:, None]) & (slots < rows)[:, None]
+        table = jnp.take(cache.page_table, jnp.minimum(slots, rows - 1), axis=0)  # [K, n]
+        page = jnp.where(ok, jnp.take(table, j // ps, axis=1), num_pages)  # dropped when not ok
+        offset = jnp.broadcast_to(j % ps, page.shape)
+
+        def put(pool: jax.Array, buf: jax.Array) -> jax.Array:
+            tokens = jnp.take_along_axis(buf, src[:, None, :, None], axis=2)  # [K, Hkv, p, D]
+            return pool.at[:, page, offset].set(tokens.transpose(1, 0, 2, 3).astype(pool.dtype),
+                                                mode="drop")
+
+        return cache.replace(k=tuple(map(put, cache.k, prompt.k)),
+                             v=tuple(map(put, cache.v, prompt.v)),
+                             n_used=cache.n_used.at[slots].set(lengths, mode="drop"))
+
+    def _shardings(self, cache: PagedKVCache) -> PagedKVCache:
+        named = self.sharding.named
+        pool = ("kv_heads", "batch", None, "head_dim")
+        return PagedKVCache(k=tuple(named(x, pool) for x in cache.k),
+                            v=tuple(named(x, pool) for x in cache.v),
+                            page_table=named(cache.page_table, ("batch", None)),
+                            n_used=named(cache.n_used, ("batch",)))
+
+    def constrain(self, cache: Cache, batch: str | None = "batch") -> Cache:
+        """A paged cache: pages and rows over the batch shards; a dense one (prompts, held
+        prefills): `DenseKV.constrain`."""
+        if isinstance(cache, KVCache):
+            return self.dense.constrain(cache, batch)
+        if self.sharding.mesh is None:
+            return cache
+        return jax.lax.with_sharding_constraint(cache, self._shardings(cache))
 
 
 def _layer_queries(intermediates: dict[str, Any], layers: range) -> list[jax.Array]:

@@ -25,6 +25,7 @@ parameters are expected to be placed already (`qurl_jax.sharding.shard_params`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import flax.struct
@@ -35,9 +36,15 @@ from jax.sharding import Mesh
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models import decode_attention as ragged
 from qurl_jax.models.config import ModelConfig
-from qurl_jax.models.transformer import DecodeAttention, DotGeneral, Transformer, cast_floats
+from qurl_jax.models.transformer import (
+    DecodeAttention,
+    DotGeneral,
+    PagedAttention,
+    Transformer,
+    cast_floats,
+)
 from qurl_jax.quant import pack_for_decode
-from qurl_jax.sampling._cache import Cache, cache_layout
+from qurl_jax.sampling._cache import Cache, Paging, cache_layout
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sampling._host import (
     ROW_AXES,
@@ -124,7 +131,12 @@ class Engine:
         dense masked attention on every platform (the reference);
         'pallas' = the ragged Pallas kernel (GPU; on CPU in Pallas' interpreter, for tests; TPU
         has no dense ragged kernel: an error). A compressed cache (`kv_policy`) has holes in its
-        live slots, which the ragged kernel cannot express: it keeps the masked path.
+        live slots, which the ragged kernel cannot express: it keeps the masked path. A paged
+        cache (`paging`) reads its pages with JAX's paged kernel on GPU and TPU ('auto' and
+        'pallas'; on CPU 'pallas' runs the GPU kernel in Pallas' interpreter) and with XLA's
+        gather otherwise (`paged_hook`).
+      paging: a paged KV pool (`_cache.Paging`; the refilling sampler's `kv_pages`) instead of
+        a dense cache of prompt + generation slots per row.
     """
 
     def __init__(
@@ -142,6 +154,7 @@ class Engine:
         platform: str | None = None,
         kv_policy: KVPolicyConfig | None = None,
         decode_attention: str = "auto",
+        paging: Paging | None = None,
     ) -> None:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r} must be one of "
@@ -167,13 +180,15 @@ class Engine:
         self.pad_id = int(pad_id)
         self.mesh = mesh
         self.sharding = RowSharding(mesh)
-        self.layout = cache_layout(self.config, self.kv_policy, self.sharding)
+        self.layout = cache_layout(self.config, self.kv_policy, self.sharding, paging)
+        self.paging = paging
         devices = platform_of(mesh) if mesh is not None else None
         self.platform = platform or devices or jax.default_backend()
         # Where the programs run: the mesh's devices (host devices when `platform` names an
         # accelerator for an estimate), else `platform`.
         self._devices = ragged.kernel_platform(devices or self.platform)
-        if decode_attention == "pallas" and self._devices not in ("gpu", "cpu"):
+        if decode_attention == "pallas" and self._devices not in ("gpu", "cpu") and (
+                paging is None or self._devices != "tpu"):
             raise ValueError(f"decode_attention='pallas' has no dense ragged kernel on platform "
                              f"{self._devices!r} (GPU, or CPU in Pallas' interpreter); use "
                              f"'auto' or 'xla'")
@@ -261,12 +276,45 @@ class Engine:
         """The model that runs `prepare`'s output: untied when it carries the head kernel, with
         the decode attention hook `attention_hook` chooses."""
         cfg = self.config
-        hook = self.attention_hook()
+        hook, paged = self.attention_hook(), self.paged_hook()
         if self.platform == "cpu" and cfg.tie_word_embeddings and "lm_head" in prepared:
             cfg = cfg.replace(tie_word_embeddings=False)
-        elif hook is None:
+        elif hook is None and paged is None:
             return self.model
-        return Transformer(cfg, self.model.dot_general, hook)
+        return Transformer(cfg, self.model.dot_general, hook, paged)
+
+    def paged_hook(self) -> PagedAttention | None:
+        """The decode model's paged attention (None: the model's XLA gather, or no pages): JAX's
+        paged Pallas kernel where the programs run on GPU or TPU devices ('auto', 'pallas'), in
+        Pallas' interpreter on host devices with 'pallas' (tests). On a mesh it runs per shard:
+        each batch shard's rows read their own block of the pool (`_cache.PagedKV`)."""
+        if self.paging is None or self.decode_attention == "xla":
+            return None
+        devices = self._devices
+        if self.decode_attention == "auto" and (
+                devices not in ("gpu", "tpu") or ragged.kernel_platform(self.platform) != devices):
+            return None
+        kernel = functools.partial(ragged.paged_decode_attention, impl="pallas",
+                                   platform=devices, interpret=devices == "cpu")
+        mesh = self.mesh
+        if mesh is None or mesh.size == 1:
+            return kernel
+        P = jax.sharding.PartitionSpec
+
+        def sharded(q, k_pages, v_pages, page_table, lengths):
+            rows = logical_to_mesh_spec(P("batch", "heads"), q.shape[:2], mesh)
+            pool = logical_to_mesh_spec(P("kv_heads", "batch"), k_pages.shape[:2], mesh)
+            table = P(rows[0], None)
+            per_shard = k_pages.shape[1] // self.sharding.batch_shards
+
+            def local(q, k, v, t, n):  # the shard's page ids are a block of `per_shard`
+                return kernel(q, k, v, t % per_shard, n)
+
+            run = jax.shard_map(local, mesh=mesh, in_specs=(rows, pool, pool, table, P(rows[0])),
+                                out_specs=rows, check_vma=False)
+            return run(q, k_pages, v_pages, page_table, lengths)
+
+        return sharded
 
     def attention_hook(self) -> DecodeAttention | None:
         """The decode model's attention hook (None: XLA's masked attention over every slot), by
@@ -281,7 +329,7 @@ class Engine:
         shard (`_per_shard`)."""
         cfg = self.config
         choice, devices = self.decode_attention, self._devices
-        if choice == "xla":
+        if choice == "xla" or self.paging is not None:  # a paged cache: `paged_hook`
             return None
         if choice == "auto" and self.platform == "cpu":
             if self.sharding.single_device and cpu_attention.usable(cfg.compute_dtype,

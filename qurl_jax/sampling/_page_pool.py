@@ -163,14 +163,20 @@ class PagedScheduler:
         return len(self._queue)
 
     @property
+    def queue(self) -> collections.deque[int]:
+        """The waiting rows, head first (read it; change it through `submit` only)."""
+        return self._queue
+
+    @property
     def active(self) -> np.ndarray:
         """bool[slots]: slots with a row."""
         return self.slot_row >= 0
 
     def admit(self) -> list[tuple[int, int]]:
         """Places queue heads into free slots while the pool has pages for their prompts and the
-        watermark; returns the (slot, row) pairs placed, in order. Rows wait in queue order (a
-        head that does not fit blocks those behind it)."""
+        watermark (an empty pool admits its first row whatever the watermark); returns the
+        (slot, row) pairs placed, in order. Rows wait in queue order (a head that does not fit
+        blocks those behind it)."""
         placed = []
         free_slots = np.flatnonzero(~self.active)
         for slot in free_slots:
@@ -179,7 +185,8 @@ class PagedScheduler:
             row = self._queue[0]
             n = self._prompt_len[row]
             need = int(pages_for(n, self.pool.page_size))
-            if self.pool.free_pages - need < self.admission.watermark_pages:
+            if (self.pool.free_pages - need < self.admission.watermark_pages
+                    and (self.active.any() or placed)):
                 break
             self.pool.grow(np.array([slot]), np.array([n]))
             self._queue.popleft()
@@ -237,3 +244,63 @@ class PagedScheduler:
         self.pool.release([slot])
         self.slot_row[slot] = -1
         self.lengths[slot] = 0
+
+
+class ShardedScheduler:
+    """A `PagedScheduler` per batch shard, in the global numbering a sharded decode state uses:
+    shard d owns slots [d S, (d + 1) S) and pages [d P, (d + 1) P) of the pool (S slots and P
+    pages per shard), and queues only the rows submitted to it."""
+
+    def __init__(self, shards: int, slots_per_shard: int, pages_per_shard: int, page_size: int,
+                 max_tokens: int, watermark_pages: int | None = None):
+        per_row = int(pages_for(max_tokens, page_size))
+        watermark = pages_per_shard // 16 if watermark_pages is None else watermark_pages
+        self.pages_per_shard = pages_per_shard
+        self.shards = [PagedScheduler(PagePool(pages_per_shard, page_size, slots_per_shard,
+                                               per_row), max_tokens, Admission(watermark))
+                       for _ in range(shards)]
+
+    @property
+    def queues(self) -> list[collections.deque[int]]:
+        return [s.queue for s in self.shards]
+
+    @property
+    def active(self) -> np.ndarray:
+        """bool[R]: slots with a row, global order."""
+        return np.concatenate([s.active for s in self.shards])
+
+    @property
+    def preemptions(self) -> int:
+        return sum(s.preemptions for s in self.shards)
+
+    @property
+    def pages_held(self) -> int:
+        return sum(s.pool.num_pages - s.pool.free_pages for s in self.shards)
+
+    def _global(self, d: int, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        slots = self.shards[d].pool.slots
+        return [(d * slots + slot, row) for slot, row in pairs]
+
+    def admit(self) -> list[tuple[int, int]]:
+        """Every shard's `PagedScheduler.admit`, as (global slot, row) pairs."""
+        return [p for d, s in enumerate(self.shards) for p in self._global(d, s.admit())]
+
+    def reserve(self, ahead: int) -> list[tuple[int, int]]:
+        """Every shard's `PagedScheduler.reserve_step(ahead)`: the preempted (global slot, row)
+        pairs."""
+        return [p for d, s in enumerate(self.shards)
+                for p in self._global(d, s.reserve_step(ahead))]
+
+    def advance(self, live: np.ndarray, steps: int) -> None:
+        """After `steps` decode steps: rows that were in flight and are no longer `live` (bool[R],
+        global) finished and return their pages."""
+        active = self.active
+        finished = np.split(active & ~np.asarray(live, bool), len(self.shards))
+        for s, done in zip(self.shards, finished, strict=True):
+            s.advance(done, steps)
+
+    def table(self) -> np.ndarray:
+        """i32[R, pages per row]: every slot's pages, global ids (a slot without pages names its
+        shard's first page)."""
+        return np.concatenate([s.pool.page_table + d * self.pages_per_shard
+                               for d, s in enumerate(self.shards)]).astype(np.int32)

@@ -68,7 +68,7 @@ import numpy as np
 
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.transformer import DotGeneral
-from qurl_jax.sampling._cache import Cache, concat_rows, take_rows
+from qurl_jax.sampling._cache import Cache, CompressedCache, Paging, concat_rows, take_rows
 from qurl_jax.sampling._distributions import SamplingMode
 from qurl_jax.sampling._engine import DecodeState, Engine
 from qurl_jax.sampling._host import (
@@ -81,6 +81,7 @@ from qurl_jax.sampling._host import (
     power_of_two_buckets,
 )
 from qurl_jax.sampling._output import SampleOutput
+from qurl_jax.sampling._page_pool import ShardedScheduler
 from qurl_jax.sampling.settings import Decoding, SamplingParams
 
 
@@ -113,7 +114,8 @@ class RefillRun:
     prompts prefilled (each prompt once, whatever its rows' slots and times); slot_rows: per slot
     of the full set, the rows it held, in order (rows are only admitted before the first shrink);
     occupancy: generated tokens / slot_steps, the fraction of slot-steps that produced a token
-    (first tokens come from the insert).
+    (first tokens come from the insert); preemptions: rows a paged pool preempted (each
+    regenerated later); peak_pages: most pages held at once, summed over the batch shards.
     """
 
     decode_calls: int = 0
@@ -124,6 +126,8 @@ class RefillRun:
     prefilled: int = 0
     slot_rows: list[list[int]] = dataclasses.field(default_factory=list)
     occupancy: float = 0.0
+    preemptions: int = 0
+    peak_pages: int = 0
 
 
 class RefillSampler:
@@ -144,7 +148,21 @@ class RefillSampler:
         R // 4, ... per batch shard), so the end of a call, where the last long rows finish
         alone, runs a smaller batch. It pays where a decode step costs less with fewer rows: on
         a CPU (measured: 98M model, 80 ms per step at 16 rows, 44 at 4) and with long caches.
-      **engine_kwargs: buckets, pad_id, mesh, platform, kv_policy (`Engine`).
+        Not with a paged pool (its rows keep their slots).
+      kv_pages: 0 = every slot holds prompt + generation bucket tokens of KV (a dense cache);
+        > 0 = a paged pool of this many pages (split evenly over the batch shards), from which a
+        row takes pages as it grows and to which it returns them when it finishes. Slots
+        (`max_concurrent_rows`) then only bound the rows in flight; the pool bounds their tokens.
+        A row is admitted when its prompt's pages are free (leaving `kv_watermark_pages` free
+        per shard while other rows run); when the pool runs short before a decode call, the most
+        recently admitted rows are preempted (pages freed, row requeued at the head, regenerated
+        later from its start with its own random stream: its tokens do not change). A decode
+        call then runs at most `max_steps_per_call` (default: `kv_page_size`) steps, the room
+        reserved ahead for every row. See `_page_pool`.
+      kv_page_size: tokens per page.
+      kv_watermark_pages: free pages per shard an admission leaves while rows run (default:
+        1/16 of the shard's pages).
+      **engine_kwargs: buckets, pad_id, mesh, platform, kv_policy, decode_attention (`Engine`).
 
     Compiled programs: one decode program per (slots, rows, buckets, sampling mode), the slots R
     and, with `shrink`, each smaller count it reaches (at most log2(R) more, each with a gather
@@ -157,8 +175,14 @@ class RefillSampler:
 
     def __init__(self, config: ModelConfig, dot_general: DotGeneral = jax.lax.dot_general, *,
                  max_concurrent_rows: int = 0, refill_min: int = 0, max_steps_per_call: int = 0,
-                 shrink: bool = True, **engine_kwargs: Any) -> None:
-        self.engine = Engine(config, dot_general, **engine_kwargs)
+                 shrink: bool = True, kv_pages: int = 0, kv_page_size: int = 16,
+                 kv_watermark_pages: int | None = None, **engine_kwargs: Any) -> None:
+        if kv_pages < 0 or (kv_watermark_pages or 0) < 0:
+            raise ValueError(f"RefillSampler: kv_pages={kv_pages} and kv_watermark_pages="
+                             f"{kv_watermark_pages} must be >= 0")
+        paging = Paging(kv_pages, kv_page_size) if kv_pages else None
+        self.engine = Engine(config, dot_general, paging=paging, **engine_kwargs)
+        self.kv_watermark_pages = kv_watermark_pages
         self.max_concurrent_rows = check_concurrent_rows(max_concurrent_rows)
         if refill_min < 0 or max_steps_per_call < 0:
             raise ValueError(f"RefillSampler: refill_min={refill_min} and max_steps_per_call="
@@ -169,7 +193,7 @@ class RefillSampler:
                              f"be a multiple of the batch shards ({shards})")
         self.refill_min = int(refill_min)
         self.max_steps_per_call = int(max_steps_per_call)
-        self.shrink = bool(shrink)
+        self.shrink = bool(shrink) and paging is None
         self._prepare = jax.jit(self.engine.prepare)
         self._refill_programs: dict[tuple, Any] = {}
         self.last_run = RefillRun()
@@ -255,20 +279,31 @@ class RefillSampler:
         num_eos = decoding.eos_ids.size
         cache_len = e.layout.slots(p_len, g_len)
         refill_min = self.refill_min or max(1, slots // 8)
-        max_steps = jnp.int32(self.max_steps_per_call or g_len)
+        paging = e.paging
+        # A paged pool reserves room for one call's steps ahead (the page size by default).
+        steps_per_call = self.max_steps_per_call or (paging.page_size if paging else g_len)
+        max_steps = jnp.int32(steps_per_call)
 
         # Shard d's queue: the real rows of its block of prompts, prompt-major.
         prompts_per_shard = b_pad // shards
-        queues = [collections.deque(r for r in range(d * prompts_per_shard * n,
-                                                     (d + 1) * prompts_per_shard * n)
-                                    if real[r])
-                  for d in range(shards)]
+        shard_rows = [[r for r in range(d * prompts_per_shard * n, (d + 1) * prompts_per_shard * n)
+                       if real[r]] for d in range(shards)]
+        pages = None
+        if paging is None:
+            queues = [collections.deque(rows_d) for rows_d in shard_rows]
+        else:
+            pages = self._scheduler(shards, per_shard, cache_len)
+            prompt_lens = np.asarray(mask.sum(axis=1))
+            for sched, rows_d in zip(pages.shards, shard_rows, strict=True):
+                sched.submit(rows_d, prompt_lens[np.asarray(rows_d, np.int64) // n])
+            queues = pages.queues
         free = [list(range(d * per_shard, (d + 1) * per_shard)) for d in range(shards)]
         run = RefillRun(slot_rows=[[] for _ in range(slots)])
         state = self._program("init", slots, rows, cache_len, g_len, shards,
                               e.prefill_slots(p_len))()
         held = [-1] * shards  # the prompt whose prefill each shard holds
         prepared = self._prepare(params)
+        put = e.sharding.put_batch
         # Slots per shard the shrink moves the live rows into once no row waits: each a half.
         sizes = [per_shard]
         while self.shrink and sizes[-1] > 1:
@@ -276,31 +311,43 @@ class RefillSampler:
         live = np.zeros((slots,), np.bool_)
         while True:
             admit = []
+            if pages is not None:
+                admit = pages.admit()
             for d in range(shards):
-                while free[d] and queues[d]:
+                while pages is None and free[d] and queues[d]:
                     admit.append((free[d].pop(0), queues[d].popleft()))
             if admit:
                 state, run.prefilled = self._insert(
                     params, state, admit, held, queues, tokens, mask, row_limits, streams, n,
-                    mode, decoding, run.prefilled)
+                    mode, decoding, run.prefilled, pages)
                 run.inserts += 1
             for slot, row in admit:
                 run.slot_rows[slot].append(row)
                 live[slot] = True
             if not live.any():
                 break
+            table = keep = None
+            if pages is not None:
+                for slot, _ in pages.reserve(steps_per_call):
+                    live[slot] = False  # requeued: its slot stops now, its row starts again
+                run.peak_pages = max(run.peak_pages, pages.pages_held)
+                table, keep = put(pages.table()), put(live)
             waiting = [min(len(q), per_shard) for q in queues]
             refillable = np.repeat(np.asarray(waiting) > 0, per_shard)
+            if pages is not None:  # a slot left empty for want of pages is not a finished one
+                refillable &= live
             need = min(refill_min, sum(waiting))
             # need = 0 (nothing waiting): no slot is refillable, so the call runs to the end, or
             # until every shard's live rows fit the next smaller slot count.
             at = sizes.index(per_shard) + 1
             smaller = sizes[at] if need == 0 and at < len(sizes) else -1
             decode = self._program("decode", slots, rows, cache_len, g_len, mode, num_eos)
-            state, live_dev, steps = decode(prepared, state, e.sharding.put_batch(refillable),
+            state, live_dev, steps = decode(prepared, state, put(refillable),
                                             jnp.int32(max(need, 1)), jnp.int32(smaller),
-                                            max_steps, decoding)
+                                            max_steps, decoding, table, keep)
             live, steps = _replicated_to_host(live_dev), int(_replicated_to_host(steps))
+            if pages is not None:
+                pages.advance(live, steps)
             run.decode_calls += 1
             run.decode_steps += steps
             run.slot_steps += steps * slots
@@ -315,6 +362,8 @@ class RefillSampler:
                 block = range(d * per_shard, (d + 1) * per_shard)
                 free[d] = [s for s in block if not live[s]]
 
+        if pages is not None:
+            run.preemptions = pages.preemptions
         out = self._program("finish", 0, rows, cache_len, g_len, num_eos)(state,
                                                                            decoding.eos_ids)
         # Tokens the decode loop produced (each row's first token comes from its insert).
@@ -322,6 +371,19 @@ class RefillSampler:
         run.occupancy = decoded / max(run.slot_steps, 1)
         self.last_run = run
         return out, {"tokens": tokens, "mask": mask, "p_len": p_len}
+
+    def _scheduler(self, shards: int, per_shard: int, cache_len: int) -> ShardedScheduler:
+        """The host's page bookkeeping for a call: a pool of kv_pages / shards pages per shard
+        behind its slots, rows of at most `cache_len` tokens."""
+        paging = self.engine.paging
+        per_pool = paging.num_pages // shards
+        need = -(-cache_len // paging.page_size)
+        if need > per_pool:
+            raise ValueError(f"kv_pages={paging.num_pages}: a row of {cache_len} tokens needs "
+                             f"{need} pages of {paging.page_size}, a shard's pool has "
+                             f"{per_pool}")
+        return ShardedScheduler(shards, per_shard, per_pool, paging.page_size, cache_len,
+                                self.kv_watermark_pages)
 
     def rows_per_chunk(self, num_prompts: int, n: int) -> int:
         """Rows of a `sample` call of `num_prompts` prompts with `n` samples each, batch padding
@@ -368,12 +430,16 @@ class RefillSampler:
         i32, scalar = jnp.int32, functools.partial(jax.ShapeDtypeStruct, ())
         host, batch = e.sharding.abstract_replicated, e.sharding.abstract_batch
         insert = self._program("insert", slots, rows, cache_len, g_len, mode, eos, k, p, p_len)
+        table = keep = None
+        if e.paging is not None:  # the host's page table and preemptions
+            table = batch((slots, e.layout.pages_per_row(cache_len)), i32)
+            keep = batch((slots,), jnp.bool_)
         insert_args = (abstract_params, state, batch((p, p_len), i32), batch((p, p_len), jnp.bool_),
                        *(host((k,), i32) for _ in range(5)), host((shards,), i32),
-                       Decoding.abstract(eos))
+                       Decoding.abstract(eos), table)
         decode = self._program("decode", slots, rows, cache_len, g_len, mode, eos)
         decode_args = (prepared, state, batch((slots,), jnp.bool_), scalar(i32), scalar(i32),
-                       scalar(i32), Decoding.abstract(eos))
+                       scalar(i32), Decoding.abstract(eos), table, keep)
         return {
             "prefill": insert.trace(*insert_args).lower(lowering_platforms=lowering_platforms),
             "decode": decode.trace(*decode_args).lower(lowering_platforms=lowering_platforms),
@@ -385,8 +451,8 @@ class RefillSampler:
     def _insert(self, params: Params, state: RefillState, admit: list[tuple[int, int]],
                 held: list[int], queues: list[collections.deque], tokens: np.ndarray,
                 mask: np.ndarray, limits: np.ndarray, streams: np.ndarray, n: int,
-                mode: SamplingMode, decoding: Decoding, prefilled: int
-                ) -> tuple[RefillState, int]:
+                mode: SamplingMode, decoding: Decoding, prefilled: int,
+                pages: ShardedScheduler | None = None) -> tuple[RefillState, int]:
         """Admits rows into slots (`admit`: (slot, row) pairs, at most R) and updates `held` (each
         shard's held prompt) in place. Prompts neither held nor seen in this insert are
         prefilled, padded to buckets of rows K and new prompts P. Returns the state and the
@@ -426,9 +492,10 @@ class RefillSampler:
                                decoding.eos_ids.size, k, p, tokens.shape[1])
         put = e.sharding.put_replicated
         # The new prompts over the batch shards: each device prefills its share, not all.
+        table = None if pages is None else e.sharding.put_batch(pages.table())
         state = insert(params, state, e.sharding.put_batch(new_tokens),
                        e.sharding.put_batch(new_mask), put(src), put(slot_arr), put(row_arr),
-                       put(stream), put(lim), put(hold_src), decoding)
+                       put(stream), put(lim), put(hold_src), decoding, table)
         return state, prefilled + len(new_ids)
 
     def _shrink(self, state: RefillState, live: np.ndarray, shards: int, per_shard: int
@@ -486,7 +553,7 @@ class RefillSampler:
         e = self.engine
         return self._constrain(RefillState(
             slots=e.empty_state(slots, rows, e.layout.empty(slots, cache_len), g_len),
-            held=e.layout.empty(held, held_len),
+            held=e.layout.empty_prompts(held, held_len),
             held_logits=jnp.zeros((held, e.config.vocab_size), jnp.float32)))
 
     def _gather_slots(self, state: RefillState, index: jax.Array) -> RefillState:
@@ -507,6 +574,7 @@ class RefillSampler:
         limits: jax.Array,
         hold_src: jax.Array,
         decoding: Decoding,
+        table: jax.Array | None,
         *,
         mode: SamplingMode,
     ) -> RefillState:
@@ -516,7 +584,8 @@ class RefillSampler:
         of the H held prefills followed by the P new ones. Every field of an admitted slot is
         overwritten (its positions: the prompt's, then -1; its counters; the token state) except
         the keys and values after its prompt's slots, which keep what they held: those slots are
-        empty by position. The held prefills become sources hold_src i32[H]."""
+        empty by position. The held prefills become sources hold_src i32[H]. A paged cache
+        takes the host's page table i32[R, n] (`table`, None otherwise) before the rows go in."""
         e = self.engine
         held, held_logits = state.held, state.held_logits
         if prompt_tokens.shape[0]:
@@ -530,7 +599,8 @@ class RefillSampler:
         # rows were built on every device: 164 GiB per device for the 1.5B paper config when
         # they still spanned all S slots).
         prompt = e.layout.constrain(take_rows(held, src))
-        s = state.slots.replace(cache=e.layout.admit(state.slots.cache, slots, prompt))
+        cache = e.layout.with_table(state.slots.cache, table)
+        s = state.slots.replace(cache=e.layout.admit(cache, slots, prompt))
         s = e.admit(s, slots, rows, streams, limits, jnp.take(held_logits, src, axis=0),
                     decoding, mode)
         return self._constrain(RefillState(slots=s, held=take_rows(held, hold_src),
@@ -538,13 +608,14 @@ class RefillSampler:
 
     def _decode_steps(self, prepared: Params, state: RefillState, refillable: jax.Array,
                       need: jax.Array, stop_live: jax.Array, max_steps: jax.Array,
-                      decoding: Decoding, *, mode: SamplingMode
-                      ) -> tuple[RefillState, jax.Array, jax.Array]:
+                      decoding: Decoding, table: jax.Array | None, keep: jax.Array | None, *,
+                      mode: SamplingMode) -> tuple[RefillState, jax.Array, jax.Array]:
         """Decodes every live slot (`Engine.step`) until `need` slots with refillable[s] have
         finished, every batch shard has at most `stop_live` live slots (-1: never), no slot is
         live, or `max_steps` steps ran. Returns (state, live bool[R], steps run). `prepared`
         are `Engine.prepare`'s output. A compressed cache records every step's queries and
-        compresses each slot due at its own step."""
+        compresses each slot due at its own step. A paged cache takes the host's page table
+        (`table`) and stops the slots whose rows the host preempted (keep bool[R] False)."""
         e = self.engine
         model = e.decode_model(prepared)
         shards = e.sharding.batch_shards
@@ -562,7 +633,11 @@ class RefillSampler:
                        compress=compresses)
             return i + 1, e.constrain(s)
 
-        steps, slots = jax.lax.while_loop(cond, body, (jnp.int32(0), state.slots))
+        start = state.slots
+        if table is not None:
+            start = start.replace(cache=e.layout.with_table(start.cache, table),
+                                  live=start.live & keep)
+        steps, slots = jax.lax.while_loop(cond, body, (jnp.int32(0), start))
         # Every process reads all the live flags. The state leaves as it came (its live flags
         # too, which the compiler would otherwise give the replicated copy's sharding: the next
         # insert of a seen shape compiled again).
@@ -571,8 +646,9 @@ class RefillSampler:
 
 
 def _cache_length(state: RefillState) -> int:
-    """S, the slots' cache slots per row."""
-    return jax.tree.leaves(state.slots.cache)[0].shape[2]
+    """S, the slots' cache slots per row (logical slots, for a paged cache)."""
+    cache = state.slots.cache
+    return (cache.cache if isinstance(cache, CompressedCache) else cache).length
 
 
 def _new_prompts_bucket(count: int, k: int, shards: int) -> int:
