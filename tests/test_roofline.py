@@ -71,9 +71,9 @@ def test_length_pmf_is_the_distribution_tail_limits_draws_from() -> None:
 
 
 def test_live_slots_by_schedule() -> None:
-    refill, static = roofline.live_slots(512, 1024), roofline.live_slots(512, 1024, "static")
-    assert static == 512 + 512.5
-    assert 512 + 256 < refill < static < 512 + 1024  # the tail pulls the mean past the median
+    refill, equal = roofline.live_slots(512, 1024), roofline.live_slots(512, 1024, "equal")
+    assert equal == 512 + 512.5
+    assert 512 + 256 < refill < equal < 512 + 1024  # the tail pulls the mean past the median
     assert roofline.live_slots(0, 1) == 1.0  # one token: its own slot
     with pytest.raises(ValueError, match="schedule"):
         roofline.live_slots(512, 1024, "paged")

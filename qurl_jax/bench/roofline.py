@@ -42,9 +42,8 @@ Two records per case and actor (`--attention`, default both):
   a response (a finished one is replaced at once, as the tokens/s = batch / step above already
   assumes), so a row-step falls in a response of length L with probability proportional to L,
   and the step that makes token k reads PROMPT_LEN + k slots:
-  live = PROMPT_LEN + E[L (L + 1) / 2] / E[L] (815.1 of 1536 slots for 512 + 1024). The static
-  batch's time average, where every row keeps its slot and grows until the longest row of the
-  batch finishes (NEW_TOKENS steps at batch 256), is schedule 'static':
+  live = PROMPT_LEN + E[L (L + 1) / 2] / E[L] (815.1 of 1536 slots for 512 + 1024). Schedule
+  'equal' (`--schedule`) is every response NEW_TOKENS long instead (no row ends early):
   PROMPT_LEN + (NEW_TOKENS + 1) / 2. Every row at full length reads every slot: the dense bytes
   are that upper bound. The kernels read whole key blocks (the GPU kernel's block_k, a page), so
   a real kernel reads up to one block more per row and split; not counted.
@@ -75,7 +74,7 @@ SHAPES_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sha
 PROMPT_LEN, NEW_TOKENS = 512, 1024
 ACTORS = ("bf16", "int8", "fp8")
 ATTENTIONS = ("dense", "ragged")
-SCHEDULES = ("refill", "static")
+SCHEDULES = ("refill", "equal")
 # The response lengths of `bench.sampler.tail_limits`: log-normal, median max_new / TAIL_MEDIAN_DIV,
 # log-space sigma TAIL_SIGMA, rounded, clipped to [1, max_new].
 TAIL_MEDIAN_DIV, TAIL_SIGMA = 4.0, 1.0
@@ -161,11 +160,14 @@ def live_slots(prompt_len: int, max_new: int, schedule: str = "refill") -> float
     schedule 'refill': the refilling sampler's steady state, every row always holding a
       response; the mean over all row-steps, prompt_len + E[L (L + 1) / 2] / E[L] (a row-step
       falls in a response in proportion to its length).
-    schedule 'static': one static batch whose rows all keep their slots and grow for max_new
-      steps (the batch runs until its longest row ends: max_new for a large batch under this
-      distribution); prompt_len + (max_new + 1) / 2.
+    schedule 'equal': every response max_new tokens long instead (no row ends early, static
+      or refilling alike); prompt_len + (max_new + 1) / 2.
+
+    Both count only row-steps that make a token, as tokens/s = batch / step does. (A static batch
+    under the tail distribution is neither: its finished rows keep their window and still run
+    through the model until the batch's longest row ends.)
     """
-    if schedule == "static":
+    if schedule == "equal":
         return prompt_len + (max_new + 1) / 2
     if schedule != "refill":
         raise ValueError(f"live_slots: schedule={schedule!r}; expected one of {SCHEDULES}")
