@@ -27,7 +27,9 @@ attention's softmax.
 
 Two records per case and actor (`--attention`, default both):
 
-- attention 'dense': the above; XLA's masked attention reads every cache slot of every row.
+- attention 'dense': the above; XLA's masked attention reads every cache slot of every row. (The
+  compiled GPU program itself calls the ragged Pallas kernel, the sampler's default there,
+  `pallas_kernel_in_program`; its arguments hold the whole cache either way.)
 - attention 'ragged': a decode attention that reads only each row's live slots (the Pallas GPU
   kernel on the dense cache, or the paged kernels; `models.decode_attention`). The compiler's
   argument bytes, adjusted analytically (`ragged_record`, a prediction, not a measurement):
