@@ -2,6 +2,7 @@
 
     python -m qurl_jax.bench.memory --config=configs/deepscaler_r1_1p5b_int8.py \
         [--target=cpu|tpu:v5p-16|gpu:h100-8] [--programs=learner_update,...] [--json=PATH]
+        [--kv_capacity [--page_size=16]]
 
 `--target` (`qurl_jax.targets`) picks the compiler: `cpu` (default) builds the config's mesh on
 this host's CPU devices (their count set to the mesh size), `tpu:...` / `gpu:...` on compile-only
@@ -10,6 +11,13 @@ Prints each program's compiled argument / output / temp / peak bytes per device 
 memory plan) against the budget (85% of the chip's memory; 60 GiB on `cpu`) and an analytic
 estimate; `--json` also writes them, with the target's name, platform and device kind. A bad flag
 or target ends with one line naming it and a non-zero exit.
+
+`--kv_capacity` adds, from the `rollout_decode` program's figures, the rollout rows a device's KV
+memory keeps decoding at once (`bench.paged.kv_capacity`): the budget less what the decode program
+plans besides its KV cache, as today's fixed slots (prompt + max_new_tokens each) and as a paged
+pool of `--page_size`-token pages, the paged rows measured by simulating the scheduler on the
+configs' long-tailed response lengths (a simulation, not a device measurement); in the JSON as
+`kv_capacity`.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from qurl_jax import memory_plan, targets
+from qurl_jax.bench import paged
 from qurl_jax.settings import RunSettings
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -39,6 +48,10 @@ _DEVICES = flags.DEFINE_integer(
     "counting as one 8-device host per unit of the other axes.")
 _PROGRAMS = flags.DEFINE_list("programs", None,
                               f"Only these programs: {list(memory_plan.PROGRAMS)}.")
+_KV_CAPACITY = flags.DEFINE_bool(
+    "kv_capacity", False, "Also the rollout rows a device's KV memory keeps in flight: fixed "
+    "slots vs a paged pool (bench.paged.kv_capacity, from the rollout_decode program's figures).")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page of --kv_capacity's pool.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -48,6 +61,22 @@ def host_devices_for(mesh: Any) -> int:
     sizes = [int(mesh[a]) for a in ("data", "fsdp", "tensor")]
     fixed = int(np.prod([s for s in sizes if s != -1]))
     return fixed * 8 if -1 in sizes else fixed
+
+
+def capacity(figures: dict[str, Any], page_size: int) -> dict[str, Any]:
+    """`bench.paged.kv_capacity` of a `memory_plan.report` that compiled `rollout_decode`: its
+    budget, the decode program's peak and KV cache per device, the rollout's rows per device as
+    the batch case."""
+    kv = figures.get("decode_kv")
+    if kv is None:
+        sys.exit("qurl_jax: bad flag --kv_capacity: config.rollout.kv_policy compresses the KV "
+                 "cache; the capacity is for a dense cache")
+    return paged.kv_capacity(
+        budget_bytes=figures["budget_bytes_per_device"],
+        peak_bytes=figures["programs"]["rollout_decode"]["peak_bytes"],
+        cache_bytes=kv["cache_bytes"], token_bytes=kv["token_bytes"],
+        prompt_len=kv["prompt_len"], max_new_tokens=kv["max_new_tokens"], page_size=page_size,
+        batch_rows=kv["rollout_rows"])
 
 
 def _use_host_devices(count: int) -> None:
@@ -74,11 +103,19 @@ def main(argv: list[str]) -> None:
     shapes_dir = _SHAPES.value or os.path.join(
         os.path.dirname(os.path.abspath(config_flags.get_config_filename(flags.FLAGS["config"]))),
         "shapes")
+    if _KV_CAPACITY.value and _PROGRAMS.value and "rollout_decode" not in _PROGRAMS.value:
+        sys.exit("qurl_jax: bad flag --kv_capacity: needs the rollout_decode program; add it to "
+                 "--programs")
+    if _PAGE_SIZE.value < 1:
+        sys.exit(f"qurl_jax: bad flag --page_size={_PAGE_SIZE.value}: must be >= 1")
     try:
         figures = memory_plan.report(RunSettings.from_config(config), shapes_dir, target,
                                      programs=tuple(_PROGRAMS.value or ()))
     except (targets.TargetError, memory_plan.PlanError) as e:
         sys.exit(f"qurl_jax: {e}")
+    if _KV_CAPACITY.value:
+        figures["kv_capacity"] = capacity(figures, _PAGE_SIZE.value)
+        print("\n" + "\n".join(paged.describe_capacity(figures["kv_capacity"])))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)

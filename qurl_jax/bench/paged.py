@@ -34,6 +34,7 @@ import json
 import os
 import runpy
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,6 +120,125 @@ def expectations(limits: np.ndarray, prompt_len: int, max_new: int) -> dict[str,
             "time_average": full / (prompt_len + (lengths ** 2).mean() / (2 * lengths.mean()))}
 
 
+def compare(limits: np.ndarray, *, prompt_len: int, max_new: int, max_tokens: int,
+            fixed_slots: int, num_pages: int, page_size: int, paged_slots: int,
+            watermark_pages: int, stream: bool) -> dict[str, Any]:
+    """Fixed slots vs the paged pool on one set of response lengths: both schedules
+    (`simulate_fixed`; `simulate_paged` with prompts of `prompt_len` and at most `max_tokens`
+    per row), the ratio of rows in flight paged / fixed (`stream`: over the steps that began with
+    rows waiting, the steady state; else over the whole run), of decode steps, and
+    `expectations` for responses of at most `max_new`."""
+    fixed = simulate_fixed(limits, fixed_slots)
+    paged = simulate_paged(limits, prompt_len, max_tokens, num_pages, page_size, paged_slots,
+                           watermark_pages)
+    key = "mean_in_flight_busy" if stream else "mean_in_flight"
+    return {"rows": len(limits), "fixed": dataclasses.asdict(fixed),
+            "paged": dataclasses.asdict(paged),
+            "ratio_in_flight": getattr(paged, key) / getattr(fixed, key),
+            "ratio_steps": fixed.steps / paged.steps,
+            "expected": expectations(limits, prompt_len, max_new)}
+
+
+def kv_capacity(*, budget_bytes: int, peak_bytes: int, cache_bytes: int, token_bytes: int,
+                prompt_len: int, max_new_tokens: int, page_size: int = 16, slot_factor: int = 4,
+                watermark_fraction: float = 1 / 16, stream_rows_per_slot: int = 64,
+                batch_rows: int = 0, seed: int = 0,
+                lengths: Callable[[int, int], np.ndarray] | None = None) -> dict[str, Any]:
+    """Rollout rows one device's KV memory keeps decoding at once: fixed slots vs a paged pool.
+
+    Pure (numbers in, numbers out; nothing compiled), per device. The decode program's planned
+    peak `peak_bytes` holds `cache_bytes` of KV cache; the rest (parameters, row outputs,
+    logits, ...) is taken as fixed, so the KV memory is kv_bytes = `budget_bytes` - (peak -
+    cache). In it:
+
+    - fixed slots, today's cache: each reserves prompt + max_new tokens of `token_bytes` (keys
+      and values of every layer that this device holds), fixed_slots = kv_bytes // row_bytes;
+    - a paged pool of num_pages = kv_bytes // (page_size * token_bytes) pages, behind
+      `slot_factor` x fixed_slots page-table rows, admission leaving `watermark_fraction` of
+      the pool free, run by `sampling._page_pool`'s scheduler (`compare`).
+
+    Rows in flight come from simulating both schedules on response lengths `lengths(rows, seed)`
+    (default: `bench.sampler.tail_limits` for `max_new_tokens`, the configs' long-tailed
+    distribution), every prompt `prompt_len` tokens:
+    - 'stream': stream_rows_per_slot x fixed_slots rows, measured while rows wait (the steady
+      state of a long rollout);
+    - 'batch' (when `batch_rows` > 0): one rollout of `batch_rows` rows per device, over the
+      whole run (when they all fit at once, both hold them all).
+    Each with the analytic `expectations`.
+
+    No room: when kv_bytes holds no whole row (prompt + max_new tokens), neither cache can
+    decode: fixed_slots and paged rows are 0, 'fits_one_row' is False, and no case is simulated.
+    Returns a JSON-able dict; bytes are per device.
+    """
+    if min(token_bytes, prompt_len, max_new_tokens, page_size, slot_factor) < 1:
+        raise ValueError(f"kv_capacity: token_bytes={token_bytes}, prompt_len={prompt_len}, "
+                         f"max_new_tokens={max_new_tokens}, page_size={page_size}, "
+                         f"slot_factor={slot_factor} must all be >= 1")
+    if not 0 <= cache_bytes <= peak_bytes:
+        raise ValueError(f"kv_capacity: cache_bytes={cache_bytes} must be within "
+                         f"[0, peak_bytes={peak_bytes}]")
+    from qurl_jax.sampling._page_pool import pages_for
+
+    max_tokens = prompt_len + max_new_tokens
+    non_kv = peak_bytes - cache_bytes
+    kv_bytes = max(budget_bytes - non_kv, 0)
+    row_bytes = max_tokens * token_bytes
+    fixed_slots = kv_bytes // row_bytes
+    num_pages = kv_bytes // (page_size * token_bytes)
+    # A paged row may grow to max_tokens: the pool must hold one such row.
+    fits = fixed_slots >= 1 and num_pages >= int(pages_for(max_tokens, page_size))
+    out: dict[str, Any] = {
+        "budget_bytes": budget_bytes, "peak_bytes": peak_bytes, "cache_bytes": cache_bytes,
+        "non_kv_bytes": non_kv, "kv_bytes": kv_bytes, "token_bytes": token_bytes,
+        "row_bytes": row_bytes, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
+        "fits_one_row": bool(fits), "fixed_slots": int(fixed_slots) if fits else 0,
+        "page_size": page_size, "num_pages": int(num_pages),
+        "paged_slots": slot_factor * int(fixed_slots) if fits else 0,
+        "watermark_pages": int(num_pages * watermark_fraction), "cases": {}}
+    if not fits:
+        return out
+    if lengths is None:
+        from qurl_jax.bench.sampler import tail_limits
+
+        def lengths(rows: int, seed: int) -> np.ndarray:
+            return tail_limits(rows, max_new_tokens, seed)
+
+    cases = {"stream": lengths(stream_rows_per_slot * int(fixed_slots), seed)}
+    if batch_rows > 0:
+        cases["batch"] = lengths(batch_rows, seed + 1)
+    for name, limits in cases.items():
+        out["cases"][name] = compare(
+            np.asarray(limits), prompt_len=prompt_len, max_new=max_new_tokens,
+            max_tokens=max_tokens, fixed_slots=int(fixed_slots), num_pages=int(num_pages),
+            page_size=page_size, paged_slots=out["paged_slots"],
+            watermark_pages=out["watermark_pages"], stream=name == "stream")
+    return out
+
+
+def describe_capacity(capacity: dict[str, Any]) -> list[str]:
+    """The human lines of a `kv_capacity` result."""
+    c = capacity
+    lines = [f"KV capacity per device: budget {c['budget_bytes'] / GIB:.2f} GiB - non-KV "
+             f"{c['non_kv_bytes'] / GIB:.2f} (decode peak {c['peak_bytes'] / GIB:.2f} - its "
+             f"cache {c['cache_bytes'] / GIB:.2f}) = {c['kv_bytes'] / GIB:.2f} GiB of KV, "
+             f"{c['row_bytes'] / GIB:.3f} GiB per row of {c['prompt_len']} + "
+             f"{c['max_new_tokens']} tokens"]
+    if not c["fits_one_row"]:
+        return lines + ["  no room for one row: 0 fixed slots, 0 paged rows"]
+    lines.append(f"  fixed slots {c['fixed_slots']}; paged pool {c['num_pages']} pages of "
+                 f"{c['page_size']} behind {c['paged_slots']} rows, admission leaves "
+                 f"{c['watermark_pages']} free")
+    for name, case in c["cases"].items():
+        key = "mean_in_flight_busy" if name == "stream" else "mean_in_flight"
+        exp, paged = case["expected"], case["paged"]
+        lines.append(
+            f"  {name} ({case['rows']} rows, simulated): rows in flight fixed "
+            f"{case['fixed'][key]:.1f}, paged {paged[key]:.1f} -> {case['ratio_in_flight']:.2f}x"
+            f" (expected {exp['admission']:.2f}x-{exp['time_average']:.2f}x), preemptions "
+            f"{paged['preemptions']}")
+    return lines
+
+
 def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int | None,
              stream_rows: int, seed: int, watermark_pages: int | None,
              log=print) -> dict[str, Any]:
@@ -146,15 +266,13 @@ def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int |
                                   seed + 1)}
     for name, limits in cases.items():
         t0 = time.perf_counter()
-        fixed = simulate_fixed(limits, fixed_slots)
-        paged = simulate_paged(limits, prompt_len, max_tokens, num_pages, page_size, slots,
-                               watermark_pages)
-        exp = expectations(limits, prompt_len, max_new)
+        out[name] = case = compare(
+            limits, prompt_len=prompt_len, max_new=max_new, max_tokens=max_tokens,
+            fixed_slots=fixed_slots, num_pages=num_pages, page_size=page_size, paged_slots=slots,
+            watermark_pages=watermark_pages, stream=name == "stream")
+        fixed, paged = (SimResult(**case[k]) for k in ("fixed", "paged"))
+        exp, ratio = case["expected"], case["ratio_in_flight"]
         key = "mean_in_flight_busy" if name == "stream" else "mean_in_flight"
-        ratio = getattr(paged, key) / getattr(fixed, key)
-        out[name] = {"rows": len(limits), "fixed": dataclasses.asdict(fixed),
-                     "paged": dataclasses.asdict(paged), "ratio_in_flight": ratio,
-                     "ratio_steps": fixed.steps / paged.steps, "expected": exp}
         log(f"\n{name}: {len(limits)} rows, mean response {exp['mean_len']:.0f} of {max_new} "
             f"({time.perf_counter() - t0:.0f} s to simulate)")
         log(f"  rows in flight ({'while rows wait' if name == 'stream' else 'mean over the run'}):"
