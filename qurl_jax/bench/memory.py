@@ -71,12 +71,15 @@ def capacity(figures: dict[str, Any], page_size: int) -> dict[str, Any]:
     if kv is None:
         sys.exit("qurl_jax: bad flag --kv_capacity: config.rollout.kv_policy compresses the KV "
                  "cache; the capacity is for a dense cache")
-    return paged.kv_capacity(
-        budget_bytes=figures["budget_bytes_per_device"],
-        peak_bytes=figures["programs"]["rollout_decode"]["peak_bytes"],
-        cache_bytes=kv["cache_bytes"], token_bytes=kv["token_bytes"],
-        prompt_len=kv["prompt_len"], max_new_tokens=kv["max_new_tokens"], page_size=page_size,
-        batch_rows=kv["rollout_rows"])
+    try:
+        return paged.kv_capacity(
+            budget_bytes=figures["budget_bytes_per_device"],
+            peak_bytes=figures["programs"]["rollout_decode"]["peak_bytes"],
+            cache_bytes=kv["cache_bytes"], token_bytes=kv["token_bytes"],
+            prompt_len=kv["prompt_len"], max_new_tokens=kv["max_new_tokens"],
+            page_size=page_size, batch_rows=kv["rollout_rows"])
+    except ValueError as e:
+        sys.exit(f"qurl_jax: --kv_capacity: {e}")
 
 
 def _use_host_devices(count: int) -> None:

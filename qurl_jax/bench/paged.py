@@ -40,6 +40,9 @@ from typing import Any
 import numpy as np
 
 GIB = 1 << 30
+# Most fixed slots `kv_capacity` simulates (its stream case runs 64 rows per slot, one decode step
+# at a time).
+MAX_SIMULATED_SLOTS = 16384
 
 
 # -------------------------------------------------------------------------------- simulation
@@ -168,7 +171,8 @@ def kv_capacity(*, budget_bytes: int, peak_bytes: int, cache_bytes: int, token_b
 
     No room: when kv_bytes holds no whole row (prompt + max_new tokens), neither cache can
     decode: fixed_slots and paged rows are 0, 'fits_one_row' is False, and no case is simulated.
-    Returns a JSON-able dict; bytes are per device.
+    Returns a JSON-able dict; bytes are per device. Raises ValueError on a non-positive size,
+    cache_bytes outside [0, peak_bytes], or more than `MAX_SIMULATED_SLOTS` fixed slots.
     """
     if min(token_bytes, prompt_len, max_new_tokens, page_size, slot_factor) < 1:
         raise ValueError(f"kv_capacity: token_bytes={token_bytes}, prompt_len={prompt_len}, "
@@ -197,6 +201,10 @@ def kv_capacity(*, budget_bytes: int, peak_bytes: int, cache_bytes: int, token_b
         "watermark_pages": int(num_pages * watermark_fraction), "cases": {}}
     if not fits:
         return out
+    if fixed_slots > MAX_SIMULATED_SLOTS:
+        raise ValueError(f"kv_capacity: {fixed_slots} fixed slots per device ({kv_bytes} bytes "
+                         f"of KV / {row_bytes} per row); the simulation takes at most "
+                         f"{MAX_SIMULATED_SLOTS}")
     if lengths is None:
         from qurl_jax.bench.sampler import tail_limits
 
