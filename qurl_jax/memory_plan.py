@@ -27,6 +27,10 @@ output, temp and peak bytes:
   loop over the slots, whose state also holds every row's outputs and one held prompt prefill per
   batch shard.
 
+`decode_kv(setup)` gives the KV cache inside the `rollout_decode` program per device (its bytes,
+bytes per token, rows, prompt and response lengths), without compiling; `report` includes it, and
+`bench.memory --kv_capacity` turns it into the rows a fixed-slot and a paged cache keep in flight.
+
 Adding a program is adding one entry to `PROGRAMS`: a function of the `Setup` that returns the
 lowered program and its analytic `Estimate`.
 

@@ -18,6 +18,11 @@
     Admission leaves `--watermark_pages` free (default 1/16 of the pool) so that rows in flight can
     grow a while before one is preempted; preemptions and the tokens they regenerate are counted.
 
+`kv_capacity(budget_bytes=..., peak_bytes=..., cache_bytes=..., token_bytes=..., ...)`
+    The same comparison in a device's whole KV memory (what a budget leaves beside a decode
+    program's non-KV buffers) rather than in today's slots' memory: pure, numbers in, numbers
+    out. `python -m qurl_jax.bench.memory --kv_capacity` feeds it a compiled `rollout_decode`.
+
 `python -m qurl_jax.bench.paged compile --target=h100|v5p [--rows=64,256]`
     Compiles the decode attention of one layer at the 1.5B decode shape (12 query / 2 kv heads of
     128, bf16, 1024 + 8192 slots, 16-token pages; flags for others) without the device: JAX's
