@@ -315,7 +315,8 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
     slots per row (prompt + max_new_tokens); cache_bytes: bytes of keys and values of every
     layer (positions not counted); token_bytes: those bytes per row and slot (the kv heads this
     device holds, compute dtype); prompt_len, max_new_tokens: the config's; rollout_rows: the
-    rollout's rows per device (prompts_per_step x n over the batch shards)."""
+    rollout's rows per device (prompts_per_step x n over the batch shards); batch_shards: data x
+    fsdp."""
     sampler, _, slots = _rollout_sampler(setup)
     engine = sampler.engine
     if engine.kv_policy.compresses:
@@ -329,7 +330,7 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
     return {"rows": int(rows), "cache_len": int(cache_len), "cache_bytes": cache_bytes,
             "token_bytes": cache_bytes // (rows * cache_len), "prompt_len": setup.prompt_len,
             "max_new_tokens": setup.response_len,
-            "rollout_rows": max(setup.rollout_rows // shards, 1)}
+            "rollout_rows": max(setup.rollout_rows // shards, 1), "batch_shards": shards}
 
 
 PROGRAMS: dict[str, Callable[[Setup], Program]] = {

@@ -63,6 +63,22 @@ def test_no_room_for_one_row_gives_zero_rows():
     assert set(c["cases"]) == {"stream"}
 
 
+def test_non_kv_memory_per_decoded_row():
+    # 12000 bytes of non-KV per row decoded at once, 4 of them in the planned program: the rest
+    # of non-KV stays; 10 fixed slots of row + overhead; the pool pays for its 40 page-table rows.
+    over = 12000
+    base = NON_KV - 4 * over
+    c = _capacity(base + 10 * (ROW + over) + 5000, row_overhead_bytes=over, planned_rows=4)
+    assert c["kv_bytes"] == 10 * (ROW + over) + 5000 - 4 * over
+    assert (c["fixed_slots"], c["paged_slots"]) == (10, 40)
+    assert c["pool_bytes"] == 10 * (ROW + over) + 5000 - 40 * over
+    assert c["num_pages"] == c["pool_bytes"] // 8000 == 315
+    assert any("non-KV per row" in line for line in paged.describe_capacity(c))
+    # Room for one fixed slot, but the paged batch's overhead leaves its pool no whole row.
+    c = _capacity(base + 2 * ROW, row_overhead_bytes=ROW, planned_rows=4)
+    assert not c["fits_one_row"] and c["pool_bytes"] == 0 and c["cases"] == {}
+
+
 def test_bad_figures_are_refused():
     with pytest.raises(ValueError, match="token_bytes=0"):
         paged.kv_capacity(budget_bytes=1, peak_bytes=1, cache_bytes=0, token_bytes=0,
@@ -78,19 +94,24 @@ CFG = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermedia
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
 
 
-def test_decode_kv_of_a_tiny_config_feeds_the_capacity():
+def _tiny_config():
     c = base_config()
     c.model.path = "checkpoints/tiny"
     c.data.prompts_per_step, c.rollout.n = 8, 2
     c.data.max_prompt_len, c.rollout.max_new_tokens = 16, 48
     c.rollout.max_concurrent_rows = 8  # 8 refill slots of 16 rows, 4 per device
     c.mesh.fsdp = 2
+    return c
+
+
+def test_decode_kv_of_a_tiny_config_feeds_the_capacity():
+    c = _tiny_config()
     setup = memory_plan.build_setup(RunSettings.from_config(c), CFG)
     kv = memory_plan.decode_kv(setup)  # no compile
     token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * CFG.compute_dtype.itemsize
     assert kv == {"rows": 4, "cache_len": 64, "cache_bytes": 4 * 64 * token,
                   "token_bytes": token, "prompt_len": 16, "max_new_tokens": 48,
-                  "rollout_rows": 8}
+                  "rollout_rows": 8, "batch_shards": 2}
     # A report's figures (made-up peak) with room for 6 rows more than the decode program's 4:
     # 10 fixed slots, 10 * 64 / 16 = 40 pages; the batch case is the rollout's 8 rows per device.
     peak = kv["cache_bytes"] + 12345
@@ -106,3 +127,28 @@ def test_decode_kv_of_a_tiny_config_feeds_the_capacity():
     assert memory_plan.decode_kv(memory_plan.build_setup(RunSettings.from_config(c), CFG)) is None
     with pytest.raises(SystemExit, match="kv_policy compresses"):
         memory_bench.capacity({**figures, "decode_kv": None}, page_size=16)
+
+
+@pytest.mark.slow
+def test_decode_row_overhead_of_a_tiny_config(tmp_path):
+    # Two compiles of the tiny decode program (4 and 2 rows per device): the non-KV bytes grow
+    # per row by at least the last position's logits (f32, vocabulary 512).
+    import json
+
+    from qurl_jax.models import hf
+
+    with open(tmp_path / "tiny.json", "w") as f:
+        json.dump(hf.config_to_hf(CFG), f)
+    c = _tiny_config()
+    settings = RunSettings.from_config(c)
+    figures = memory_plan.report(settings, str(tmp_path), log=lambda _: None,
+                                 programs=("rollout_decode",))
+    overhead = memory_bench.decode_row_overhead(settings, str(tmp_path), "cpu", figures)
+    assert overhead["rows"] == [4, 2]
+    assert overhead["bytes_per_row"] >= CFG.vocab_size * 4, overhead
+    capacity = memory_bench.capacity({**figures, "budget_bytes_per_device":
+                                      figures["programs"]["rollout_decode"]["peak_bytes"]
+                                      + 6 * figures["decode_kv"]["cache_bytes"] // 4},
+                                     page_size=16, overhead=overhead)
+    assert capacity["row_overhead_bytes"] == overhead["bytes_per_row"]
+    assert 0 < capacity["fixed_slots"] < 10 and capacity["row_overhead_from"] == overhead

@@ -149,21 +149,29 @@ def compare(limits: np.ndarray, *, prompt_len: int, max_new: int, max_tokens: in
 
 def kv_capacity(*, budget_bytes: int, peak_bytes: int, cache_bytes: int, token_bytes: int,
                 prompt_len: int, max_new_tokens: int, page_size: int = 16, slot_factor: int = 4,
-                watermark_fraction: float = 1 / 16, stream_rows_per_slot: int = 64,
-                batch_rows: int = 0, seed: int = 0,
-                lengths: Callable[[int, int], np.ndarray] | None = None) -> dict[str, Any]:
+                watermark_fraction: float = 1 / 16, row_overhead_bytes: int = 0,
+                planned_rows: int = 0, stream_rows_per_slot: int = 64, batch_rows: int = 0,
+                seed: int = 0, lengths: Callable[[int, int], np.ndarray] | None = None
+                ) -> dict[str, Any]:
     """Rollout rows one device's KV memory keeps decoding at once: fixed slots vs a paged pool.
 
     Pure (numbers in, numbers out; nothing compiled), per device. The decode program's planned
-    peak `peak_bytes` holds `cache_bytes` of KV cache; the rest (parameters, row outputs,
-    logits, ...) is taken as fixed, so the KV memory is kv_bytes = `budget_bytes` - (peak -
-    cache). In it:
+    peak `peak_bytes` holds `cache_bytes` of KV cache; the rest, non_kv = peak - cache
+    (parameters, row outputs, logits, ...), stays, so the KV memory is kv_bytes =
+    `budget_bytes` - non_kv. In it:
 
     - fixed slots, today's cache: each reserves prompt + max_new tokens of `token_bytes` (keys
       and values of every layer that this device holds), fixed_slots = kv_bytes // row_bytes;
     - a paged pool of num_pages = kv_bytes // (page_size * token_bytes) pages, behind
-      `slot_factor` x fixed_slots page-table rows, admission leaving `watermark_fraction` of
-      the pool free, run by `sampling._page_pool`'s scheduler (`compare`).
+      `slot_factor` x fixed_slots page-table rows (the paged decode batch), admission leaving
+      `watermark_fraction` of the pool free, run by `sampling._page_pool`'s scheduler
+      (`compare`).
+
+    `row_overhead_bytes` > 0 says that non_kv grows by that much per row decoded at once (the
+    decode batch's logits and sampling buffers), of which the program planned `planned_rows`:
+    then the memory for rows is room = budget - (non_kv - planned_rows * overhead), fixed_slots =
+    room // (row_bytes + overhead), and the pool gets room - paged rows * overhead
+    (`pool_bytes`). With 0 (the default) both are as above.
 
     Rows in flight come from simulating both schedules on response lengths `lengths(rows, seed)`
     (default: `bench.sampler.tail_limits` for `max_new_tokens`, the configs' long-tailed
@@ -171,18 +179,22 @@ def kv_capacity(*, budget_bytes: int, peak_bytes: int, cache_bytes: int, token_b
     - 'stream': stream_rows_per_slot x fixed_slots rows, measured while rows wait (the steady
       state of a long rollout);
     - 'batch' (when `batch_rows` > 0): one rollout of `batch_rows` rows per device, over the
-      whole run (when they all fit at once, both hold them all).
-    Each with the analytic `expectations`.
+      whole run (when they all fit in the fixed slots, both hold them all at once).
+    Each with the analytic `expectations` (which assume memory, not the rows, is the bound).
 
-    No room: when kv_bytes holds no whole row (prompt + max_new tokens), neither cache can
-    decode: fixed_slots and paged rows are 0, 'fits_one_row' is False, and no case is simulated.
-    Returns a JSON-able dict; bytes are per device. Raises ValueError on a non-positive size,
-    cache_bytes outside [0, peak_bytes], or more than `MAX_SIMULATED_SLOTS` fixed slots.
+    No room: when the memory holds no whole row (prompt + max_new tokens), neither cache can
+    decode: fixed_slots and paged_slots are 0, 'fits_one_row' is False, and no case is
+    simulated. Returns a JSON-able dict; bytes are per device. Raises ValueError on a
+    non-positive size, a negative overhead, cache_bytes outside [0, peak_bytes], or more than
+    `MAX_SIMULATED_SLOTS` fixed slots.
     """
     if min(token_bytes, prompt_len, max_new_tokens, page_size, slot_factor) < 1:
         raise ValueError(f"kv_capacity: token_bytes={token_bytes}, prompt_len={prompt_len}, "
                          f"max_new_tokens={max_new_tokens}, page_size={page_size}, "
                          f"slot_factor={slot_factor} must all be >= 1")
+    if min(row_overhead_bytes, planned_rows) < 0:
+        raise ValueError(f"kv_capacity: row_overhead_bytes={row_overhead_bytes}, "
+                         f"planned_rows={planned_rows} must be >= 0")
     if not 0 <= cache_bytes <= peak_bytes:
         raise ValueError(f"kv_capacity: cache_bytes={cache_bytes} must be within "
                          f"[0, peak_bytes={peak_bytes}]")
@@ -192,23 +204,28 @@ def kv_capacity(*, budget_bytes: int, peak_bytes: int, cache_bytes: int, token_b
     non_kv = peak_bytes - cache_bytes
     kv_bytes = max(budget_bytes - non_kv, 0)
     row_bytes = max_tokens * token_bytes
-    fixed_slots = kv_bytes // row_bytes
-    num_pages = kv_bytes // (page_size * token_bytes)
+    room = max(budget_bytes - max(non_kv - planned_rows * row_overhead_bytes, 0), 0)
+    fixed_slots = room // (row_bytes + row_overhead_bytes)
+    paged_slots = slot_factor * fixed_slots
+    pool_bytes = max(room - paged_slots * row_overhead_bytes, 0)
+    num_pages = pool_bytes // (page_size * token_bytes)
     # A paged row may grow to max_tokens: the pool must hold one such row.
     fits = fixed_slots >= 1 and num_pages >= int(pages_for(max_tokens, page_size))
     out: dict[str, Any] = {
         "budget_bytes": budget_bytes, "peak_bytes": peak_bytes, "cache_bytes": cache_bytes,
         "non_kv_bytes": non_kv, "kv_bytes": kv_bytes, "token_bytes": token_bytes,
-        "row_bytes": row_bytes, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
-        "fits_one_row": bool(fits), "fixed_slots": int(fixed_slots) if fits else 0,
-        "page_size": page_size, "num_pages": int(num_pages),
-        "paged_slots": slot_factor * int(fixed_slots) if fits else 0,
+        "row_bytes": row_bytes, "row_overhead_bytes": row_overhead_bytes,
+        "planned_rows": planned_rows, "prompt_len": prompt_len,
+        "max_new_tokens": max_new_tokens, "fits_one_row": bool(fits),
+        "fixed_slots": int(fixed_slots) if fits else 0, "page_size": page_size,
+        "pool_bytes": int(pool_bytes), "num_pages": int(num_pages),
+        "paged_slots": int(paged_slots) if fits else 0,
         "watermark_pages": int(num_pages * watermark_fraction), "cases": {}}
     if not fits:
         return out
     if fixed_slots > MAX_SIMULATED_SLOTS:
-        raise ValueError(f"kv_capacity: {fixed_slots} fixed slots per device ({kv_bytes} bytes "
-                         f"of KV / {row_bytes} per row); the simulation takes at most "
+        raise ValueError(f"kv_capacity: {fixed_slots} fixed slots per device ({room} bytes "
+                         f"for rows of {row_bytes}); the simulation takes at most "
                          f"{MAX_SIMULATED_SLOTS}")
     if lengths is None:
         from qurl_jax.bench.sampler import tail_limits
@@ -236,11 +253,14 @@ def describe_capacity(capacity: dict[str, Any]) -> list[str]:
              f"cache {c['cache_bytes'] / GIB:.2f}) = {c['kv_bytes'] / GIB:.2f} GiB of KV, "
              f"{c['row_bytes'] / GIB:.3f} GiB per row of {c['prompt_len']} + "
              f"{c['max_new_tokens']} tokens"]
+    if c["row_overhead_bytes"]:
+        lines.append(f"  non-KV per row decoded at once: {c['row_overhead_bytes'] / (1 << 20):.2f}"
+                     f" MiB ({c['planned_rows']} rows planned)")
     if not c["fits_one_row"]:
         return lines + ["  no room for one row: 0 fixed slots, 0 paged rows"]
-    lines.append(f"  fixed slots {c['fixed_slots']}; paged pool {c['num_pages']} pages of "
-                 f"{c['page_size']} behind {c['paged_slots']} rows, admission leaves "
-                 f"{c['watermark_pages']} free")
+    lines.append(f"  fixed slots {c['fixed_slots']}; paged pool {c['pool_bytes'] / GIB:.2f} GiB ="
+                 f" {c['num_pages']} pages of {c['page_size']} behind {c['paged_slots']} rows, "
+                 f"admission leaves {c['watermark_pages']} free")
     for name, case in c["cases"].items():
         key = "mean_in_flight_busy" if name == "stream" else "mean_in_flight"
         exp, paged = case["expected"], case["paged"]
