@@ -152,3 +152,18 @@ def test_decode_row_overhead_of_a_tiny_config(tmp_path):
                                      page_size=16, overhead=overhead)
     assert capacity["row_overhead_bytes"] == overhead["bytes_per_row"]
     assert 0 < capacity["fixed_slots"] < 10 and capacity["row_overhead_from"] == overhead
+
+
+def test_simulate_splits_rows_over_batch_shards_not_tensor_ways():
+    # 32 concurrent rows on a data 1 x fsdp -1 x tensor 2 mesh (16 devices on two 8-device
+    # hosts): 8 batch shards, so 4 fixed slots per device (tensor parallelism splits heads).
+    c = base_config()
+    c.data.prompts_per_step, c.rollout.n = 4, 4
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 8, 64
+    c.rollout.max_concurrent_rows = 32
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 2
+    out = paged.simulate(c, page_size=8, slot_factor=4, prompt_len=None, stream_rows=64, seed=0,
+                         watermark_pages=None, log=lambda _: None)
+    assert (out["fixed_slots"], out["paged_slots"]) == (4, 16)
+    assert out["num_pages"] == 4 * (8 + 64) // 8
+    assert out["batch"]["rows"] == 16 // 8

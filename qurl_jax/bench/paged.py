@@ -281,7 +281,9 @@ def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int |
     c = config
     max_new, prompt = c.rollout.max_new_tokens, c.data.max_prompt_len
     prompt_len = prompt if prompt_len is None else prompt_len
-    devices = host_devices_for(c.mesh)  # the devices the config's mesh spans on its hosts
+    # The batch shards of the config's mesh on its hosts: rows split over data x fsdp (tensor
+    # parallelism splits a row's heads, not the rows).
+    devices = host_devices_for(c.mesh) // max(int(c.mesh.tensor), 1)
     fixed_slots = c.rollout.max_concurrent_rows // devices  # rows per device, as the mesh splits
     max_tokens = prompt + max_new
     num_pages = fixed_slots * max_tokens // page_size
