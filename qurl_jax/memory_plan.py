@@ -27,6 +27,10 @@ output, temp and peak bytes:
   loop over the slots, whose state also holds every row's outputs and one held prompt prefill per
   batch shard.
 
+`decode_kv(setup)` gives the KV cache inside the `rollout_decode` program per device (its bytes,
+bytes per token, rows, prompt and response lengths), without compiling; `report` includes it, and
+`bench.memory --kv_capacity` turns it into the rows a fixed-slot and a paged cache keep in flight.
+
 Adding a program is adding one entry to `PROGRAMS`: a function of the `Setup` that returns the
 lowered program and its analytic `Estimate`.
 
@@ -241,19 +245,28 @@ def requantize(setup: Setup) -> Program:
                                       ("actor (output)", "codes + scales", actor)), s))
 
 
-def _rollout(setup: Setup, name: str) -> Program:
+def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
+    """The run's rollout sampler at the config's largest shapes, the rows of one call (a chunk
+    of the static sampler, or every row of a refilling one) and the rows it decodes at once (the
+    chunk, or the refilling sampler's slots)."""
     run, rollout = setup.settings, setup.settings.rollout
-    refill = rollout.sampler.refills
     sampler = build_rollout_sampler(
         setup.model_config, quant.make_dot_general(quant.get_recipe(rollout.precision)),
         rollout.sampler, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
         mesh=setup.mesh, platform=targets.platform_of(setup.mesh))
     rows = sampler.rows_per_chunk(run.data.prompts_per_step, rollout.n)
+    refill = rollout.sampler.refills
+    slots = min(rollout.sampler.max_concurrent_rows or rows, rows) if refill else rows
+    return sampler, rows, slots
+
+
+def _rollout(setup: Setup, name: str) -> Program:
+    run, rollout = setup.settings, setup.settings.rollout
+    refill = rollout.sampler.refills
+    sampler, rows, slots = _rollout_sampler(setup)
     actor = setup.actor
     lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
                                      n=rollout.n)[name]
-    # The rows decoded at once: a chunk of the static sampler, or the refilling sampler's slots.
-    slots = min(rollout.sampler.max_concurrent_rows or rows, rows) if refill else rows
     s = _symbols(setup, slots)
     m = setup.model_config
     b, V, t = s["b"], s["V"], s["t"]
@@ -291,6 +304,33 @@ def rollout_decode(setup: Setup) -> Program:
     """The decode loop of one rollout chunk, every new token of it; with `rollout.refill`, the
     decode loop over the slots, which also holds every row's outputs."""
     return _rollout(setup, "decode")
+
+
+def decode_kv(setup: Setup) -> dict[str, int] | None:
+    """The KV cache the `rollout_decode` program holds, per device, from the cache's shapes and
+    shardings (nothing compiled); None when `rollout.kv_policy` compresses the cache (its slots
+    are not a row's tokens).
+
+    rows: rows decoded at once on a device (the slots over the batch shards); cache_len: cache
+    slots per row (prompt + max_new_tokens); cache_bytes: bytes of keys and values of every
+    layer (positions not counted); token_bytes: those bytes per row and slot (the kv heads this
+    device holds, compute dtype); prompt_len, max_new_tokens: the config's; rollout_rows: the
+    rollout's rows per device (prompts_per_step x n over the batch shards); batch_shards: data x
+    fsdp."""
+    sampler, _, slots = _rollout_sampler(setup)
+    engine = sampler.engine
+    if engine.kv_policy.compresses:
+        return None
+    cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
+    cache = engine.layout.abstract(slots, cache_len)
+    kv = (cache.k, cache.v)
+    cache_bytes = _bytes_per_device(kv)
+    rows = cache.k[0].sharding.shard_shape(cache.k[0].shape)[0]
+    shards = setup.settings.mesh.data * setup.settings.mesh.fsdp
+    return {"rows": int(rows), "cache_len": int(cache_len), "cache_bytes": cache_bytes,
+            "token_bytes": cache_bytes // (rows * cache_len), "prompt_len": setup.prompt_len,
+            "max_new_tokens": setup.response_len,
+            "rollout_rows": max(setup.rollout_rows // shards, 1), "batch_shards": shards}
 
 
 PROGRAMS: dict[str, Callable[[Setup], Program]] = {
@@ -374,7 +414,8 @@ def report(settings: RunSettings, shapes_dir: str,
     `target`'s compiler, their mesh on its first devices; returns the JSON-able figures: the target
     (name, platform, device kind, memory per device), the budget, and per program its argument /
     output / temp / peak bytes per device (`programs`), seconds to lower and compile
-    (`compile_s`) and whether its peak is within the budget (`fits`)."""
+    (`compile_s`) and whether its peak is within the budget (`fits`); with `rollout_decode`
+    among them, its KV cache per device (`decode_kv`)."""
     target = targets.parse(target) if isinstance(target, str) else target
     unknown = set(programs or ()) - set(PROGRAMS)
     if unknown:
@@ -417,6 +458,8 @@ def report(settings: RunSettings, shapes_dir: str,
         for part, formula, value in program.estimate.parts:
             log(f"    {value / GIB:7.2f}  {part:50s} {formula}")
         log("    with " + ", ".join(f"{k}={v}" for k, v in program.estimate.symbols.items()))
+    if "rollout_decode" in out["programs"]:
+        out["decode_kv"] = decode_kv(setup)
     return out
 
 

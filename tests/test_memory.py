@@ -86,6 +86,10 @@ def test_memory_report_of_a_small_config(tmp_path):
         assert program["peak_bytes"] >= program["temp_bytes"] > 0
         assert set(program) == {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"}
     assert any("estimate" in line for line in lines)
+    # The decode program's KV cache per device, for `bench.memory --kv_capacity`.
+    kv = figures["decode_kv"]
+    assert kv["cache_bytes"] == kv["rows"] * kv["cache_len"] * kv["token_bytes"] > 0
+    assert kv["cache_bytes"] < figures["programs"]["rollout_decode"]["peak_bytes"]
 
 
 def test_rollout_chunk_bounds_decode_memory(tmp_path):

@@ -2,6 +2,7 @@
 
     python -m qurl_jax.bench.memory --config=configs/deepscaler_r1_1p5b_int8.py \
         [--target=cpu|tpu:v5p-16|gpu:h100-8] [--programs=learner_update,...] [--json=PATH]
+        [--kv_capacity [--page_size=16]]
 
 `--target` (`qurl_jax.targets`) picks the compiler: `cpu` (default) builds the config's mesh on
 this host's CPU devices (their count set to the mesh size), `tpu:...` / `gpu:...` on compile-only
@@ -10,10 +11,20 @@ Prints each program's compiled argument / output / temp / peak bytes per device 
 memory plan) against the budget (85% of the chip's memory; 60 GiB on `cpu`) and an analytic
 estimate; `--json` also writes them, with the target's name, platform and device kind. A bad flag
 or target ends with one line naming it and a non-zero exit.
+
+`--kv_capacity` adds, from the `rollout_decode` program's figures, the rollout rows a device's KV
+memory keeps decoding at once (`bench.paged.kv_capacity`): the budget less what the decode program
+plans besides its KV cache, as today's fixed slots (prompt + max_new_tokens each) and as a paged
+pool of `--page_size`-token pages, the paged rows measured by simulating the scheduler on the
+configs' long-tailed response lengths (a simulation, not a device measurement); in the JSON as
+`kv_capacity`. The non-KV buffers that grow with the rows decoded at once (logits, sampling) are
+charged per row (fixed slots and the paged decode batch alike), as measured by a second compile of
+`rollout_decode` at half the rows per device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,6 +36,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from qurl_jax import memory_plan, targets
+from qurl_jax.bench import paged
 from qurl_jax.settings import RunSettings
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -39,6 +51,10 @@ _DEVICES = flags.DEFINE_integer(
     "counting as one 8-device host per unit of the other axes.")
 _PROGRAMS = flags.DEFINE_list("programs", None,
                               f"Only these programs: {list(memory_plan.PROGRAMS)}.")
+_KV_CAPACITY = flags.DEFINE_bool(
+    "kv_capacity", False, "Also the rollout rows a device's KV memory keeps in flight: fixed "
+    "slots vs a paged pool (bench.paged.kv_capacity, from the rollout_decode program's figures).")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page of --kv_capacity's pool.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -48,6 +64,55 @@ def host_devices_for(mesh: Any) -> int:
     sizes = [int(mesh[a]) for a in ("data", "fsdp", "tensor")]
     fixed = int(np.prod([s for s in sizes if s != -1]))
     return fixed * 8 if -1 in sizes else fixed
+
+
+def decode_row_overhead(settings: RunSettings, shapes_dir: str, target: targets.Target,
+                        figures: dict[str, Any]) -> dict[str, Any] | None:
+    """How the `rollout_decode` program's non-KV bytes per device grow per row it decodes at
+    once (logits, sampling), from a second compile at half the rows per device (same sampler
+    kind): bytes_per_row = (non-KV at R rows - non-KV at R/2) / (R - R/2), at least 0. None when
+    the program decodes one row per device or the half-size program cannot be built."""
+    kv = figures["decode_kv"]
+    half = kv["rows"] // 2
+    if half < 1:
+        return None
+    rollout = settings.rollout
+    sampler = dataclasses.replace(rollout.sampler, max_concurrent_rows=half * kv["batch_shards"],
+                                  refill="on" if rollout.sampler.refills else "off")
+    smaller = dataclasses.replace(settings, rollout=dataclasses.replace(rollout, sampler=sampler))
+    try:
+        other = memory_plan.report(smaller, shapes_dir, target, log=lambda _: None,
+                                   programs=("rollout_decode",))
+    except (ValueError, memory_plan.PlanError):
+        return None
+    rows = [kv["rows"], other["decode_kv"]["rows"]]
+    non_kv = [f["programs"]["rollout_decode"]["peak_bytes"] - f["decode_kv"]["cache_bytes"]
+              for f in (figures, other)]
+    return {"rows": rows, "non_kv_bytes": non_kv,
+            "bytes_per_row": max((non_kv[0] - non_kv[1]) // (rows[0] - rows[1]), 0)}
+
+
+def capacity(figures: dict[str, Any], page_size: int,
+             overhead: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`bench.paged.kv_capacity` of a `memory_plan.report` that compiled `rollout_decode`: its
+    budget, the decode program's peak and KV cache per device, the rollout's rows per device as
+    the batch case, and `overhead` (`decode_row_overhead`) when given."""
+    kv = figures.get("decode_kv")
+    if kv is None:
+        sys.exit("qurl_jax: bad flag --kv_capacity: config.rollout.kv_policy compresses the KV "
+                 "cache; the capacity is for a dense cache")
+    try:
+        out = paged.kv_capacity(
+            budget_bytes=figures["budget_bytes_per_device"],
+            peak_bytes=figures["programs"]["rollout_decode"]["peak_bytes"],
+            cache_bytes=kv["cache_bytes"], token_bytes=kv["token_bytes"],
+            prompt_len=kv["prompt_len"], max_new_tokens=kv["max_new_tokens"],
+            page_size=page_size, batch_rows=kv["rollout_rows"],
+            row_overhead_bytes=overhead["bytes_per_row"] if overhead else 0,
+            planned_rows=kv["rows"])
+    except ValueError as e:
+        sys.exit(f"qurl_jax: --kv_capacity: {e}")
+    return {**out, "row_overhead_from": overhead}
 
 
 def _use_host_devices(count: int) -> None:
@@ -74,11 +139,22 @@ def main(argv: list[str]) -> None:
     shapes_dir = _SHAPES.value or os.path.join(
         os.path.dirname(os.path.abspath(config_flags.get_config_filename(flags.FLAGS["config"]))),
         "shapes")
+    if _KV_CAPACITY.value and _PROGRAMS.value and "rollout_decode" not in _PROGRAMS.value:
+        sys.exit("qurl_jax: bad flag --kv_capacity: needs the rollout_decode program; add it to "
+                 "--programs")
+    if _PAGE_SIZE.value < 1:
+        sys.exit(f"qurl_jax: bad flag --page_size={_PAGE_SIZE.value}: must be >= 1")
     try:
         figures = memory_plan.report(RunSettings.from_config(config), shapes_dir, target,
                                      programs=tuple(_PROGRAMS.value or ()))
     except (targets.TargetError, memory_plan.PlanError) as e:
         sys.exit(f"qurl_jax: {e}")
+    if _KV_CAPACITY.value:
+        settings = RunSettings.from_config(config)
+        overhead = (decode_row_overhead(settings, shapes_dir, target, figures)
+                    if figures.get("decode_kv") else None)
+        figures["kv_capacity"] = capacity(figures, _PAGE_SIZE.value, overhead)
+        print("\n" + "\n".join(paged.describe_capacity(figures["kv_capacity"])))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)

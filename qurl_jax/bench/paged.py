@@ -18,6 +18,11 @@
     Admission leaves `--watermark_pages` free (default 1/16 of the pool) so that rows in flight can
     grow a while before one is preempted; preemptions and the tokens they regenerate are counted.
 
+`kv_capacity(budget_bytes=..., peak_bytes=..., cache_bytes=..., token_bytes=..., ...)`
+    The same comparison in a device's whole KV memory (what a budget leaves beside a decode
+    program's non-KV buffers) rather than in today's slots' memory: pure, numbers in, numbers
+    out. `python -m qurl_jax.bench.memory --kv_capacity` feeds it a compiled `rollout_decode`.
+
 `python -m qurl_jax.bench.paged compile --target=h100|v5p [--rows=64,256]`
     Compiles the decode attention of one layer at the 1.5B decode shape (12 query / 2 kv heads of
     128, bf16, 1024 + 8192 slots, 16-token pages; flags for others) without the device: JAX's
@@ -34,11 +39,15 @@ import json
 import os
 import runpy
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 GIB = 1 << 30
+# Most fixed slots `kv_capacity` simulates (its stream case runs 64 rows per slot, one decode step
+# at a time).
+MAX_SIMULATED_SLOTS = 16384
 
 
 # -------------------------------------------------------------------------------- simulation
@@ -119,6 +128,150 @@ def expectations(limits: np.ndarray, prompt_len: int, max_new: int) -> dict[str,
             "time_average": full / (prompt_len + (lengths ** 2).mean() / (2 * lengths.mean()))}
 
 
+def compare(limits: np.ndarray, *, prompt_len: int, max_new: int, max_tokens: int,
+            fixed_slots: int, num_pages: int, page_size: int, paged_slots: int,
+            watermark_pages: int, stream: bool) -> dict[str, Any]:
+    """Fixed slots vs the paged pool on one set of response lengths: both schedules
+    (`simulate_fixed`; `simulate_paged` with prompts of `prompt_len` and at most `max_tokens`
+    per row), the ratio of rows in flight paged / fixed (`stream`: over the steps that began with
+    rows waiting, the steady state; else over the whole run), of decode steps, and
+    `expectations` for responses of at most `max_new`."""
+    fixed = simulate_fixed(limits, fixed_slots)
+    paged = simulate_paged(limits, prompt_len, max_tokens, num_pages, page_size, paged_slots,
+                           watermark_pages)
+    key = "mean_in_flight_busy" if stream else "mean_in_flight"
+    return {"rows": len(limits), "fixed": dataclasses.asdict(fixed),
+            "paged": dataclasses.asdict(paged),
+            "ratio_in_flight": getattr(paged, key) / getattr(fixed, key),
+            "ratio_steps": fixed.steps / paged.steps,
+            "expected": expectations(limits, prompt_len, max_new)}
+
+
+def kv_capacity(*, budget_bytes: int, peak_bytes: int, cache_bytes: int, token_bytes: int,
+                prompt_len: int, max_new_tokens: int, page_size: int = 16, slot_factor: int = 4,
+                watermark_fraction: float = 1 / 16, row_overhead_bytes: int = 0,
+                planned_rows: int = 0, stream_rows_per_slot: int = 64, batch_rows: int = 0,
+                seed: int = 0, lengths: Callable[[int, int], np.ndarray] | None = None
+                ) -> dict[str, Any]:
+    """Rollout rows one device's KV memory keeps decoding at once: fixed slots vs a paged pool.
+
+    Pure (numbers in, numbers out; nothing compiled), per device. The decode program's planned
+    peak `peak_bytes` holds `cache_bytes` of KV cache; the rest, non_kv = peak - cache
+    (parameters, row outputs, logits, ...), stays, so the KV memory is kv_bytes =
+    `budget_bytes` - non_kv. In it:
+
+    - fixed slots, today's cache: each reserves prompt + max_new tokens of `token_bytes` (keys
+      and values of every layer that this device holds), fixed_slots = kv_bytes // row_bytes;
+    - a paged pool of num_pages = kv_bytes // (page_size * token_bytes) pages, behind
+      `slot_factor` x fixed_slots page-table rows (the paged decode batch), admission leaving
+      `watermark_fraction` of the pool free, run by `sampling._page_pool`'s scheduler
+      (`compare`).
+
+    `row_overhead_bytes` > 0 says that non_kv grows by that much per row decoded at once (the
+    decode batch's logits and sampling buffers), of which the program planned `planned_rows`:
+    then the memory for rows is room = budget - (non_kv - planned_rows * overhead), fixed_slots =
+    room // (row_bytes + overhead), and the pool gets room - paged rows * overhead
+    (`pool_bytes`). With 0 (the default) both are as above.
+
+    Rows in flight come from simulating both schedules on response lengths `lengths(rows, seed)`
+    (default: `bench.sampler.tail_limits` for `max_new_tokens`, the configs' long-tailed
+    distribution), every prompt `prompt_len` tokens:
+    - 'stream': stream_rows_per_slot x fixed_slots rows, measured while rows wait (the steady
+      state of a long rollout);
+    - 'batch' (when `batch_rows` > 0): one rollout of `batch_rows` rows per device, over the
+      whole run (when they all fit in the fixed slots, both hold them all at once).
+    Each with the analytic `expectations` (which assume memory, not the rows, is the bound).
+
+    No room: when the memory holds no whole row (prompt + max_new tokens), neither cache can
+    decode: fixed_slots and paged_slots are 0, 'fits_one_row' is False, and no case is
+    simulated. Returns a JSON-able dict; bytes are per device. Raises ValueError on a
+    non-positive size, a negative overhead, cache_bytes outside [0, peak_bytes], or more than
+    `MAX_SIMULATED_SLOTS` fixed slots.
+    """
+    if min(token_bytes, prompt_len, max_new_tokens, page_size, slot_factor) < 1:
+        raise ValueError(f"kv_capacity: token_bytes={token_bytes}, prompt_len={prompt_len}, "
+                         f"max_new_tokens={max_new_tokens}, page_size={page_size}, "
+                         f"slot_factor={slot_factor} must all be >= 1")
+    if min(row_overhead_bytes, planned_rows) < 0:
+        raise ValueError(f"kv_capacity: row_overhead_bytes={row_overhead_bytes}, "
+                         f"planned_rows={planned_rows} must be >= 0")
+    if not 0 <= cache_bytes <= peak_bytes:
+        raise ValueError(f"kv_capacity: cache_bytes={cache_bytes} must be within "
+                         f"[0, peak_bytes={peak_bytes}]")
+    from qurl_jax.sampling._page_pool import pages_for
+
+    max_tokens = prompt_len + max_new_tokens
+    non_kv = peak_bytes - cache_bytes
+    kv_bytes = max(budget_bytes - non_kv, 0)
+    row_bytes = max_tokens * token_bytes
+    room = max(budget_bytes - max(non_kv - planned_rows * row_overhead_bytes, 0), 0)
+    fixed_slots = room // (row_bytes + row_overhead_bytes)
+    paged_slots = slot_factor * fixed_slots
+    pool_bytes = max(room - paged_slots * row_overhead_bytes, 0)
+    num_pages = pool_bytes // (page_size * token_bytes)
+    # A paged row may grow to max_tokens: the pool must hold one such row.
+    fits = fixed_slots >= 1 and num_pages >= int(pages_for(max_tokens, page_size))
+    out: dict[str, Any] = {
+        "budget_bytes": budget_bytes, "peak_bytes": peak_bytes, "cache_bytes": cache_bytes,
+        "non_kv_bytes": non_kv, "kv_bytes": kv_bytes, "token_bytes": token_bytes,
+        "row_bytes": row_bytes, "row_overhead_bytes": row_overhead_bytes,
+        "planned_rows": planned_rows, "prompt_len": prompt_len,
+        "max_new_tokens": max_new_tokens, "fits_one_row": bool(fits),
+        "fixed_slots": int(fixed_slots) if fits else 0, "page_size": page_size,
+        "pool_bytes": int(pool_bytes), "num_pages": int(num_pages),
+        "paged_slots": int(paged_slots) if fits else 0,
+        "watermark_pages": int(num_pages * watermark_fraction), "cases": {}}
+    if not fits:
+        return out
+    if fixed_slots > MAX_SIMULATED_SLOTS:
+        raise ValueError(f"kv_capacity: {fixed_slots} fixed slots per device ({room} bytes "
+                         f"for rows of {row_bytes}); the simulation takes at most "
+                         f"{MAX_SIMULATED_SLOTS}")
+    if lengths is None:
+        from qurl_jax.bench.sampler import tail_limits
+
+        def lengths(rows: int, seed: int) -> np.ndarray:
+            return tail_limits(rows, max_new_tokens, seed)
+
+    cases = {"stream": lengths(stream_rows_per_slot * int(fixed_slots), seed)}
+    if batch_rows > 0:
+        cases["batch"] = lengths(batch_rows, seed + 1)
+    for name, limits in cases.items():
+        out["cases"][name] = compare(
+            np.asarray(limits), prompt_len=prompt_len, max_new=max_new_tokens,
+            max_tokens=max_tokens, fixed_slots=int(fixed_slots), num_pages=int(num_pages),
+            page_size=page_size, paged_slots=out["paged_slots"],
+            watermark_pages=out["watermark_pages"], stream=name == "stream")
+    return out
+
+
+def describe_capacity(capacity: dict[str, Any]) -> list[str]:
+    """The human lines of a `kv_capacity` result."""
+    c = capacity
+    lines = [f"KV capacity per device: budget {c['budget_bytes'] / GIB:.2f} GiB - non-KV "
+             f"{c['non_kv_bytes'] / GIB:.2f} (decode peak {c['peak_bytes'] / GIB:.2f} - its "
+             f"cache {c['cache_bytes'] / GIB:.2f}) = {c['kv_bytes'] / GIB:.2f} GiB of KV, "
+             f"{c['row_bytes'] / GIB:.3f} GiB per row of {c['prompt_len']} + "
+             f"{c['max_new_tokens']} tokens"]
+    if c["row_overhead_bytes"]:
+        lines.append(f"  non-KV per row decoded at once: {c['row_overhead_bytes'] / (1 << 20):.2f}"
+                     f" MiB ({c['planned_rows']} rows planned)")
+    if not c["fits_one_row"]:
+        return lines + ["  no room for one row: 0 fixed slots, 0 paged rows"]
+    lines.append(f"  fixed slots {c['fixed_slots']}; paged pool {c['pool_bytes'] / GIB:.2f} GiB ="
+                 f" {c['num_pages']} pages of {c['page_size']} behind {c['paged_slots']} rows, "
+                 f"admission leaves {c['watermark_pages']} free")
+    for name, case in c["cases"].items():
+        key = "mean_in_flight_busy" if name == "stream" else "mean_in_flight"
+        exp, paged = case["expected"], case["paged"]
+        lines.append(
+            f"  {name} ({case['rows']} rows, simulated): rows in flight fixed "
+            f"{case['fixed'][key]:.1f}, paged {paged[key]:.1f} -> {case['ratio_in_flight']:.2f}x"
+            f" (expected {exp['admission']:.2f}x-{exp['time_average']:.2f}x), preemptions "
+            f"{paged['preemptions']}")
+    return lines
+
+
 def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int | None,
              stream_rows: int, seed: int, watermark_pages: int | None,
              log=print) -> dict[str, Any]:
@@ -128,7 +281,9 @@ def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int |
     c = config
     max_new, prompt = c.rollout.max_new_tokens, c.data.max_prompt_len
     prompt_len = prompt if prompt_len is None else prompt_len
-    devices = host_devices_for(c.mesh)  # the devices the config's mesh spans on its hosts
+    # The batch shards of the config's mesh on its hosts: rows split over data x fsdp (tensor
+    # parallelism splits a row's heads, not the rows).
+    devices = host_devices_for(c.mesh) // max(int(c.mesh.tensor), 1)
     fixed_slots = c.rollout.max_concurrent_rows // devices  # rows per device, as the mesh splits
     max_tokens = prompt + max_new
     num_pages = fixed_slots * max_tokens // page_size
@@ -146,15 +301,13 @@ def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int |
                                   seed + 1)}
     for name, limits in cases.items():
         t0 = time.perf_counter()
-        fixed = simulate_fixed(limits, fixed_slots)
-        paged = simulate_paged(limits, prompt_len, max_tokens, num_pages, page_size, slots,
-                               watermark_pages)
-        exp = expectations(limits, prompt_len, max_new)
+        out[name] = case = compare(
+            limits, prompt_len=prompt_len, max_new=max_new, max_tokens=max_tokens,
+            fixed_slots=fixed_slots, num_pages=num_pages, page_size=page_size, paged_slots=slots,
+            watermark_pages=watermark_pages, stream=name == "stream")
+        fixed, paged = (SimResult(**case[k]) for k in ("fixed", "paged"))
+        exp, ratio = case["expected"], case["ratio_in_flight"]
         key = "mean_in_flight_busy" if name == "stream" else "mean_in_flight"
-        ratio = getattr(paged, key) / getattr(fixed, key)
-        out[name] = {"rows": len(limits), "fixed": dataclasses.asdict(fixed),
-                     "paged": dataclasses.asdict(paged), "ratio_in_flight": ratio,
-                     "ratio_steps": fixed.steps / paged.steps, "expected": exp}
         log(f"\n{name}: {len(limits)} rows, mean response {exp['mean_len']:.0f} of {max_new} "
             f"({time.perf_counter() - t0:.0f} s to simulate)")
         log(f"  rows in flight ({'while rows wait' if name == 'stream' else 'mean over the run'}):"

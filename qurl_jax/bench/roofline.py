@@ -24,12 +24,38 @@ loop's body once), recorded beside it. A compile-only GPU gives no cost analysis
 the argument-bytes lower bound above. These are predictions from public peak figures (`CHIPS`),
 not measurements; a real step also pays kernel launch gaps, the activation quantization and
 attention's softmax.
+
+Two records per case and actor (`--attention`, default both):
+
+- attention 'dense': the above; XLA's masked attention reads every cache slot of every row. (The
+  compiled GPU program itself calls the ragged Pallas kernel, the sampler's default there,
+  `pallas_kernel_in_program`; its arguments hold the whole cache either way.)
+- attention 'ragged': a decode attention that reads only each row's live slots (the Pallas GPU
+  kernel on the dense cache, or the paged kernels; `models.decode_attention`). The compiler's
+  argument bytes, adjusted analytically (`ragged_record`, a prediction, not a measurement):
+
+      bytes per step = argument bytes - full KV-cache bytes + full KV-cache bytes x live / slots,
+      flops per step = flops - attention flops x (1 - live / slots),
+
+  where `live` is the mean live slots per row-step of a rollout whose responses follow the
+  length distribution of `bench.sampler.tail_limits` (log-normal, median NEW_TOKENS / 4, sigma 1,
+  rounded and clipped to [1, NEW_TOKENS]) after PROMPT_LEN-token prompts, in the refilling
+  sampler's steady state (`live_slots`, schedule 'refill'): every row of the batch always holds
+  a response (a finished one is replaced at once, as the tokens/s = batch / step above already
+  assumes), so a row-step falls in a response of length L with probability proportional to L,
+  and the step that makes token k reads PROMPT_LEN + k slots:
+  live = PROMPT_LEN + E[L (L + 1) / 2] / E[L] (815.1 of 1536 slots for 512 + 1024). Schedule
+  'equal' (`--schedule`) is every response NEW_TOKENS long instead (no row ends early):
+  PROMPT_LEN + (NEW_TOKENS + 1) / 2. Every row at full length reads every slot: the dense bytes
+  are that upper bound. The kernels read whole key blocks (the GPU kernel's block_k, a page), so
+  a real kernel reads up to one block more per row and split; not counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -49,6 +75,12 @@ from qurl_jax.sampling import Sampler
 SHAPES_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes")
 PROMPT_LEN, NEW_TOKENS = 512, 1024
 ACTORS = ("bf16", "int8", "fp8")
+ATTENTIONS = ("dense", "ragged")
+SCHEDULES = ("refill", "equal")
+# The response lengths of `bench.sampler.tail_limits`: log-normal, median max_new / TAIL_MEDIAN_DIV,
+# log-space sigma TAIL_SIGMA, rounded, clipped to [1, max_new].
+TAIL_MEDIAN_DIV, TAIL_SIGMA = 4.0, 1.0
+RAGGED_NOTE = "compiler's argument bytes, adjusted analytically: a prediction, not a measurement"
 # (model shape, decode batch): the README's H100 measurement shapes and the 7B batch of the goal.
 CASES = (("DeepSeek-R1-Distill-Qwen-1.5B", 64), ("DeepSeek-R1-Distill-Qwen-1.5B", 256),
          ("Qwen2.5-Math-7B", 256))
@@ -91,6 +123,13 @@ def _bytes(tree: Any) -> int:
     return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def attention_flops(config: ModelConfig, batch: int, slots: float) -> float:
+    """Matrix flops of one decode step's attention (scores and the weighted sum) over `slots`
+    slots per row."""
+    c = config
+    return float(batch * 4 * c.num_layers * c.num_heads * c.head_dim * slots)
+
+
 def step_flops(config: ModelConfig, batch: int, cache_slots: int) -> float:
     """Matrix flops of one decode step: every linear layer and the LM head once per row, and
     attention (scores and the weighted sum) over all cache slots."""
@@ -99,13 +138,88 @@ def step_flops(config: ModelConfig, batch: int, cache_slots: int) -> float:
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size \
         + 3 * c.hidden_size * c.intermediate_size
     matrix_params = c.num_layers * per_layer + c.hidden_size * c.vocab_size
-    attention = 4 * c.num_layers * c.num_heads * c.head_dim * cache_slots
-    return float(batch * (2 * matrix_params + attention))
+    return float(batch * 2 * matrix_params) + attention_flops(config, batch, cache_slots)
+
+
+def length_pmf(max_new: int) -> np.ndarray:
+    """f64[max_new]: P(response length = l + 1) under `bench.sampler.tail_limits(rows, max_new)`'s
+    distribution (log-normal, median max_new / TAIL_MEDIAN_DIV, sigma TAIL_SIGMA, rounded to the
+    nearest integer, clipped to [1, max_new]), exactly (no sampling)."""
+    if max_new < 1:
+        raise ValueError(f"length_pmf: max_new={max_new} must be >= 1")
+    mu = math.log(max_new / TAIL_MEDIAN_DIV)
+    edges = np.log(np.arange(1, max_new) + 0.5)  # round(x) <= l  iff  x < l + 0.5
+    cdf = 0.5 * (1.0 + np.array([math.erf((e - mu) / (TAIL_SIGMA * math.sqrt(2.0)))
+                                 for e in edges]))
+    return np.diff(np.concatenate([[0.0], cdf, [1.0]]))
+
+
+def live_slots(prompt_len: int, max_new: int, schedule: str = "refill") -> float:
+    """Mean cache slots a ragged decode attention reads per row and step, for prompts of
+    prompt_len tokens and responses of `length_pmf(max_new)`; the step that makes response
+    token k reads prompt_len + k slots.
+
+    schedule 'refill': the refilling sampler's steady state, every row always holding a
+      response; the mean over all row-steps, prompt_len + E[L (L + 1) / 2] / E[L] (a row-step
+      falls in a response in proportion to its length).
+    schedule 'equal': every response max_new tokens long instead (no row ends early, static
+      or refilling alike); prompt_len + (max_new + 1) / 2.
+
+    Both count only row-steps that make a token, as tokens/s = batch / step does. (A static batch
+    under the tail distribution is neither: its finished rows keep their window and still run
+    through the model until the batch's longest row ends.)
+    """
+    if schedule == "equal":
+        return prompt_len + (max_new + 1) / 2
+    if schedule != "refill":
+        raise ValueError(f"live_slots: schedule={schedule!r}; expected one of {SCHEDULES}")
+    pmf = length_pmf(max_new)
+    lengths = np.arange(1, max_new + 1, dtype=np.float64)
+    return float(prompt_len + (pmf * lengths * (lengths + 1) / 2).sum() / (pmf * lengths).sum())
+
+
+def _roofline(record: dict[str, Any], bytes_per_step: float, flops: float) -> dict[str, Any]:
+    """The predicted step of `record`'s chip, actor and batch for these bytes and flops."""
+    chip = CHIPS[record["chip"]]
+    t_mem, t_flops = bytes_per_step / chip["bandwidth"], flops / chip[record["actor"]]
+    step = max(t_mem, t_flops)
+    return {"bytes_per_step": bytes_per_step, "flops_per_step": flops,
+            "predicted_step_ms": step * 1e3, "bound": "memory" if t_mem >= t_flops else "compute",
+            "predicted_tokens_per_s": record["batch"] / step}
+
+
+def ragged_record(dense: dict[str, Any], live: float) -> dict[str, Any]:
+    """The 'ragged' record of a compiled 'dense' one: the same case with an attention that reads
+    `live` slots per row (of the record's `cache_slots`) instead of all of them.
+
+    Bytes: the argument bytes less the full KV cache (`kv_cache_bytes`) plus its live share;
+    flops: the attention term (`attention_flops_per_step`, over all slots) scaled to the live
+    share. Pure: needs only the record's fields, no compile. A prediction, not a measurement."""
+    slots = dense["cache_slots"]
+    if not 0 <= live <= slots:
+        raise ValueError(f"ragged_record: live={live} slots must be in [0, cache_slots={slots}]")
+    dead = 1.0 - live / slots
+    record = {k: v for k, v in dense.items() if k not in ("measured_tokens_per_s",
+                                                          "cost_analysis_flops",
+                                                          "cost_analysis_bytes_accessed")}
+    record.update(
+        attention="ragged", live_slots=live, note=RAGGED_NOTE, measured_tokens_per_s=None,
+        **_roofline(dense, dense["argument_bytes"] - dense["kv_cache_bytes"] * dead,
+                    dense["flops_per_step"] - dense["attention_flops_per_step"] * dead))
+    return record
+
+
+def _has_pallas_kernel(hlo: str) -> bool:
+    """Whether a compiled program's HLO calls a Pallas kernel (a Triton call on GPU, a Mosaic
+    custom call on TPU): on GPU the engine's default decode attention is the ragged kernel, whose
+    step still takes the whole cache as an argument."""
+    return "__gpu$xla.gpu.triton" in hlo or "tpu_custom_call" in hlo
 
 
 def predict(target: targets.Target, model: str, batch: int, actor: str,
             config: ModelConfig | None = None) -> dict[str, Any]:
-    """Compiles the decode program of one case for one device of `target` and predicts its step.
+    """Compiles the decode program of one case for one device of `target` and predicts its step:
+    the 'dense' record (every cache slot read; `ragged_record` derives the 'ragged' one).
 
     model: a `configs/shapes` name, whose shape is used unless `config` is given (then `model` is
     only its label)."""
@@ -124,20 +238,18 @@ def predict(target: targets.Target, model: str, batch: int, actor: str,
     mem = compiled.memory_analysis()
     arg_bytes = int(mem.argument_size_in_bytes)
     slots = sampler.engine.cache_slots(PROMPT_LEN, NEW_TOKENS)
-    flops = step_flops(config, batch, slots)
-    chip = CHIPS[target.chip.name]
-    t_mem, t_flops = arg_bytes / chip["bandwidth"], flops / chip[actor]
-    step = max(t_mem, t_flops)
     record = {
-        "target": target.name, "device_kind": device.device_kind, "model": model,
-        "batch": batch, "actor": actor, "compile_s": round(compile_s, 1),
-        "weight_bytes": _bytes(params), "kv_cache_bytes": batch * sampler.engine.kv_bytes_per_row(
-            PROMPT_LEN, NEW_TOKENS),
-        "argument_bytes": arg_bytes, "flops_per_step": flops,
-        "predicted_step_ms": step * 1e3, "bound": "memory" if t_mem >= t_flops else "compute",
-        "predicted_tokens_per_s": batch / step,
-        "measured_tokens_per_s": MEASURED.get((target.platform, model, batch, actor)),
+        "target": target.name, "chip": target.chip.name, "device_kind": device.device_kind,
+        "model": model, "batch": batch, "actor": actor, "attention": "dense",
+        "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "compile_s": round(compile_s, 1),
+        "pallas_kernel_in_program": _has_pallas_kernel(compiled.as_text()),
+        "weight_bytes": _bytes(params), "cache_slots": slots,
+        "kv_cache_bytes": batch * sampler.engine.kv_bytes_per_row(PROMPT_LEN, NEW_TOKENS),
+        "argument_bytes": arg_bytes,
+        "attention_flops_per_step": attention_flops(config, batch, slots),
     }
+    record.update(_roofline(record, arg_bytes, step_flops(config, batch, slots)))
+    record["measured_tokens_per_s"] = MEASURED.get((target.platform, model, batch, actor))
     cost = compiled.cost_analysis()
     if cost:
         cost = cost[0] if isinstance(cost, list) else cost
@@ -147,20 +259,42 @@ def predict(target: targets.Target, model: str, batch: int, actor: str,
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    """Predicted decode tokens/s per case and actor, its ratio to bf16, and the measurement."""
-    base = {(r["target"], r["model"], r["batch"]): r["predicted_tokens_per_s"]
-            for r in records if r["actor"] == "bf16"}
-    lines = ["| target | model | batch | actor | bytes/step (GiB, >=) | bound | predicted step "
-             "| predicted tokens/s | vs bf16 (predicted) | measured tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        ref = base.get((r["target"], r["model"], r["batch"]))
-        ratio = f"{r['predicted_tokens_per_s'] / ref:.2f}x" if ref else ""
-        measured = f"{r['measured_tokens_per_s']:,.0f}" if r["measured_tokens_per_s"] else ""
-        lines.append(f"| {r['target']} | {r['model']} | {r['batch']} | {r['actor']} | "
-                     f"{r['argument_bytes'] / 2**30:.2f} | {r['bound']} | "
-                     f"{r['predicted_step_ms']:.2f} ms | {r['predicted_tokens_per_s']:,.0f} | "
-                     f"{ratio} | {measured} |")
+    """Predicted decode tokens/s per case and actor under each attention the records hold (dense
+    first, then ragged), its ratio to bf16 under the same attention, ragged over dense where both
+    are there, and the measurement. A record without `attention` is dense."""
+    attention = lambda r: r.get("attention", "dense")  # noqa: E731
+    modes = [a for a in ATTENTIONS if any(attention(r) == a for r in records)]
+    by = {(r["target"], r["model"], r["batch"], r["actor"], attention(r)): r for r in records}
+    cases = list(dict.fromkeys(k[:4] for k in by))
+    head = ["target", "model", "batch", "actor"]
+    for a in modes:
+        head += [f"bytes/step {a} (GiB, {'>=' if a == 'dense' else 'adjusted'})", f"bound {a}",
+                 f"predicted step {a}", f"predicted tokens/s {a}", f"vs bf16 ({a})"]
+    if len(modes) == 2:
+        head.append("ragged / dense")
+    head.append("measured tokens/s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case in cases:
+        cells = [str(c) for c in case]
+        for a in modes:
+            r, ref = by.get((*case, a)), by.get((*case[:3], "bf16", a))
+            if r is None:
+                cells += [""] * 5
+                continue
+            ratio = (f"{r['predicted_tokens_per_s'] / ref['predicted_tokens_per_s']:.2f}x"
+                     if ref else "")
+            cells += [f"{r.get('bytes_per_step', r['argument_bytes']) / 2**30:.2f}", r["bound"],
+                      f"{r['predicted_step_ms']:.2f} ms", f"{r['predicted_tokens_per_s']:,.0f}",
+                      ratio]
+        if len(modes) == 2:
+            d, g = by.get((*case, "dense")), by.get((*case, "ragged"))
+            cells.append(f"{g['predicted_tokens_per_s'] / d['predicted_tokens_per_s']:.2f}x"
+                         if d and g else "")
+        measured = next((by[(*case, a)].get("measured_tokens_per_s") for a in modes
+                         if (*case, a) in by and by[(*case, a)].get("measured_tokens_per_s")),
+                        None)
+        cells.append(f"{measured:,.0f}" if measured else "")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -170,6 +304,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--actors", default=",".join(ACTORS))
     p.add_argument("--cases", default=";".join(f"{m},{b}" for m, b in CASES),
                    help="model,batch;model,batch")
+    p.add_argument("--attention", default=",".join(ATTENTIONS),
+                   help="dense, ragged or both: the records to write (ragged is derived from the "
+                        "dense compile, adjusted analytically)")
+    p.add_argument("--schedule", default="refill", choices=SCHEDULES,
+                   help="how the ragged live slots are averaged (`live_slots`)")
     p.add_argument("--json", help="write the records here (after every case)")
     p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these files")
     args = p.parse_args(argv)
@@ -182,18 +321,30 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(str(e))
     if target.chip is None or target.chip.name not in CHIPS:
         sys.exit(f"--target={args.target}: peak figures known for {', '.join(CHIPS)} only")
+    modes = args.attention.split(",")
+    if not modes or any(a not in ATTENTIONS for a in modes):
+        sys.exit(f"--attention={args.attention}: expected a list of {', '.join(ATTENTIONS)}")
+    actors = args.actors.split(",")
+    if any(a not in ACTORS for a in actors):
+        sys.exit(f"--actors={args.actors}: expected a list of {', '.join(ACTORS)}")
     targets.use_cpu_unless_accelerator_attached()
+    live = live_slots(PROMPT_LEN, NEW_TOKENS, args.schedule)
     records = []
     for case in args.cases.split(";"):
         model, batch = case.split(",")
-        for actor in args.actors.split(","):
-            if actor not in ACTORS:
-                sys.exit(f"--actors: {actor!r} is not one of {', '.join(ACTORS)}")
-            records.append(predict(target, model, int(batch), actor))
-            r = records[-1]
-            print(f"{target.name} {model} x{batch} {actor}: >= {r['argument_bytes'] / 2**30:.2f} "
-                  f"GiB/step, {r['predicted_tokens_per_s']:,.0f} tokens/s predicted "
-                  f"({r['bound']}-bound; compiled in {r['compile_s']} s)", flush=True)
+        for actor in actors:
+            dense = predict(target, model, int(batch), actor)
+            made = {"dense": dense, "ragged": {**ragged_record(dense, live),
+                                               "live_schedule": args.schedule}}
+            for a in modes:
+                r = made[a]
+                records.append(r)
+                how = (f"compiled in {r['compile_s']} s" if a == "dense" else
+                       f"{live:.1f} of {r['cache_slots']} slots live, adjusted analytically")
+                print(f"{target.name} {model} x{batch} {actor} {a}: "
+                      f"{r['bytes_per_step'] / 2**30:.2f} GiB/step, "
+                      f"{r['predicted_tokens_per_s']:,.0f} tokens/s predicted "
+                      f"({r['bound']}-bound; {how})", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(records, f, indent=1)
