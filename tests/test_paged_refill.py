@@ -189,3 +189,30 @@ def test_bad_pools_name_the_field(qwen) -> None:
         RefillSampler(cfg, kv_pages=6, mesh=make_mesh(data=2, fsdp=2, tensor=2), **KW)
     with pytest.raises(ValueError, match="kv_pages=-1"):
         RefillSampler(cfg, kv_pages=-1, **KW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["tpu:v5p-16", "gpu:h100-8"])
+def test_paged_programs_compile_for_the_targets_with_their_kernels(target) -> None:
+    # Compile-only devices (libtpu, or the CUDA plugin: `.[tpu-compile]` / `.[gpu-compile]`):
+    # the paged insert and decode on the slice's 8 devices (data 2 x fsdp 2 x tensor 2), bf16,
+    # the decode reading pages with JAX's paged kernel per shard (Mosaic on TPU, Triton on GPU).
+    from qurl_jax.sharding import logical_shardings
+    from tests.compile_only import compiler_or_skip
+
+    t = compiler_or_skip(target)
+    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
+    shapes = jax.eval_shape(lambda: _random_params(cfg))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
+    paged = RefillSampler(cfg, mesh=mesh, **{**KW, "max_concurrent_rows": 8, "kv_page_size": 16},
+                          kv_pages=32)
+    # Mosaic refuses fp32-pass products of bf16 operands: lowered at the default precision (the
+    # tests run at 'highest').
+    with jax.default_matmul_precision("default"):
+        lowered = paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)
+        kernel = "tpu_custom_call" if t.platform == "tpu" else "triton"
+        assert kernel in lowered["decode"].as_text()
+        for program in lowered.values():
+            program.compile()
