@@ -19,7 +19,9 @@ pool of `--page_size`-token pages, the paged rows measured by simulating the sch
 configs' long-tailed response lengths (a simulation, not a device measurement); in the JSON as
 `kv_capacity`. The non-KV buffers that grow with the rows decoded at once (logits, sampling) are
 charged per row (fixed slots and the paged decode batch alike), as measured by a second compile of
-`rollout_decode` at half the rows per device.
+`rollout_decode` at half the rows per device. A last line gives the paged pool as config flags to
+copy (`rollout.kv_pages` = pages per device x batch shards, `rollout.kv_page_size`,
+`rollout.max_concurrent_rows` = the paged rows; JSON `kv_capacity.suggested_config`).
 """
 
 from __future__ import annotations
@@ -112,7 +114,28 @@ def capacity(figures: dict[str, Any], page_size: int,
             planned_rows=kv["rows"])
     except ValueError as e:
         sys.exit(f"qurl_jax: --kv_capacity: {e}")
-    return {**out, "row_overhead_from": overhead}
+    return {**out, "row_overhead_from": overhead,
+            "suggested_config": suggested_config(out, kv["batch_shards"])}
+
+
+def suggested_config(capacity: dict[str, Any], batch_shards: int) -> dict[str, int] | None:
+    """The config fields of `capacity`'s paged pool for the whole mesh: `rollout.kv_pages` =
+    pages per device x batch shards (devices holding one tensor-parallel group share a shard's
+    pages, each its heads), the page size, and the page-table rows the simulation assumed
+    (`rollout.max_concurrent_rows`; their per-row buffers are what the pool was sized around).
+    None when no row fits."""
+    if not capacity["fits_one_row"]:
+        return None
+    return {"rollout.kv_pages": capacity["num_pages"] * batch_shards,
+            "rollout.kv_page_size": capacity["page_size"],
+            "rollout.max_concurrent_rows": capacity["paged_slots"] * batch_shards}
+
+
+def describe_suggestion(suggested: dict[str, int] | None) -> str:
+    """One line of `suggested_config` flags to copy into a run's command line or config."""
+    if suggested is None:
+        return "suggested config: none (no room for one row of KV)"
+    return "suggested config: " + " ".join(f"--config.{k}={v}" for k, v in suggested.items())
 
 
 def _use_host_devices(count: int) -> None:
@@ -155,6 +178,7 @@ def main(argv: list[str]) -> None:
                     if figures.get("decode_kv") else None)
         figures["kv_capacity"] = capacity(figures, _PAGE_SIZE.value, overhead)
         print("\n" + "\n".join(paged.describe_capacity(figures["kv_capacity"])))
+        print(describe_suggestion(figures["kv_capacity"]["suggested_config"]))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)
