@@ -45,6 +45,17 @@ def test_fields_default_to_fixed_slots_and_reach_the_sampler_settings():
     assert "rollout.kv_watermark_pages = 2  # Free pages" in printed
 
 
+def test_a_run_resumes_with_another_pool(tmp_path):
+    # The pool changes where the KV lives, not the tokens: like max_concurrent_rows, resumable.
+    from qurl_jax import run_config
+
+    run_config.check_and_save(base_config(), str(tmp_path), resuming=False)
+    paged = base_config()
+    paged.rollout.kv_pages, paged.rollout.kv_page_size = 64, 32
+    paged.rollout.kv_watermark_pages = 4
+    run_config.check_and_save(paged, str(tmp_path), resuming=True)
+
+
 @pytest.mark.parametrize("fields,match", [
     ({"rollout.kv_pages": -1}, r"config\.rollout\.kv_pages=-1 must be >= 0"),
     ({"rollout.kv_page_size": 0}, r"config\.rollout\.kv_page_size=0 must be > 0"),
@@ -149,16 +160,18 @@ def test_kv_capacity_suggests_the_pool_as_config_flags():
     kv = {"rows": 4, "cache_len": 64, "cache_bytes": 4 * 64 * 100, "token_bytes": 100,
           "prompt_len": 16, "max_new_tokens": 48, "rollout_rows": 8, "batch_shards": 2}
     # Room for 6 rows more than the decode program's 4: 10 fixed slots, 40 pages per device,
-    # 4 x 10 paged rows per device.
+    # 4 x 10 paged rows per device, of which the rollout fills 8 (its rows per device).
     figures = {"budget_bytes_per_device": 54321 + 10 * 64 * 100, "decode_kv": kv,
                "programs": {"rollout_decode": {"peak_bytes": 54321 + kv["cache_bytes"]}}}
     capacity = memory_bench.capacity(figures, page_size=16)
     assert (capacity["fixed_slots"], capacity["num_pages"]) == (10, 40)
+    assert capacity["paged_slots"] == 40
     assert capacity["suggested_config"] == {"rollout.kv_pages": 80, "rollout.kv_page_size": 16,
-                                            "rollout.max_concurrent_rows": 80}
+                                            "rollout.max_concurrent_rows": 16}
     line = memory_bench.describe_suggestion(capacity["suggested_config"])
     assert line == ("suggested config: --config.rollout.kv_pages=80 "
-                    "--config.rollout.kv_page_size=16 --config.rollout.max_concurrent_rows=80")
+                    "--config.rollout.kv_page_size=16 --config.rollout.max_concurrent_rows=16")
+    assert memory_bench.suggested_config(capacity, 2)["rollout.max_concurrent_rows"] == 80
     assert "\n" not in line
     # The suggestion is a valid config for that mesh.
     c = _tiny()
@@ -172,14 +185,15 @@ def test_kv_capacity_suggests_the_pool_as_config_flags():
 
 
 def test_trainer_rollout_through_a_page_pool_gives_the_static_result(tmp_path):
-    # 2 prompts x 4 samples, 4 page-table rows, a pool of 24 pages of 4 tokens (a row of the
-    # 32-token prompt bucket + 6 new tokens needs 10): the step's metrics, which come from the
-    # rollout's tokens and log-probs, are those of the static sampler.
+    # 2 prompts x 4 samples, 4 page-table rows, a pool of 12 pages of 4 tokens (a row of the
+    # 32-token prompt bucket + 6 new tokens needs 10), too small for 4 rows at once: rows are
+    # preempted and regenerated, and the step's metrics, which come from the rollout's tokens
+    # and log-probs, are those of the static sampler.
     from qurl_jax.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     metrics = {}
-    for pages in (24, 0):
+    for pages in (12, 0):
         c = tiny_config(**{"rollout.max_concurrent_rows": 4, "rollout.max_new_tokens": 6,
                            "rollout.kv_pages": pages, "rollout.kv_page_size": 4,
                            "rollout.refill": "auto" if pages else "off",
@@ -187,10 +201,13 @@ def test_trainer_rollout_through_a_page_pool_gives_the_static_result(tmp_path):
         t = Trainer(c, str(tmp_path / str(pages)))
         assert isinstance(t.sampler, RefillSampler) == bool(pages)
         if pages:
-            assert t.sampler.engine.paging.num_pages == 24
+            assert t.sampler.engine.paging.num_pages == 12
         m = t.step()
+        if pages:
+            run = t.sampler.last_run
+            assert 0 < run.peak_pages <= 12 and run.preemptions > 0, run
         metrics[pages] = {k: v for k, v in m.items()
                           if not k.startswith(("time/", "compile/")) and "per_s" not in k}
-    assert metrics[24].keys() == metrics[0].keys()
+    assert metrics[12].keys() == metrics[0].keys()
     for k, v in metrics[0].items():
-        assert metrics[24][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        assert metrics[12][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k

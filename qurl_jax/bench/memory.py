@@ -115,20 +115,25 @@ def capacity(figures: dict[str, Any], page_size: int,
     except ValueError as e:
         sys.exit(f"qurl_jax: --kv_capacity: {e}")
     return {**out, "row_overhead_from": overhead,
-            "suggested_config": suggested_config(out, kv["batch_shards"])}
+            "suggested_config": suggested_config(out, kv["batch_shards"], kv["rollout_rows"])}
 
 
-def suggested_config(capacity: dict[str, Any], batch_shards: int) -> dict[str, int] | None:
+def suggested_config(capacity: dict[str, Any], batch_shards: int, rollout_rows: int = 0
+                     ) -> dict[str, int] | None:
     """The config fields of `capacity`'s paged pool for the whole mesh: `rollout.kv_pages` =
-    pages per device x batch shards (devices holding one tensor-parallel group share a shard's
-    pages, each its heads), the page size, and the page-table rows the simulation assumed
-    (`rollout.max_concurrent_rows`; their per-row buffers are what the pool was sized around).
+    pages per device x batch shards (the devices of one tensor-parallel group share a shard's
+    pages, each holding its heads), the page size, and `rollout.max_concurrent_rows`: the
+    page-table rows the pool was sized around (their per-row buffers were charged before the
+    pool), at most the rollout's `rollout_rows` per device when given (more would hold no row).
     None when no row fits."""
     if not capacity["fits_one_row"]:
         return None
+    rows = capacity["paged_slots"]
+    if rollout_rows > 0:
+        rows = min(rows, rollout_rows)
     return {"rollout.kv_pages": capacity["num_pages"] * batch_shards,
             "rollout.kv_page_size": capacity["page_size"],
-            "rollout.max_concurrent_rows": capacity["paged_slots"] * batch_shards}
+            "rollout.max_concurrent_rows": rows * batch_shards}
 
 
 def describe_suggestion(suggested: dict[str, int] | None) -> str:
