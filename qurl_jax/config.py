@@ -434,11 +434,10 @@ _POSITIVE = (
     "model.tiny.max_position_embeddings")
 _NON_NEGATIVE = (
     "seed", "rollout.top_k", "rollout.max_concurrent_rows", "rollout.kv_pages", "rl.eps_low",
-    "rl.eps_high",
-    "rl.kl_coef", "rl.dual_clip", "rl.veto_tau", "rl.overlong_buffer", "rl.overlong_factor",
-    "optim.learning_rate", "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
-    "optim.decay_steps", "sft.steps", "train.eval_every", "train.memory_limit_gib",
-    "eval.max_examples", "eval.temperature")
+    "rl.eps_high", "rl.kl_coef", "rl.dual_clip", "rl.veto_tau", "rl.overlong_buffer",
+    "rl.overlong_factor", "optim.learning_rate", "optim.weight_decay", "optim.grad_clip",
+    "optim.warmup_steps", "optim.decay_steps", "sft.steps", "train.eval_every",
+    "train.memory_limit_gib", "eval.max_examples", "eval.temperature")
 # field -> (low, high, whether high is excluded)
 _INTERVALS = {"optim.b1": (0.0, 1.0, True), "optim.b2": (0.0, 1.0, True),
               "optim.end_lr_ratio": (0.0, 1.0, False), "reward.format_weight": (0.0, 1.0, False),
