@@ -159,23 +159,29 @@ def test_memory_plan_counts_the_pool_not_rows_times_slots(tmp_path):
 def test_the_suggestion_is_checked_by_compiling_the_insert_and_decode(tmp_path, monkeypatch):
     # The tiny shape's insert and decode with a suggested pool of 40 pages of 16 (20 per
     # device) behind 8 rows: within the 60 GiB cpu budget nothing changes; with a budget 2.5
-    # pages short of the larger peak, 3 pages per device come off the pool (6 in all).
+    # pages short of the larger peak, at least 3 pages per device come off the pool, until the
+    # programs compile within it.
     token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * CFG.compute_dtype.itemsize
     settings = RunSettings.from_config(_plan_config(tmp_path, 0))
     suggested = {"rollout.kv_pages": 40, "rollout.kv_page_size": 16,
                  "rollout.max_concurrent_rows": 8}
     check = memory_bench.check_suggestion(settings, str(tmp_path), "cpu", suggested, token)
-    assert set(check["peaks"]) == {"rollout_prefill", "rollout_decode"}
-    assert check["over_bytes"] == 0 and check["suggested_config"] == suggested
-    budget = max(check["peaks"].values()) - 5 * 16 * token // 2
+    assert check["fits"] and check["suggested_config"] == suggested
+    (first,) = check["checks"]
+    assert set(first["peaks"]) == {"rollout_prefill", "rollout_decode"}
+    budget = max(first["peaks"].values()) - 5 * 16 * token // 2
     monkeypatch.setattr(memory_plan, "budget_bytes", lambda target: budget)
     check = memory_bench.check_suggestion(settings, str(tmp_path), "cpu", suggested, token)
-    assert check["over_bytes"] == 5 * 16 * token // 2
-    assert check["suggested_config"] == {**suggested, "rollout.kv_pages": 34}
+    assert check["checks"][0]["over_bytes"] == 5 * 16 * token // 2
+    assert check["fits"] and check["checks"][-1]["over_bytes"] == 0
+    pages = check["suggested_config"]["rollout.kv_pages"]
+    assert pages <= 34 and pages % 2 == 0 and pages == check["checks"][-1]["kv_pages"]
+    line = memory_bench.describe_suggestion(check["suggested_config"], check["fits"])
+    assert line.endswith("(insert and decode compiled within the budget)") and "\n" not in line
     # A pool cut below one row (64 tokens: 4 pages per device) is no suggestion.
     monkeypatch.setattr(memory_plan, "budget_bytes", lambda target: budget - 14 * 16 * token)
     check = memory_bench.check_suggestion(settings, str(tmp_path), "cpu", suggested, token)
-    assert check["suggested_config"] is None
+    assert check["suggested_config"] is None and not check["fits"]
 
 
 def test_kv_capacity_suggests_the_pool_as_config_flags():

@@ -22,9 +22,9 @@ charged per row (fixed slots and the paged decode batch alike), as measured by a
 `rollout_decode` at half the rows per device. A last line gives the paged pool as config flags to
 copy (`rollout.kv_pages` = pages per device x batch shards, `rollout.kv_page_size`,
 `rollout.max_concurrent_rows` = the paged rows, at most the rollout's), checked by compiling the
-insert and decode programs with them and the pool shrunk by what their larger peak exceeds the
-budget by (JSON `kv_capacity.suggested_config`, and `suggestion_check` with the peaks and the
-corrected flags).
+insert and decode programs with them, the pool shrunk by what their larger peak exceeds the budget
+by until it fits (at most 3 rounds; JSON `kv_capacity.suggested_config`, and `suggestion_check`
+with each round's peaks and the final flags).
 """
 
 from __future__ import annotations
@@ -140,38 +140,51 @@ def suggested_config(capacity: dict[str, Any], batch_shards: int, rollout_rows: 
 
 
 def check_suggestion(settings: RunSettings, shapes_dir: str, target: targets.Target,
-                     suggested: dict[str, int], token_bytes: int) -> dict[str, Any]:
+                     suggested: dict[str, int], token_bytes: int, rounds: int = 3
+                     ) -> dict[str, Any]:
     """Compiles the rollout's insert and decode programs (`rollout_prefill`, `rollout_decode`)
-    with the `suggested` pool and rows and, when the larger planned peak exceeds the budget (the
+    with the `suggested` pool and rows; while the larger planned peak exceeds the budget (the
     insert's prompt activations come on top of the pool the decode program was sized with),
-    takes the excess off the pool: whole pages of `page_size * token_bytes` per device, times
-    the batch shards. The pool only sits in the programs' arguments and outputs, so what the
-    correction removes is what the plan frees. Returns {'peaks': per program, 'over_bytes',
-    'suggested_config': corrected, or None when the pool no longer holds one row}."""
+    takes the excess off the pool (whole pages of `page_size * token_bytes` per device, times
+    the batch shards) and compiles again, at most `rounds` times in all (a smaller pool can
+    change the compiler's temporaries too). Returns {'checks': per round the kv_pages, peaks
+    and over_bytes; 'fits': whether the last compiled pool fits; 'suggested_config': the pool
+    that fits (or the last correction, when `rounds` ran out), None when the pool no longer
+    holds one row}."""
     rollout = settings.rollout
-    sampler = dataclasses.replace(
-        rollout.sampler, refill="on", kv_pages=suggested["rollout.kv_pages"],
-        kv_page_size=suggested["rollout.kv_page_size"],
-        max_concurrent_rows=suggested["rollout.max_concurrent_rows"])
-    paged = dataclasses.replace(settings, rollout=dataclasses.replace(rollout, sampler=sampler))
-    figures = memory_plan.report(paged, shapes_dir, target, log=lambda _: None,
-                                 programs=("rollout_prefill", "rollout_decode"))
-    peaks = {name: f["peak_bytes"] for name, f in figures["programs"].items()}
-    over = max(max(peaks.values()) - figures["budget_bytes_per_device"], 0)
-    shards = figures["decode_kv"]["batch_shards"]
-    page_bytes = suggested["rollout.kv_page_size"] * token_bytes
-    pages = suggested["rollout.kv_pages"] // shards - -(-over // page_bytes)
-    row_pages = -(-figures["decode_kv"]["cache_len"] // suggested["rollout.kv_page_size"])
-    corrected = ({**suggested, "rollout.kv_pages": pages * shards} if pages >= row_pages
-                 else None)
-    return {"peaks": peaks, "over_bytes": int(over), "suggested_config": corrected}
+    checks: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        sampler = dataclasses.replace(
+            rollout.sampler, refill="on", kv_pages=suggested["rollout.kv_pages"],
+            kv_page_size=suggested["rollout.kv_page_size"],
+            max_concurrent_rows=suggested["rollout.max_concurrent_rows"])
+        paged = dataclasses.replace(settings,
+                                    rollout=dataclasses.replace(rollout, sampler=sampler))
+        figures = memory_plan.report(paged, shapes_dir, target, log=lambda _: None,
+                                     programs=("rollout_prefill", "rollout_decode"))
+        peaks = {name: f["peak_bytes"] for name, f in figures["programs"].items()}
+        over = max(max(peaks.values()) - figures["budget_bytes_per_device"], 0)
+        checks.append({"kv_pages": suggested["rollout.kv_pages"], "peaks": peaks,
+                       "over_bytes": int(over)})
+        if not over:
+            return {"checks": checks, "fits": True, "suggested_config": suggested}
+        shards, page_size = figures["decode_kv"]["batch_shards"], suggested["rollout.kv_page_size"]
+        pages = suggested["rollout.kv_pages"] // shards - -(-over // (page_size * token_bytes))
+        if pages < -(-figures["decode_kv"]["cache_len"] // page_size):  # no whole row
+            return {"checks": checks, "fits": False, "suggested_config": None}
+        suggested = {**suggested, "rollout.kv_pages": pages * shards}
+    return {"checks": checks, "fits": False, "suggested_config": suggested}
 
 
-def describe_suggestion(suggested: dict[str, int] | None) -> str:
-    """One line of `suggested_config` flags to copy into a run's command line or config."""
+def describe_suggestion(suggested: dict[str, int] | None, checked: bool | None = None) -> str:
+    """One line of `suggested_config` flags to copy into a run's command line or config;
+    `checked`: whether `check_suggestion` compiled them within the budget (None: not run)."""
     if suggested is None:
         return "suggested config: none (no room for one row of KV)"
-    return "suggested config: " + " ".join(f"--config.{k}={v}" for k, v in suggested.items())
+    note = {None: "", True: " (insert and decode compiled within the budget)",
+            False: " (last correction not compiled: check with --programs)"}[checked]
+    return ("suggested config: " + " ".join(f"--config.{k}={v}" for k, v in suggested.items())
+            + note)
 
 
 def _use_host_devices(count: int) -> None:
@@ -214,13 +227,13 @@ def main(argv: list[str]) -> None:
                     if figures.get("decode_kv") else None)
         figures["kv_capacity"] = capacity(figures, _PAGE_SIZE.value, overhead)
         print("\n" + "\n".join(paged.describe_capacity(figures["kv_capacity"])))
-        suggested = figures["kv_capacity"]["suggested_config"]
+        suggested, checked = figures["kv_capacity"]["suggested_config"], None
         if suggested is not None:
             check = check_suggestion(settings, shapes_dir, target, suggested,
                                      figures["decode_kv"]["token_bytes"])
             figures["kv_capacity"]["suggestion_check"] = check
-            suggested = check["suggested_config"]
-        print(describe_suggestion(suggested))
+            suggested, checked = check["suggested_config"], check["fits"]
+        print(describe_suggestion(suggested, checked))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)
