@@ -1,7 +1,8 @@
 """The paged KV pool as run configuration: `rollout.kv_pages` / `kv_page_size` /
 `kv_watermark_pages` through validation, the typed sampler settings, the factory, the memory plan
-(the pool's bytes instead of rows x slots), `bench.memory --kv_capacity`'s suggested flags, and
-one trainer step whose rollout through the pool gives the static sampler's results."""
+(the pool's bytes instead of rows x slots), `bench.memory --kv_capacity`'s suggested flags
+(checked by compiling them), and the trainer's rollout through a pool that preempts, which gives
+the static sampler's tokens."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_fields_default_to_fixed_slots_and_reach_the_sampler_settings():
     s = rollout_sampler_settings(validate(c))
     assert (s.kv_pages, s.kv_page_size, s.kv_watermark_pages, s.refills) == (0, 16, None, False)
     # kv_pages > 0 implies the refilling sampler under refill 'auto', even with every row in a
-    # slot (max_concurrent_rows 0); -1 maps to the sampler's default watermark (None).
+    # slot (max_concurrent_rows 0); above, the watermark's -1 became the sampler's default None.
     c.rollout.kv_pages, c.rollout.kv_page_size, c.rollout.kv_watermark_pages = 8, 8, 2
     s = rollout_sampler_settings(validate(c))
     assert (s.kv_pages, s.kv_page_size, s.kv_watermark_pages, s.refills) == (8, 8, 2, True)
