@@ -99,6 +99,17 @@ def base_config() -> ml_collections.ConfigDict:
     # max_concurrent_rows > 0 holds fewer rows than prompts_per_step * n. Both samplers draw the
     # same tokens for the same key, in one process or several.
     c.rollout.refill = "auto"
+    # Paged KV pool of the refilling sampler (docs/paged_kv.md): 0 = fixed slots (every row
+    # reserves prompt + max_new_tokens of KV); > 0 = a pool of this many pages, split evenly over
+    # the batch shards (data x fsdp, a multiple of them), from which rows take pages as they grow,
+    # so max_concurrent_rows bounds rows in flight and the pool their tokens. > 0 implies the
+    # refilling sampler (refill 'auto' turns it on; 'off' is an error) and a dense kv_policy.
+    # `python -m qurl_jax.bench.memory --kv_capacity` suggests a size for a target.
+    c.rollout.kv_pages = 0
+    c.rollout.kv_page_size = 16  # tokens per page of the rollout.kv_pages pool
+    # Free pages per batch shard an admission leaves while rows run (rollout.kv_pages); -1 = 1/16
+    # of the shard's pages.
+    c.rollout.kv_watermark_pages = -1
     # pi_behav handed to the learner: 'sampled' = the log-prob under the distribution that drew the
     # token (truncated and renormalised by top-k/top-p), the correct importance-sampling
     # denominator; 'untruncated' = under the full tempered softmax (too small by log Z on every
@@ -344,7 +355,10 @@ def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSett
     return RolloutSamplerSettings(
         refill=c.rollout.refill, max_concurrent_rows=c.rollout.max_concurrent_rows,
         rows_per_step=c.data.prompts_per_step * c.rollout.n,
-        kv_policy=kv_policy_from_config(c.rollout), decode_attention=c.model.decode_attention)
+        kv_policy=kv_policy_from_config(c.rollout), decode_attention=c.model.decode_attention,
+        kv_pages=c.rollout.kv_pages, kv_page_size=c.rollout.kv_page_size,
+        kv_watermark_pages=None if c.rollout.kv_watermark_pages < 0
+        else c.rollout.kv_watermark_pages)
 
 
 def sampling_params_from_config(rollout: ml_collections.ConfigDict,
@@ -405,12 +419,13 @@ def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
 
 
 # Range of every numeric field that `validate` checks beyond its type (chain_*, kv_* and the
-# objective's fields are checked by ChainConfig, KVPolicyConfig and ObjectiveConfig).
+# objective's fields are checked by ChainConfig, KVPolicyConfig and ObjectiveConfig; the paged
+# pool's by `_check_paging`, beyond these ranges).
 _POSITIVE = (
     "data.prompts_per_step", "data.max_prompt_len", "data.arith_digits", "rollout.n",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.invariant_scaling", "rl.cap",
-    "rl.logratio_clamp", "rl.sparse_cap", "rl.max_gen_batches", "rl.ppo_epochs",
-    "rl.num_minibatches", "rl.num_micro_batches", "optim.eps", "reward.workers",
+    "rollout.kv_page_size", "rl.logratio_clamp", "rl.sparse_cap", "rl.max_gen_batches",
+    "rl.ppo_epochs", "rl.num_minibatches", "rl.num_micro_batches", "optim.eps", "reward.workers",
     "reward.timeout_s", "train.num_steps", "train.checkpoint_every", "train.keep_checkpoints",
     "train.max_bad_steps", "train.logprob_chunk", "eval.k", "eval.max_new_tokens",
     "sft.learning_rate", "sft.batch_size", "model.tiny.hidden_size",
@@ -418,11 +433,11 @@ _POSITIVE = (
     "model.tiny.num_kv_heads", "model.tiny.head_dim", "model.tiny.rope_theta",
     "model.tiny.max_position_embeddings")
 _NON_NEGATIVE = (
-    "seed", "rollout.top_k", "rollout.max_concurrent_rows", "rl.eps_low", "rl.eps_high",
-    "rl.kl_coef", "rl.dual_clip", "rl.veto_tau", "rl.overlong_buffer", "rl.overlong_factor",
-    "optim.learning_rate", "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
-    "optim.decay_steps", "sft.steps", "train.eval_every", "train.memory_limit_gib",
-    "eval.max_examples", "eval.temperature")
+    "seed", "rollout.top_k", "rollout.max_concurrent_rows", "rollout.kv_pages", "rl.eps_low",
+    "rl.eps_high", "rl.kl_coef", "rl.dual_clip", "rl.veto_tau", "rl.overlong_buffer",
+    "rl.overlong_factor", "optim.learning_rate", "optim.weight_decay", "optim.grad_clip",
+    "optim.warmup_steps", "optim.decay_steps", "sft.steps", "train.eval_every",
+    "train.memory_limit_gib", "eval.max_examples", "eval.temperature")
 # field -> (low, high, whether high is excluded)
 _INTERVALS = {"optim.b1": (0.0, 1.0, True), "optim.b2": (0.0, 1.0, True),
               "optim.end_lr_ratio": (0.0, 1.0, False), "reward.format_weight": (0.0, 1.0, False),
@@ -445,6 +460,39 @@ def _choice(value: str, choices: tuple[str, ...], field: str) -> None:
 def _positive(value: float, field: str, strict: bool = True) -> None:
     if (value <= 0) if strict else (value < 0):
         raise ConfigError(f"config.{field}={value!r} must be {'> 0' if strict else '>= 0'}")
+
+
+def _check_paging(c: ml_collections.ConfigDict) -> None:
+    """The KV policy's fields, and the paged pool's (`rollout.kv_pages`) against the sampler,
+    the KV policy, the mesh's batch shards (when no axis is -1) and the longest row."""
+    r = c.rollout
+    kv_policy = kv_policy_from_config(r)
+    if r.kv_watermark_pages < -1:
+        raise ConfigError(f"config.rollout.kv_watermark_pages={r.kv_watermark_pages} must be "
+                          ">= 0 (or -1: 1/16 of a batch shard's pages)")
+    if not r.kv_pages:
+        return
+    if r.refill == "off":
+        raise ConfigError(f"config.rollout.kv_pages={r.kv_pages}: a paged KV pool needs the "
+                          "refilling sampler; set rollout.refill to 'auto' or 'on' (or "
+                          "kv_pages to 0)")
+    if kv_policy.compresses:
+        raise ConfigError(f"config.rollout.kv_pages={r.kv_pages}: a paged KV pool does not "
+                          f"take the compressing rollout.kv_policy={r.kv_policy!r}; set one "
+                          "of them to 0 / 'dense'")
+    if -1 in (c.mesh.data, c.mesh.fsdp):
+        return  # the batch shards are known once the mesh is built: the sampler checks
+    shards = c.mesh.data * c.mesh.dcn.data * c.mesh.fsdp * c.mesh.dcn.fsdp
+    if r.kv_pages % shards:
+        raise ConfigError(f"config.rollout.kv_pages={r.kv_pages} must be a multiple of the "
+                          f"batch shards (mesh data x fsdp = {shards})")
+    tokens = c.data.max_prompt_len + r.max_new_tokens
+    need = -(-tokens // r.kv_page_size)
+    if r.kv_pages // shards < need:
+        raise ConfigError(f"config.rollout.kv_pages={r.kv_pages}: a batch shard's pool of "
+                          f"{r.kv_pages // shards} pages of {r.kv_page_size} tokens holds no "
+                          f"row of data.max_prompt_len + rollout.max_new_tokens = {tokens} "
+                          f"tokens (needs {need} pages per shard, {need * shards} in all)")
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -521,7 +569,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         _choice(logger, LOGGERS, "train.loggers")
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
-    kv_policy_from_config(c.rollout)
+    _check_paging(c)
     try:
         objective_from_config(c.rl)
     except ValueError as e:

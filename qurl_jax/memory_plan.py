@@ -25,7 +25,8 @@ output, temp and peak bytes:
   shardings. When the rollout refills slots (`rollout.refill`, on by default when rows wait for a
   slot) they are the `RefillSampler`'s: the insert that fills every slot at once and the decode
   loop over the slots, whose state also holds every row's outputs and one held prompt prefill per
-  batch shard.
+  batch shard. With `rollout.kv_pages` the slots' caches are one page pool (its share per
+  device) behind a page table, so the KV bytes are the pool's, not rows x slots.
 
 `decode_kv(setup)` gives the KV cache inside the `rollout_decode` program per device (its bytes,
 bytes per token, rows, prompt and response lengths), without compiling; `report` includes it, and
@@ -62,7 +63,7 @@ from qurl_jax import quant, targets
 from qurl_jax import sharding as shd
 from qurl_jax.errors import UserError
 from qurl_jax.learner import Learner
-from qurl_jax.models import ModelConfig, hf, init_params
+from qurl_jax.models import ModelConfig, PagedKVCache, hf, init_params
 from qurl_jax.sampling.factory import build_rollout_sampler
 from qurl_jax.settings import MeshSizes, ModelSettings, RunSettings
 
@@ -271,14 +272,23 @@ def _rollout(setup: Setup, name: str) -> Program:
     m = setup.model_config
     b, V, t = s["b"], s["V"], s["t"]
     kv_heads = max(m.num_kv_heads // t, 1)
+    token = 2 * s["L"] * kv_heads * m.head_dim * s["cb"]  # keys and values of one token
+    if rollout.sampler.kv_pages:  # the pool replaces the rows' slots
+        pages = rollout.sampler.kv_pages // (run.mesh.data * run.mesh.fsdp)
+        kv = ("KV page pool (keys and values, every layer; rollout.kv_pages)",
+              "2*L*(kv_pages/(data*fsdp))*page_size*max(Hkv/t,1)*D * cb",
+              pages * rollout.sampler.kv_page_size * token)
+        s = {**s, "pages": pages, "page_size": rollout.sampler.kv_page_size}
+    else:
+        kv = ("KV cache (keys and values, every layer)",
+              "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with "
+              "rollout.kv_policy)",
+              b * sampler.engine.cache_slots(setup.prompt_len, setup.response_len) * token)
     parts = (
         ("actor parameters", "codes + scales per device", _bytes_per_device(actor)),
         ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
          _weights_at_work(s)[2]),
-        ("KV cache (keys and values, every layer)",
-         "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with rollout.kv_policy)",
-         2 * s["L"] * b * sampler.engine.cache_slots(setup.prompt_len, setup.response_len)
-         * kv_heads * m.head_dim * s["cb"]),
+        kv,
         ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
     ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
            b * setup.prompt_len * ((3 * s["M"] + 2 * (s["Q"] + 2 * s["K"])) // t + 2 * s["E"])
@@ -311,26 +321,32 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
     shardings (nothing compiled); None when `rollout.kv_policy` compresses the cache (its slots
     are not a row's tokens).
 
-    rows: rows decoded at once on a device (the slots over the batch shards); cache_len: cache
-    slots per row (prompt + max_new_tokens); cache_bytes: bytes of keys and values of every
-    layer (positions not counted); token_bytes: those bytes per row and slot (the kv heads this
-    device holds, compute dtype); prompt_len, max_new_tokens: the config's; rollout_rows: the
-    rollout's rows per device (prompts_per_step x n over the batch shards); batch_shards: data x
-    fsdp."""
+    rows: rows decoded at once on a device (the slots, or a paged pool's page-table rows, over
+    the batch shards); cache_len: cache slots per row (prompt + max_new_tokens; a paged row's
+    logical slots); cache_bytes: bytes of keys and values of every layer (positions and page
+    table not counted): the rows' slots, or with `rollout.kv_pages` the page pool's share of
+    this device; token_bytes: those bytes per token (the kv heads this device holds, compute
+    dtype); prompt_len, max_new_tokens: the config's; rollout_rows: the rollout's rows per
+    device (prompts_per_step x n over the batch shards); batch_shards: data x fsdp. With a pool
+    also pages (this device's) and page_size."""
     sampler, _, slots = _rollout_sampler(setup)
     engine = sampler.engine
     if engine.kv_policy.compresses:
         return None
     cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
     cache = engine.layout.abstract(slots, cache_len)
-    kv = (cache.k, cache.v)
-    cache_bytes = _bytes_per_device(kv)
-    rows = cache.k[0].sharding.shard_shape(cache.k[0].shape)[0]
+    cache_bytes = _bytes_per_device((cache.k, cache.v))
     shards = setup.settings.mesh.data * setup.settings.mesh.fsdp
-    return {"rows": int(rows), "cache_len": int(cache_len), "cache_bytes": cache_bytes,
-            "token_bytes": cache_bytes // (rows * cache_len), "prompt_len": setup.prompt_len,
-            "max_new_tokens": setup.response_len,
-            "rollout_rows": max(setup.rollout_rows // shards, 1), "batch_shards": shards}
+    out = {"cache_len": int(cache_len), "cache_bytes": cache_bytes,
+           "prompt_len": setup.prompt_len, "max_new_tokens": setup.response_len,
+           "rollout_rows": max(setup.rollout_rows // shards, 1), "batch_shards": shards}
+    if isinstance(cache, PagedKVCache):  # pools f[Hkv, P, page_size, D], pages over the shards
+        rows = cache.page_table.sharding.shard_shape(cache.page_table.shape)[0]
+        pages = cache.k[0].sharding.shard_shape(cache.k[0].shape)[1]
+        return {"rows": int(rows), **out, "token_bytes": cache_bytes // (pages * cache.page_size),
+                "pages": int(pages), "page_size": int(cache.page_size)}
+    rows = cache.k[0].sharding.shard_shape(cache.k[0].shape)[0]
+    return {"rows": int(rows), **out, "token_bytes": cache_bytes // (rows * cache_len)}
 
 
 PROGRAMS: dict[str, Callable[[Setup], Program]] = {
@@ -472,7 +488,7 @@ KNOBS = {
     "requantize": "mesh.fsdp / mesh.tensor (parameters spread over more devices)",
     "rollout_prefill": "rollout.max_concurrent_rows (smaller chunks), mesh.data / mesh.fsdp",
     "rollout_decode": "rollout.max_concurrent_rows (smaller chunks; the KV cache is per row), "
-                      "mesh.data / mesh.fsdp",
+                      "rollout.kv_pages (a smaller pool, when paged), mesh.data / mesh.fsdp",
 }
 
 

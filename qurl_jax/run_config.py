@@ -33,7 +33,8 @@ RESUMABLE = (
     "train.max_bad_steps", "train.export_hf", "train.progress", "train.report_speed",
     "train.remat", "train.scan_layers", "train.logprob_chunk", "train.preflight",
     "train.memory_limit_gib", "train.compilation_cache_dir", "eval.", "mesh.", "reward.workers",
-    "reward.timeout_s", "rollout.max_concurrent_rows", "rollout.refill", "model.attention",
+    "reward.timeout_s", "rollout.max_concurrent_rows", "rollout.refill", "rollout.kv_pages",
+    "rollout.kv_page_size", "rollout.kv_watermark_pages", "model.attention",
     "model.path", "train.loggers", "train.wandb_project")
 
 

@@ -148,7 +148,7 @@ class SftSettings:
 class RolloutSettings:
     """The rollout actor (`rollout`): its quantization `precision` (a `quant.RECIPES` name), `n`
     samples per prompt of at most `max_new_tokens` at `temperature`, and the `sampler` that draws
-    them (continuous batching, concurrent rows, KV policy)."""
+    them (continuous batching, concurrent rows, KV policy, paged KV pool)."""
 
     precision: str = "int8"
     n: int = 8

@@ -19,7 +19,12 @@ pool of `--page_size`-token pages, the paged rows measured by simulating the sch
 configs' long-tailed response lengths (a simulation, not a device measurement); in the JSON as
 `kv_capacity`. The non-KV buffers that grow with the rows decoded at once (logits, sampling) are
 charged per row (fixed slots and the paged decode batch alike), as measured by a second compile of
-`rollout_decode` at half the rows per device.
+`rollout_decode` at half the rows per device. A last line gives the paged pool as config flags to
+copy (`rollout.kv_pages` = pages per device x batch shards, `rollout.kv_page_size`,
+`rollout.max_concurrent_rows` = the paged rows, at most the rollout's), checked by compiling the
+insert and decode programs with them, the pool shrunk by what their larger peak exceeds the budget
+by until it fits (at most 3 rounds; JSON `kv_capacity.suggested_config`, and `suggestion_check`
+with each round's peaks and the final flags).
 """
 
 from __future__ import annotations
@@ -112,7 +117,74 @@ def capacity(figures: dict[str, Any], page_size: int,
             planned_rows=kv["rows"])
     except ValueError as e:
         sys.exit(f"qurl_jax: --kv_capacity: {e}")
-    return {**out, "row_overhead_from": overhead}
+    return {**out, "row_overhead_from": overhead,
+            "suggested_config": suggested_config(out, kv["batch_shards"], kv["rollout_rows"])}
+
+
+def suggested_config(capacity: dict[str, Any], batch_shards: int, rollout_rows: int = 0
+                     ) -> dict[str, int] | None:
+    """The config fields of `capacity`'s paged pool for the whole mesh: `rollout.kv_pages` =
+    pages per device x batch shards (the devices of one tensor-parallel group share a shard's
+    pages, each holding its heads), the page size, and `rollout.max_concurrent_rows`: the
+    page-table rows the pool was sized around (their per-row buffers were charged before the
+    pool), at most the rollout's `rollout_rows` per device when given (more would hold no row).
+    None when no row fits."""
+    if not capacity["fits_one_row"]:
+        return None
+    rows = capacity["paged_slots"]
+    if rollout_rows > 0:
+        rows = min(rows, rollout_rows)
+    return {"rollout.kv_pages": capacity["num_pages"] * batch_shards,
+            "rollout.kv_page_size": capacity["page_size"],
+            "rollout.max_concurrent_rows": rows * batch_shards}
+
+
+def check_suggestion(settings: RunSettings, shapes_dir: str, target: targets.Target,
+                     suggested: dict[str, int], token_bytes: int, rounds: int = 3
+                     ) -> dict[str, Any]:
+    """Compiles the rollout's insert and decode programs (`rollout_prefill`, `rollout_decode`)
+    with the `suggested` pool and rows; while the larger planned peak exceeds the budget (the
+    insert's prompt activations come on top of the pool the decode program was sized with),
+    takes the excess off the pool (whole pages of `page_size * token_bytes` per device, times
+    the batch shards) and compiles again, at most `rounds` times in all (a smaller pool can
+    change the compiler's temporaries too). Returns {'checks': per round the kv_pages, peaks
+    and over_bytes; 'fits': whether the last compiled pool fits; 'suggested_config': the pool
+    that fits (or the last correction, when `rounds` ran out), None when the pool no longer
+    holds one row}."""
+    rollout = settings.rollout
+    checks: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        sampler = dataclasses.replace(
+            rollout.sampler, refill="on", kv_pages=suggested["rollout.kv_pages"],
+            kv_page_size=suggested["rollout.kv_page_size"],
+            max_concurrent_rows=suggested["rollout.max_concurrent_rows"])
+        paged = dataclasses.replace(settings,
+                                    rollout=dataclasses.replace(rollout, sampler=sampler))
+        figures = memory_plan.report(paged, shapes_dir, target, log=lambda _: None,
+                                     programs=("rollout_prefill", "rollout_decode"))
+        peaks = {name: f["peak_bytes"] for name, f in figures["programs"].items()}
+        over = max(max(peaks.values()) - figures["budget_bytes_per_device"], 0)
+        checks.append({"kv_pages": suggested["rollout.kv_pages"], "peaks": peaks,
+                       "over_bytes": int(over)})
+        if not over:
+            return {"checks": checks, "fits": True, "suggested_config": suggested}
+        shards, page_size = figures["decode_kv"]["batch_shards"], suggested["rollout.kv_page_size"]
+        pages = suggested["rollout.kv_pages"] // shards - -(-over // (page_size * token_bytes))
+        if pages < -(-figures["decode_kv"]["cache_len"] // page_size):  # no whole row
+            return {"checks": checks, "fits": False, "suggested_config": None}
+        suggested = {**suggested, "rollout.kv_pages": pages * shards}
+    return {"checks": checks, "fits": False, "suggested_config": suggested}
+
+
+def describe_suggestion(suggested: dict[str, int] | None, checked: bool | None = None) -> str:
+    """One line of `suggested_config` flags to copy into a run's command line or config;
+    `checked`: whether `check_suggestion` compiled them within the budget (None: not run)."""
+    if suggested is None:
+        return "suggested config: none (no room for one row of KV)"
+    note = {None: "", True: " (insert and decode compiled within the budget)",
+            False: " (last correction not compiled: check with --programs)"}[checked]
+    return ("suggested config: " + " ".join(f"--config.{k}={v}" for k, v in suggested.items())
+            + note)
 
 
 def _use_host_devices(count: int) -> None:
@@ -155,6 +227,13 @@ def main(argv: list[str]) -> None:
                     if figures.get("decode_kv") else None)
         figures["kv_capacity"] = capacity(figures, _PAGE_SIZE.value, overhead)
         print("\n" + "\n".join(paged.describe_capacity(figures["kv_capacity"])))
+        suggested, checked = figures["kv_capacity"]["suggested_config"], None
+        if suggested is not None:
+            check = check_suggestion(settings, shapes_dir, target, suggested,
+                                     figures["decode_kv"]["token_bytes"])
+            figures["kv_capacity"]["suggestion_check"] = check
+            suggested, checked = check["suggested_config"], check["fits"]
+        print(describe_suggestion(suggested, checked))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)

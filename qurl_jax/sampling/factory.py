@@ -26,12 +26,16 @@ class RolloutSamplerSettings:
 
     refill: continuous batching (`RefillSampler`): 'on', 'off' (the static chunked `Sampler`) or
       'auto' = on when rows wait for a slot (max_concurrent_rows < rows_per_step), the only case
-      where refilling can help.
-    max_concurrent_rows: rows decoded at once (0 = all of a step's rows).
+      where refilling can help, or when `kv_pages` > 0 (the pool exists only there).
+    max_concurrent_rows: rows decoded at once (0 = all of a step's rows); with `kv_pages`, rows
+      in flight (page-table rows), the pool bounding their tokens.
     rows_per_step: a step's rollout rows (prompts per step x samples per prompt).
     kv_policy: Sparse-RL's KV compression of the rollout actor.
     decode_attention: how decode steps read the KV cache ('auto' | 'xla' | 'pallas';
       `Engine`'s argument of that name): 'auto' reads only live slots where a kernel exists.
+    kv_pages, kv_page_size, kv_watermark_pages: `RefillSampler`'s paged KV pool (0 pages = fixed
+      dense slots; None watermark = 1/16 of a batch shard's pages). Pages need the refilling
+      sampler (refill 'off' is an error) and a KV policy that does not compress.
     """
 
     refill: str = "auto"
@@ -39,6 +43,9 @@ class RolloutSamplerSettings:
     rows_per_step: int = 0
     kv_policy: KVPolicyConfig = dataclasses.field(default_factory=KVPolicyConfig)
     decode_attention: str = "auto"
+    kv_pages: int = 0
+    kv_page_size: int = 16
+    kv_watermark_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.refill not in REFILL_MODES:
@@ -46,21 +53,40 @@ class RolloutSamplerSettings:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"model.decode_attention={self.decode_attention!r} must be one of "
                              f"{DECODE_ATTENTION}")
+        if self.kv_pages < 0 or self.kv_page_size < 1 or (self.kv_watermark_pages or 0) < 0:
+            raise ValueError(f"rollout.kv_pages={self.kv_pages}, kv_page_size="
+                             f"{self.kv_page_size}, kv_watermark_pages={self.kv_watermark_pages}"
+                             " must be >= 0, >= 1 and >= 0 (or None)")
+        if self.kv_pages and self.refill == "off":
+            raise ValueError(f"rollout.kv_pages={self.kv_pages}: a paged KV pool needs the "
+                             "refilling sampler, not rollout.refill='off'")
+        if self.kv_pages and self.kv_policy.compresses:
+            raise ValueError(f"rollout.kv_pages={self.kv_pages}: a paged KV pool does not take "
+                             f"the compressing rollout.kv_policy={self.kv_policy.policy!r}")
 
     @property
     def refills(self) -> bool:
-        """Whether the rollouts use the refilling sampler."""
+        """Whether the rollouts use the refilling sampler: 'on', or 'auto' with rows waiting
+        for a slot or a paged pool."""
         if self.refill == "auto":
-            return 0 < self.max_concurrent_rows < self.rows_per_step
+            return self.kv_pages > 0 or 0 < self.max_concurrent_rows < self.rows_per_step
         return self.refill == "on"
+
+    @property
+    def paging(self) -> dict[str, Any]:
+        """`RefillSampler`'s paged-pool arguments."""
+        return dict(kv_pages=self.kv_pages, kv_page_size=self.kv_page_size,
+                    kv_watermark_pages=self.kv_watermark_pages)
 
 
 def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
                           settings: RolloutSamplerSettings, **engine_kwargs: Any
                           ) -> Sampler | RefillSampler:
-    """The run's rollout sampler: `RefillSampler` when `settings.refills`, else `Sampler`, with
-    the settings' concurrent rows, KV policy and decode attention; `engine_kwargs` are the
-    `Engine`'s buckets, pad_id, mesh and platform."""
+    """The run's rollout sampler: `RefillSampler` (with the settings' paged pool) when
+    `settings.refills`, else `Sampler`, with the settings' concurrent rows, KV policy and decode
+    attention; `engine_kwargs` are the `Engine`'s buckets, pad_id, mesh and platform."""
+    if settings.refills:
+        engine_kwargs = {**engine_kwargs, **settings.paging}
     kind = RefillSampler if settings.refills else Sampler
     return kind(model_config, dot_general, max_concurrent_rows=settings.max_concurrent_rows,
                 kv_policy=settings.kv_policy, decode_attention=settings.decode_attention,
