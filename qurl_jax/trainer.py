@@ -133,8 +133,10 @@ class Trainer:
         self.sampler = build_rollout_sampler(self.model_config,
                                              quant.make_dot_general(self.recipe),
                                              sampler_settings, **engine_kwargs)
-        logging.info("rollout sampler: %s, %s concurrent rows", type(self.sampler).__name__,
-                     c.rollout.max_concurrent_rows or "all")
+        pool = (f", a paged KV pool of {sampler_settings.kv_pages} pages of "
+                f"{sampler_settings.kv_page_size} tokens" if sampler_settings.kv_pages else "")
+        logging.info("rollout sampler: %s, %s concurrent rows%s", type(self.sampler).__name__,
+                     c.rollout.max_concurrent_rows or "all", pool)
         self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
                                                **engine_kwargs)
 

@@ -45,6 +45,11 @@ same slots per row as the static sampler's, and the prefill and decode run the s
 GRPO samples of one prompt may live in different slots and finish at different times; the outputs
 are indexed by row, so they come back prompt-major.
 
+A paged pool (`kv_pages`, `_cache.PagedKV`, `_page_pool`) replaces the S cache slots per row:
+rows take pages as they grow, admission waits for pages, and a row is preempted (requeued and
+regenerated with its own random stream, so its tokens do not change) when the pool runs short
+before a decode call; see the class docstring and docs/paged_kv.md.
+
 Under a mesh the slots are sharded over ('data', 'fsdp') like the static sampler's rows, and each
 batch shard has its own queue: the rows of its block of prompts refill only its own slots. An
 insert's new prompts are split over the batch shards (padded to a multiple of them), so each
