@@ -20,7 +20,8 @@ through an injected `decode_attention` function instead of XLA's ops (the sample
 A decode step can also run over a `PagedKVCache`: every layer's keys and values in one pool of
 fixed-size pages shared by the rows, each row's tokens in the pages its page-table row names (a
 refilling sampler gives a row pages as it grows, `qurl_jax.sampling`). Its attention is the
-injected `paged_attention` (default: `models.decode_attention.paged_decode_attention`, XLA).
+injected `paged_attention` (`models.decode_attention.paged_decode_attention`'s kernels), or
+without one the dense path's attention over the rows' pages gathered.
 """
 
 from __future__ import annotations
@@ -210,6 +211,12 @@ class PagedLayer:
         """i32[B]: the slots each row attends to after the write (0 for a row not live)."""
         return jnp.where(self.live, self.write_slots + 1, 0)
 
+    def gather(self) -> tuple[jax.Array, jax.Array]:
+        """Every row's pages as a dense cache: keys, values f[B, Hkv, n * page_size, D]."""
+        from qurl_jax.models.decode_attention import gather_pages
+
+        return gather_pages(self.k, self.page_table), gather_pages(self.v, self.page_table)
+
 
 def write_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
     """Writes new[r] into buffer[r] starting at slots[r] along `axis` (an axis of the per-row
@@ -220,12 +227,6 @@ def write_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -
         return jax.lax.dynamic_update_slice_in_dim(row, update.astype(row.dtype), slot, axis)
 
     return jax.vmap(one)(buffer, new, slots)
-
-
-def _xla_paged_attention(q, k_pages, v_pages, page_table, lengths):
-    from qurl_jax.models.decode_attention import paged_decode_attention
-
-    return paged_decode_attention(q, k_pages, v_pages, page_table, lengths, impl="xla")
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:
@@ -374,9 +375,16 @@ class Attention(nn.Module):
             if t != 1:
                 raise ValueError(f"Attention: a paged cache takes one token per row; got {t}")
             new_cache = cache.write(k, v)
-            attend = self.paged_attention or _xla_paged_attention
-            out = attend(q[:, 0], new_cache.k, new_cache.v, new_cache.page_table,
-                         new_cache.lengths())
+            lengths = new_cache.lengths()
+            if self.paged_attention is not None:
+                out = self.paged_attention(q[:, 0], new_cache.k, new_cache.v,
+                                           new_cache.page_table, lengths)
+            else:  # the dense path's own math over the rows' pages gathered
+                keys, values = new_cache.gather()
+                slot = jnp.arange(keys.shape[2], dtype=jnp.int32)
+                out = attn_lib.attention(q, keys, values, positions,
+                                         jnp.broadcast_to(slot, (b, slot.size)),
+                                         slot[None, :] < lengths[:, None], cfg.attention)
             out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(
                 out.reshape(b, t, h * d))
             return out, new_cache
