@@ -17,7 +17,7 @@ KV cache: the slots written so far with the CPU decode attention kernel, the who
 attention, which masks the unused slots but reads them) divided by the step time, compared with
 the bandwidth of a large numpy copy measured in the same run.
 
-`--cases decode,long_tail` (the default) adds the continuous batching case: `--tail-prompts`
+`--cases long_tail` (in the default) adds the continuous batching case: `--tail-prompts`
 prompts x `--tail-n` samples through `--tail-slots` concurrent rows, with per-row response
 length limits drawn from a log-normal with median `--new-tokens` / 4 (sigma 1, clipped to
 [1, --new-tokens]; about 8% of the rows reach the maximum), EOS disabled.
@@ -31,6 +31,21 @@ Per precision (fp32, int8) it times, as whole `sample` calls (prefill included):
 - `refill equal`: `RefillSampler`, every row `--new-tokens` long (its overhead over static).
 tokens/s = useful response tokens / seconds; the goals are refill tail / static tail >= 1.8 and
 refill tail / static equal >= 0.85.
+
+`--cases paged` (in the default) adds the paged KV pool to the long-tailed case (alone, it times
+only `refill tail` beside it):
+- `paged tail`: `RefillSampler` with the same slots, the same limits and a pool of `kv_pages` =
+  slots x ceil((prompt + generation bucket) / `--page-size`) pages: exactly the fixed slots' KV
+  memory. Its decode calls run at most `--max-steps-per-call` steps (0 = the page size);
+- `paged tail Nx` (`--paged-scales`, default 1,2): N times the slots in that same memory (the
+  pool's point: more rows in flight, admitted as pages are free, preempted when they run short).
+Each is checked against refill tail run with XLA's attention (same key, one untimed call): the
+same tokens, or rows that part only after a prefix whose log-probs agree within `--logp-tol`
+(rounding: the programs fuse and sum differently, and a near tie or an int8 activation code turns a
+last-bit difference into another token); an error otherwise. It says how many rows part from it
+and from refill tail's own tokens (the CPU attention kernel rounds differently again). The floor
+on a CPU, where the paged attention is XLA's over every row's pages gathered, per layer per step:
+paged tail / refill tail >= 0.90.
 """
 
 from __future__ import annotations
@@ -137,10 +152,47 @@ def tail_limits(rows: int, max_new: int, seed: int = 0) -> np.ndarray:
     return np.clip(np.round(draws), 1, max_new).astype(np.int32)
 
 
-def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: argparse.Namespace
-               ) -> None:
-    """Times static vs refilling sampler on long-tailed and equal lengths; prints tokens/s and the
-    ratios (see the module docstring)."""
+def paged_pool_pages(slots: int, prompt_len: int, max_new: int, page_size: int) -> int:
+    """Pages of `page_size` tokens that hold exactly the KV memory of `slots` fixed slots of
+    prompt_len + max_new tokens each (a row's last page may be partly unused)."""
+    return slots * -(-(prompt_len + max_new) // page_size)
+
+
+def paged_case(scale: int) -> str:
+    """The name of the paged case with `scale` times the fixed slots in their memory."""
+    return "paged tail" if scale == 1 else f"paged tail {scale}x"
+
+
+def token_check(paged: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray],
+                refill: np.ndarray, logp_tol: float) -> str:
+    """Checks a paged case's (tokens, log-probs) against the dense refill's with XLA's attention
+    (`reference`, same key): identical tokens, or rows that part only after a common prefix whose
+    log-probs agree within `logp_tol` (rounding: the two programs fuse and sum differently, and
+    an int8 activation code or a near tie amplifies a last-bit difference into another token; a
+    wrong page or position would move the log-probs by far more, from its first token). Raises
+    otherwise. Says how many rows differ, and how many differ from the timed dense refill's
+    tokens (`refill`, whose CPU attention kernel rounds differently again)."""
+    (tokens, logp), (ref_tokens, ref_logp) = paged, reference
+    differs = tokens != ref_tokens
+    # Per row: the positions before its first differing token (all of a row that agrees).
+    first = np.where(differs.any(axis=1), differs.argmax(axis=1), tokens.shape[1])
+    prefix = np.arange(tokens.shape[1])[None, :] < first[:, None]
+    gap = float(np.abs(np.where(prefix, logp - ref_logp, 0.0)).max())
+    rows, total = int(differs.any(axis=1).sum()), len(tokens)
+    if gap > logp_tol:
+        raise RuntimeError(f"paged pool: log-probs differ by {gap:.3g} (> --logp-tol {logp_tol}) "
+                           f"from the dense refill's with XLA attention before any token does "
+                           f"(same key)")
+    vs_refill = int((tokens != refill).any(axis=1).sum())
+    return (f"{rows} of {total} rows' tokens differ from refill tail's with XLA attention "
+            f"(log-probs before: within {gap:.1e}), {vs_refill} from refill tail's")
+
+
+def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: argparse.Namespace,
+               static_cases: bool = True, paged_scales: tuple[int, ...] = ()) -> None:
+    """Times static vs refilling sampler on long-tailed and equal lengths (`static_cases`; refill
+    tail always) and the paged pool at `paged_scales` times the slots in the fixed slots' memory;
+    prints tokens/s and the ratios (see the module docstring)."""
     rng = np.random.default_rng(1)
     prompts = rng.integers(1, config.vocab_size, (args.tail_prompts, args.prompt_len)).tolist()
     n, slots, max_new = args.tail_n, args.tail_slots, args.new_tokens
@@ -158,10 +210,22 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
     # a superset of what its equal-length run needs.
     warm_ups: list[Callable[[], float]] = []
     refill_runs: dict[str, Any] = {}  # case name -> RefillRun of its last call
+    outputs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # case -> tokens, log-probs (last call)
+    kv_pages = paged_pool_pages(slots, args.prompt_len, max_new, args.page_size)
     for name, (params, dot_general) in engines.items():
         static = Sampler(config, dot_general, max_concurrent_rows=slots, **buckets)
         refill = RefillSampler(config, dot_general, max_concurrent_rows=slots,
                                refill_min=args.refill_min, **buckets)
+        paged = {scale: RefillSampler(config, dot_general, max_concurrent_rows=scale * slots,
+                                      refill_min=args.refill_min, kv_pages=kv_pages,
+                                      kv_page_size=args.page_size,
+                                      max_steps_per_call=args.max_steps_per_call, **buckets)
+                 for scale in paged_scales}
+        # The paged pool's attention is XLA's; the dense refill's may be the CPU kernel, whose
+        # sums round differently (a near tie then samples another token). The paged tokens are
+        # checked against the dense refill with XLA's attention: the same arithmetic.
+        reference = RefillSampler(config, dot_general, max_concurrent_rows=slots,
+                                  refill_min=args.refill_min, decode_attention="xla", **buckets)
 
         def static_run(lim: np.ndarray, static=static, params=params, chunks: int = 0) -> float:
             t0 = time.perf_counter()
@@ -178,16 +242,26 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
             out.tokens.block_until_ready()
             elapsed = time.perf_counter() - t0
             if int(np.asarray(out.lengths).sum()) != int(lim.sum()):
-                raise RuntimeError("refilling sampler produced the wrong number of tokens")
+                raise RuntimeError(f"{case}: the wrong number of tokens")
             refill_runs[case] = refill.last_run
+            outputs[case] = np.asarray(out.tokens), np.asarray(out.logp)
             return elapsed
 
-        cases[f"{name} static equal"] = functools.partial(static_run, equal)
-        cases[f"{name} static tail"] = functools.partial(static_run, limits)
-        for kind, lim in (("tail", limits), ("equal", equal)):
+        if static_cases:
+            cases[f"{name} static equal"] = functools.partial(static_run, equal)
+            cases[f"{name} static tail"] = functools.partial(static_run, limits)
+            warm_ups.append(functools.partial(static_run, equal, chunks=1))
+        for kind, lim in (("tail", limits), ("equal", equal))[:1 + static_cases]:
             case = f"{name} refill {kind}"
             cases[case] = functools.partial(refill_run, lim, case)
-        warm_ups += [functools.partial(static_run, equal, chunks=1), cases[f"{name} refill tail"]]
+        warm_ups.append(cases[f"{name} refill tail"])
+        if paged:  # untimed: run once, with the warm-ups
+            warm_ups.append(functools.partial(refill_run, limits, f"{name} refill tail xla",
+                                              reference))
+        for scale, sampler in paged.items():
+            case = f"{name} {paged_case(scale)}"
+            cases[case] = functools.partial(refill_run, limits, case, sampler)
+            warm_ups.append(cases[case])
 
     for warm_up in warm_ups:
         warm_up()
@@ -199,22 +273,38 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
           f"concurrent rows, prompt {args.prompt_len}, limits median {int(np.median(limits))} "
           f"mean {limits.mean():.1f} max {limits.max()} (equal: {max_new}); refill_min "
           f"{args.refill_min or 'default'}; best of {args.rounds} rounds, whole sample calls")
-    print(f"{'case':<22}{'seconds':>9}{'tokens':>8}{'tok/s':>9}")
+    if paged_scales:
+        print(f"paged pool: {kv_pages} pages of {args.page_size} tokens (= {slots} fixed slots of "
+              f"{args.prompt_len} + {max_new} tokens), at most "
+              f"{args.max_steps_per_call or args.page_size} steps per decode call")
+    print(f"{'case':<24}{'seconds':>9}{'tokens':>8}{'tok/s':>9}")
     rate = {}
     for name in cases:
         tokens = int((equal if name.endswith("equal") else limits).sum())
         best = min(times[name])
         rate[name] = tokens / best
-        print(f"{name:<22}{best:>9.2f}{tokens:>8}{rate[name]:>9.0f}")
+        print(f"{name:<24}{best:>9.2f}{tokens:>8}{rate[name]:>9.0f}")
     for name in engines:
-        tail, equal_rate = rate[f"{name} refill tail"], rate[f"{name} static equal"]
-        run = refill_runs[f"{name} refill tail"]
-        print(f"{name} refill tail: occupancy {run.occupancy:.2f}, {run.decode_calls} decode "
-              f"calls, {run.inserts} inserts, {run.shrinks} shrinks, {run.decode_steps} decode "
-              f"steps ({run.slot_steps} slot-steps), {run.prefilled} prompts prefilled")
-        print(f"{name}: refill tail / static tail {tail / rate[f'{name} static tail']:.2f}x "
-              f"(goal >= 1.8); refill tail / static equal {tail / equal_rate:.2f} (goal >= 0.85);"
-              f" refill equal / static equal {rate[f'{name} refill equal'] / equal_rate:.2f}")
+        tail = rate[f"{name} refill tail"]
+        for case in [f"{name} refill tail"] + [f"{name} {paged_case(s)}" for s in paged_scales]:
+            run = refill_runs[case]
+            paging = (f", {run.preemptions} preemptions, peak {run.peak_pages} of {kv_pages} pages"
+                      if case != f"{name} refill tail" else f", {run.shrinks} shrinks")
+            print(f"{case}: occupancy {run.occupancy:.2f}, {run.decode_calls} decode calls, "
+                  f"{run.inserts} inserts, {run.decode_steps} decode steps ({run.slot_steps} "
+                  f"slot-steps), {run.prefilled} prompts prefilled{paging}")
+        if static_cases:
+            equal_rate = rate[f"{name} static equal"]
+            print(f"{name}: refill tail / static tail {tail / rate[f'{name} static tail']:.2f}x "
+                  f"(goal >= 1.8); refill tail / static equal {tail / equal_rate:.2f} (goal >= "
+                  f"0.85); refill equal / static equal "
+                  f"{rate[f'{name} refill equal'] / equal_rate:.2f}")
+        for scale in paged_scales:
+            case = f"{name} {paged_case(scale)}"
+            print(f"{name}: {paged_case(scale)} / refill tail {rate[case] / tail:.2f}"
+                  + (" (floor >= 0.90)" if scale == 1 else "") + "; "
+                  + token_check(outputs[case], outputs[f"{name} refill tail xla"],
+                                outputs[f"{name} refill tail"][0], args.logp_tol))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,24 +322,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--torch-threads", default="2,1",
                         help="torch thread counts to time transformers with (each is a row; "
                              "with other processes on the cores, 2 threads can be far slower)")
-    parser.add_argument("--cases", default="decode,long_tail",
-                        help="decode (equal lengths, vs transformers) and/or long_tail (static "
-                             "vs refilling sampler, fp32 and int8 among --engines)")
+    parser.add_argument("--cases", default="decode,long_tail,paged",
+                        help="decode (equal lengths, vs transformers), long_tail (static vs "
+                             "refilling sampler, fp32 and int8 among --engines) and/or paged "
+                             "(the paged KV pool beside refill tail)")
     parser.add_argument("--tail-prompts", type=int, default=16)
     parser.add_argument("--tail-n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--tail-slots", type=int, default=16,
                         help="concurrent rows of both samplers (a multiple of --tail-n)")
     parser.add_argument("--refill-min", type=int, default=0,
                         help="RefillSampler refill_min (0 = its default)")
+    parser.add_argument("--page-size", type=int, default=16, help="paged pool: tokens per page")
+    parser.add_argument("--paged-scales", default="1,2",
+                        help="paged cases: multiples of --tail-slots run in the fixed slots' "
+                             "KV memory")
+    parser.add_argument("--max-steps-per-call", type=int, default=0,
+                        help="paged cases: most decode steps per call (0 = the page size)")
+    parser.add_argument("--logp-tol", type=float, default=0.02,
+                        help="paged cases: most log-prob difference from the dense refill with "
+                             "XLA attention before a row's tokens part")
     parser.add_argument("--layers", type=int, default=BENCH_CONFIG.num_layers,
                         help="decoder layers (smaller = a smaller, faster model)")
     args = parser.parse_args(argv)
+    try:
+        scales = tuple(int(x) for x in args.paged_scales.split(",") if x)
+    except ValueError:
+        scales = ()
+    if not scales or min(scales) < 1:
+        parser.error(f"--paged-scales={args.paged_scales!r} must be positive integers")
+    if args.page_size < 1 or args.max_steps_per_call < 0:
+        parser.error(f"--page-size={args.page_size} must be >= 1 and --max-steps-per-call="
+                     f"{args.max_steps_per_call} >= 0")
     engines = [e for e in args.engines.split(",") if e]
     cfg = BENCH_CONFIG.replace(num_layers=args.layers)
     load_before = os.getloadavg()[0]
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     cases = args.cases.split(",")
-    if "long_tail" in cases:
+    if "long_tail" in cases or "paged" in cases:
         from qurl_jax.quant import make_dot_general, requantize
 
         tail_engines = {}
@@ -260,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
                                     make_dot_general("int8"))
         print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
               f"model {cfg.num_params / 1e6:.1f}M params ({cfg.num_layers} layers)")
-        _long_tail(cfg, tail_engines, args)
+        _long_tail(cfg, tail_engines, args, "long_tail" in cases,
+                   scales if "paged" in cases else ())
     if "decode" not in cases:
         return
     rng = np.random.default_rng(0)
