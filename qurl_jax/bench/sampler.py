@@ -164,14 +164,13 @@ def paged_case(scale: int) -> str:
 
 
 def token_check(paged: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray],
-                refill: np.ndarray, logp_tol: float) -> str:
-    """Checks a paged case's (tokens, log-probs) against the dense refill's with XLA's attention
-    (`reference`, same key): identical tokens, or rows that part only after a common prefix whose
-    log-probs agree within `logp_tol` (rounding: the two programs fuse and sum differently, and
-    an int8 activation code or a near tie amplifies a last-bit difference into another token; a
-    wrong page or position would move the log-probs by far more, from its first token). Raises
-    otherwise. Says how many rows differ, and how many differ from the timed dense refill's
-    tokens (`refill`, whose CPU attention kernel rounds differently again)."""
+                logp_tol: float) -> str:
+    """Checks a paged case's (tokens, log-probs) against the dense refill's (`reference`, same
+    key, the same attention kernel): identical tokens, or rows that part only after a common
+    prefix whose log-probs agree within `logp_tol` (rounding: the paged row's slots sit at other
+    offsets, so the kernel sums them in other groups, and an int8 activation code or a near tie
+    amplifies a last-bit difference into another token; a wrong page or position would move the
+    log-probs by far more, from its first token). Raises otherwise; says how many rows differ."""
     (tokens, logp), (ref_tokens, ref_logp) = paged, reference
     differs = tokens != ref_tokens
     # Per row: the positions before its first differing token (all of a row that agrees).
@@ -181,11 +180,9 @@ def token_check(paged: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarra
     rows, total = int(differs.any(axis=1).sum()), len(tokens)
     if gap > logp_tol:
         raise RuntimeError(f"paged pool: log-probs differ by {gap:.3g} (> --logp-tol {logp_tol}) "
-                           f"from the dense refill's with XLA attention before any token does "
-                           f"(same key)")
-    vs_refill = int((tokens != refill).any(axis=1).sum())
-    return (f"{rows} of {total} rows' tokens differ from refill tail's with XLA attention "
-            f"(log-probs before: within {gap:.1e}), {vs_refill} from refill tail's")
+                           f"from the dense refill's before any token does (same key)")
+    return (f"{rows} of {total} rows' tokens differ from refill tail's (log-probs before: "
+            f"within {gap:.1e})")
 
 
 def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: argparse.Namespace,
@@ -221,11 +218,6 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
                                       kv_page_size=args.page_size,
                                       max_steps_per_call=args.max_steps_per_call, **buckets)
                  for scale in paged_scales}
-        # The paged pool's attention is XLA's; the dense refill's may be the CPU kernel, whose
-        # sums round differently (a near tie then samples another token). The paged tokens are
-        # checked against the dense refill with XLA's attention: the same arithmetic.
-        reference = RefillSampler(config, dot_general, max_concurrent_rows=slots,
-                                  refill_min=args.refill_min, decode_attention="xla", **buckets)
 
         def static_run(lim: np.ndarray, static=static, params=params, chunks: int = 0) -> float:
             t0 = time.perf_counter()
@@ -255,9 +247,6 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
             case = f"{name} refill {kind}"
             cases[case] = functools.partial(refill_run, lim, case)
         warm_ups.append(cases[f"{name} refill tail"])
-        if paged:  # untimed: run once, with the warm-ups
-            warm_ups.append(functools.partial(refill_run, limits, f"{name} refill tail xla",
-                                              reference))
         for scale, sampler in paged.items():
             case = f"{name} {paged_case(scale)}"
             cases[case] = functools.partial(refill_run, limits, case, sampler)
@@ -303,8 +292,7 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
             case = f"{name} {paged_case(scale)}"
             print(f"{name}: {paged_case(scale)} / refill tail {rate[case] / tail:.2f}"
                   + (" (floor >= 0.90)" if scale == 1 else "") + "; "
-                  + token_check(outputs[case], outputs[f"{name} refill tail xla"],
-                                outputs[f"{name} refill tail"][0], args.logp_tol))
+                  + token_check(outputs[case], outputs[f"{name} refill tail"], args.logp_tol))
 
 
 def main(argv: list[str] | None = None) -> None:

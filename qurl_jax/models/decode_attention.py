@@ -13,7 +13,8 @@ live slots, by JAX's own Pallas kernels where the platform has one, behind one i
   f[Hkv, P, page_size, D] (the layout JAX's paged kernels read) and a page table i32[B, n]; row r's
   logical slot s lives in page `page_table[r, s // page_size]` at offset `s % page_size`, and row r
   sees logical slots [0, lengths[r]). GPU: `pallas.ops.gpu.paged_attention`; TPU:
-  `pallas.ops.tpu.paged_attention`; CPU: XLA (gathers the pages, then the dense rule).
+  `pallas.ops.tpu.paged_attention`; CPU: the pages gathered, then the CPU kernel (f32, AVX512)
+  or XLA's dense rule.
 
 The contract is the model's (`models.attention`): queries q f[B, H, D] with H = Hkv * G, query head
 h reads kv head h // G (the grouping of `attention.group_queries`); scores are q.k / sqrt(D), no
@@ -287,11 +288,13 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"paged_decode_attention: page_table must be i32[{b}, n] and lengths "
                          f"i32[{b}]; got {page_table.shape} and {lengths.shape}")
     plat = kernel_platform(platform)
-    if impl == "cpu":
-        raise ValueError("paged_decode_attention: impl='cpu' has no paged kernel (use 'xla')")
     if impl == "auto":
-        impl = "pallas" if plat in ("gpu", "tpu") else "xla"
-    if impl == "xla":
+        impl = "pallas" if plat in ("gpu", "tpu") else "cpu" if _cpu_usable(q, plat) else "xla"
+    if impl == "cpu":  # the dense CPU kernel over the gathered pages: reads [0, max length)
+        out = decode_attention(q, gather_pages(k_pages, page_table),
+                               gather_pages(v_pages, page_table), lengths, impl="cpu",
+                               platform=plat)
+    elif impl == "xla":
         out = _xla_dense(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table),
                          jnp.zeros_like(lengths), lengths)
     elif plat == "tpu":

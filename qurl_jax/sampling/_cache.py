@@ -96,6 +96,10 @@ class CacheLayout(Protocol):
     def with_table(self, cache: Cache, table: jax.Array | None) -> Cache:
         """The cache with the host's page table i32[R, n] (a layout without pages: unchanged)."""
 
+    def take(self, cache: Cache, index: jax.Array) -> Cache:
+        """Rows `index` (i32[R']) of the cache, in that order (a paged cache: their page-table
+        rows and lengths; the pool stays)."""
+
     def abstract(self, rows: int, length: int) -> Cache:
         """The empty cache as ShapeDtypeStructs with the shardings `constrain` gives it."""
 
@@ -203,6 +207,9 @@ class DenseKV:
     def with_table(self, cache: KVCache, table: jax.Array | None) -> KVCache:
         return cache
 
+    def take(self, cache: KVCache, index: jax.Array) -> KVCache:
+        return take_rows(cache, index)
+
     def prefill_cache(self, tokens: jax.Array) -> KVCache:
         """The empty cache `prefill` writes the prompts tokens i32[P, p_len] into."""
         return self.sharding.cache(KVCache.zeros(self.config, *tokens.shape))
@@ -280,6 +287,9 @@ class CompressedKV:
 
     def with_table(self, cache: CompressedCache, table: jax.Array | None) -> CompressedCache:
         return cache
+
+    def take(self, cache: CompressedCache, index: jax.Array) -> CompressedCache:
+        return take_rows(cache, index)
 
     def abstract(self, rows: int, length: int) -> CompressedCache:
         s = self.sharding
@@ -420,6 +430,10 @@ class PagedKV:
 
     def with_table(self, cache: PagedKVCache, table: jax.Array | None) -> PagedKVCache:
         return cache.replace(page_table=table)
+
+    def take(self, cache: PagedKVCache, index: jax.Array) -> PagedKVCache:
+        return cache.replace(page_table=jnp.take(cache.page_table, index, axis=0),
+                             n_used=jnp.take(cache.n_used, index, axis=0))
 
     def prefill(self, model: Transformer, params: Params, tokens: jax.Array, mask: jax.Array
                 ) -> tuple[jax.Array, KVCache]:

@@ -286,11 +286,19 @@ class Engine:
     def paged_hook(self) -> PagedAttention | None:
         """The decode model's paged attention (None: the model's XLA gather, or no pages): JAX's
         paged Pallas kernel where the programs run on GPU or TPU devices ('auto', 'pallas'), in
-        Pallas' interpreter on host devices with 'pallas' (tests). On a mesh it runs per shard:
-        each batch shard's rows read their own block of the pool (`_cache.PagedKV`)."""
+        Pallas' interpreter on host devices with 'pallas' (tests); with 'auto' on one CPU
+        device, the gathered pages through the CPU decode-attention kernel. On a mesh it runs
+        per shard: each batch shard's rows read their own block of the pool (`_cache.PagedKV`)."""
         if self.paging is None or self.decode_attention == "xla":
             return None
-        devices = self._devices
+        devices, cfg = self._devices, self.config
+        if self.decode_attention == "auto" and self.platform == "cpu":
+            if self.sharding.single_device and cpu_attention.usable(cfg.compute_dtype,
+                                                                    cfg.head_dim):
+                # The pages gathered, then the CPU kernel (it reads up to the longest row).
+                return functools.partial(ragged.paged_decode_attention, impl="cpu",
+                                         platform="cpu")
+            return None
         if self.decode_attention == "auto" and (
                 devices not in ("gpu", "tpu") or ragged.kernel_platform(self.platform) != devices):
             return None
@@ -442,7 +450,7 @@ class Engine:
     def take(self, state: DecodeState, index: jax.Array) -> DecodeState:
         """The state of slots `index` (i32[R']) in that order; the outputs as they are."""
         take = lambda x: jnp.take(x, index, axis=0)  # noqa: E731
-        return state.replace(cache=jax.tree.map(take, state.cache), tok=take(state.tok),
+        return state.replace(cache=self.layout.take(state.cache, index), tok=take(state.tok),
                              step=take(state.step), live=take(state.live), row=take(state.row),
                              stream=take(state.stream), limit=take(state.limit))
 

@@ -97,6 +97,17 @@ class PagePool:
             freed += n
         return freed
 
+    def keep(self, slots: np.ndarray) -> None:
+        """Keeps only these slots' page-table rows, renumbered 0 .. len(slots) - 1 in this order;
+        the slots left out must hold no page."""
+        slots = np.asarray(slots, np.int64)
+        dropped = np.setdiff1d(np.arange(self.slots), slots)
+        if self.held[dropped].any():
+            raise ValueError(f"PagePool.keep: slots {dropped[self.held[dropped] > 0].tolist()} "
+                             f"still hold pages")
+        self.page_table, self.held = self.page_table[slots], self.held[slots]
+        self.slots = len(slots)
+
     def owners(self) -> np.ndarray:
         """i32[num_pages]: the slot holding each page, -1 for a free page. Raises if a page is
         held twice or lost (neither free nor held): the pool's invariant."""
@@ -240,6 +251,14 @@ class PagedScheduler:
             del self._prompt_len[row]
         return rows
 
+    def keep(self, slots: np.ndarray) -> None:
+        """Keeps only these slots, renumbered 0 .. len(slots) - 1 in this order (the decode
+        state shrunk to them); every slot with a row must be among them."""
+        slots = np.asarray(slots, np.int64)
+        self.pool.keep(slots)  # raises if a slot left out holds pages, as every active one does
+        self.lengths, self.slot_row = self.lengths[slots], self.slot_row[slots]
+        self._admitted_at = self._admitted_at[slots]
+
     def _vacate(self, slot: int) -> None:
         self.pool.release([slot])
         self.slot_row[slot] = -1
@@ -298,6 +317,14 @@ class ShardedScheduler:
         finished = np.split(active & ~np.asarray(live, bool), len(self.shards))
         for s, done in zip(self.shards, finished, strict=True):
             s.advance(done, steps)
+
+    def keep(self, slots: np.ndarray) -> None:
+        """Every shard keeps its block of `slots` (global, len(slots) / shards per shard, in
+        shard order), renumbered: the refilling sampler's shrink."""
+        per_shard = len(slots) // len(self.shards)
+        for d, s in enumerate(self.shards):
+            block = np.asarray(slots[d * per_shard:(d + 1) * per_shard]) - d * s.pool.slots
+            s.keep(block)
 
     def table(self) -> np.ndarray:
         """i32[R, pages per row]: every slot's pages, global ids (a slot without pages names its

@@ -153,7 +153,7 @@ class RefillSampler:
         R // 4, ... per batch shard), so the end of a call, where the last long rows finish
         alone, runs a smaller batch. It pays where a decode step costs less with fewer rows: on
         a CPU (measured: 98M model, 80 ms per step at 16 rows, 44 at 4) and with long caches.
-        Not with a paged pool (its rows keep their slots).
+        With a paged pool a moved row takes its page-table row along (its pages stay).
       kv_pages: 0 = every slot holds prompt + generation bucket tokens of KV (a dense cache);
         > 0 = a paged pool of this many pages (split evenly over the batch shards), from which a
         row takes pages as it grows and to which it returns them when it finishes. Slots
@@ -198,7 +198,7 @@ class RefillSampler:
                              f"be a multiple of the batch shards ({shards})")
         self.refill_min = int(refill_min)
         self.max_steps_per_call = int(max_steps_per_call)
-        self.shrink = bool(shrink) and paging is None
+        self.shrink = bool(shrink)
         self._prepare = jax.jit(self.engine.prepare)
         self._refill_programs: dict[tuple, Any] = {}
         self.last_run = RefillRun()
@@ -360,7 +360,7 @@ class RefillSampler:
                 most = live.reshape(shards, per_shard).sum(1).max()
                 target = min(size for size in sizes if size >= most)
                 if target < per_shard:
-                    state, live = self._shrink(state, live, shards, target)
+                    state, live = self._shrink(state, live, shards, target, pages)
                     slots, per_shard = target * shards, target
                     run.shrinks += 1
             for d in range(shards):
@@ -503,8 +503,8 @@ class RefillSampler:
                        put(stream), put(lim), put(hold_src), decoding, table)
         return state, prefilled + len(new_ids)
 
-    def _shrink(self, state: RefillState, live: np.ndarray, shards: int, per_shard: int
-                ) -> tuple[RefillState, np.ndarray]:
+    def _shrink(self, state: RefillState, live: np.ndarray, shards: int, per_shard: int,
+                pages: ShardedScheduler | None = None) -> tuple[RefillState, np.ndarray]:
         """Moves each shard's live slots (at most `per_shard`) to the front of a state of
         `per_shard` slots per shard; returns it and its live flags. Nothing else changes: a
         row's cache, window, step and stream move with it, so its tokens do not."""
@@ -515,6 +515,8 @@ class RefillSampler:
             order = np.concatenate([block[live[block]], block[~live[block]]])
             keep.append(order[:per_shard])
         index = np.concatenate(keep).astype(np.int32)
+        if pages is not None:
+            pages.keep(index)
         gather = self._program("shrink", live.size, state.slots.rows, _cache_length(state),
                                state.slots.tokens.shape[1], index.size)
         return gather(state, self.engine.sharding.put_replicated(index)), live[index]
