@@ -45,4 +45,4 @@ def test_tiny_paged_run_matches_refill_tail(capsys):
                 "--rounds", "1", "--page-size", "8"])
     out = capsys.readouterr().out
     assert "fp32: paged tail / refill tail" in out and "fp32: paged tail 2x / refill tail" in out
-    assert out.count("with XLA attention (log-probs before: within") == 2
+    assert out.count("differ from refill tail's (log-probs before: within") == 2
