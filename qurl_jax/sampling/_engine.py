@@ -283,6 +283,13 @@ class Engine:
             return self.model
         return Transformer(cfg, self.model.dot_general, hook, paged)
 
+    @property
+    def paged_gathers(self) -> bool:
+        """A paged step gathers every page its page table names (XLA, the CPU kernel) rather
+        than reading each row's live pages (JAX's paged kernels on GPU and TPU): the host then
+        hands it a table only as wide as the pages held."""
+        return self.paging is not None and self._devices not in ("gpu", "tpu")
+
     def paged_hook(self) -> PagedAttention | None:
         """The decode model's paged attention (None: the model's XLA gather, or no pages): JAX's
         paged Pallas kernel where the programs run on GPU or TPU devices ('auto', 'pallas'), in

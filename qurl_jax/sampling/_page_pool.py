@@ -326,8 +326,15 @@ class ShardedScheduler:
             block = np.asarray(slots[d * per_shard:(d + 1) * per_shard]) - d * s.pool.slots
             s.keep(block)
 
-    def table(self) -> np.ndarray:
-        """i32[R, pages per row]: every slot's pages, global ids (a slot without pages names its
-        shard's first page)."""
-        return np.concatenate([s.pool.page_table + d * self.pages_per_shard
+    def table(self, width: int | None = None) -> np.ndarray:
+        """i32[R, width]: every slot's first `width` pages (default: all a row may hold), global
+        ids (a slot without pages names its shard's first page)."""
+        return np.concatenate([s.pool.page_table[:, :width] + d * self.pages_per_shard
                                for d, s in enumerate(self.shards)]).astype(np.int32)
+
+    def held_width(self) -> int:
+        """The smallest power of two (at most the page-table width) of pages that covers every
+        slot's pages: a narrower table for a step that reads every page its table names."""
+        most = max(int(s.pool.held.max(initial=0)) for s in self.shards)
+        full = self.shards[0].pool.pages_per_slot
+        return min(1 << max(most - 1, 0).bit_length(), full)

@@ -336,7 +336,8 @@ class RefillSampler:
                 for slot, _ in pages.reserve(steps_per_call):
                     live[slot] = False  # requeued: its slot stops now, its row starts again
                 run.peak_pages = max(run.peak_pages, pages.pages_held)
-                table, keep = put(pages.table()), put(live)
+                width = pages.held_width() if e.paged_gathers else None
+                table, keep = put(pages.table(width)), put(live)
             waiting = [min(len(q), per_shard) for q in queues]
             refillable = np.repeat(np.asarray(waiting) > 0, per_shard)
             if pages is not None:  # a slot left empty for want of pages is not a finished one
@@ -622,7 +623,8 @@ class RefillSampler:
         live, or `max_steps` steps ran. Returns (state, live bool[R], steps run). `prepared`
         are `Engine.prepare`'s output. A compressed cache records every step's queries and
         compresses each slot due at its own step. A paged cache takes the host's page table
-        (`table`) and stops the slots whose rows the host preempted (keep bool[R] False)."""
+        (`table`, possibly only as wide as the pages held) for the loop and stops the slots whose
+        rows the host preempted (keep bool[R] False)."""
         e = self.engine
         model = e.decode_model(prepared)
         shards = e.sharding.batch_shards
@@ -645,6 +647,10 @@ class RefillSampler:
             start = start.replace(cache=e.layout.with_table(start.cache, table),
                                   live=start.live & keep)
         steps, slots = jax.lax.while_loop(cond, body, (jnp.int32(0), start))
+        if table is not None:  # the state leaves with the table it came with (its shape: a
+            # narrower `table` must not make the next insert compile again)
+            slots = slots.replace(cache=e.layout.with_table(slots.cache,
+                                                            state.slots.cache.page_table))
         # Every process reads all the live flags. The state leaves as it came (its live flags
         # too, which the compiler would otherwise give the replicated copy's sharding: the next
         # insert of a seen shape compiled again).
