@@ -288,7 +288,7 @@ class Engine:
         """A paged step gathers every page its page table names (XLA, the CPU kernel) rather
         than reading each row's live pages (JAX's paged kernels on GPU and TPU): the host then
         hands it a table only as wide as the pages held."""
-        return self.paging is not None and self._devices not in ("gpu", "tpu")
+        return self.paging is not None and (self.paged_hook() is None or self._devices == "cpu")
 
     def paged_hook(self) -> PagedAttention | None:
         """The decode model's paged attention (None: the model's XLA gather, or no pages): JAX's

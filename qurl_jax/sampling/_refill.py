@@ -315,12 +315,11 @@ class RefillSampler:
             sizes.append(sizes[-1] // 2)
         live = np.zeros((slots,), np.bool_)
         while True:
-            admit = []
-            if pages is not None:
+            if pages is not None:  # free slots and pages
                 admit = pages.admit()
-            for d in range(shards):
-                while pages is None and free[d] and queues[d]:
-                    admit.append((free[d].pop(0), queues[d].popleft()))
+            else:
+                admit = [(free[d].pop(0), queues[d].popleft()) for d in range(shards)
+                         for _ in range(min(len(free[d]), len(queues[d])))]
             if admit:
                 state, run.prefilled = self._insert(
                     params, state, admit, held, queues, tokens, mask, row_limits, streams, n,
