@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qurl_jax import quant, targets
+from qurl_jax import native_pick, quant, targets
 from qurl_jax import sharding as shd
 from qurl_jax.bench import collectives
 from qurl_jax.errors import UserError
@@ -453,6 +453,10 @@ def report(settings: RunSettings, shapes_dir: str,
     described = target.describe()
     log(f"target {target.name}: {described['device_kind']} ({described['platform']}), "
         f"{len(devices)} devices, budget {budget / GIB:.2f} GiB per device")
+    note = native_pick.rollout_note(c.rollout.precision,
+                                    native_pick.chip_of(str(described["device_kind"])))
+    if note:
+        log(note)
     log(f"model {os.path.basename(c.model.path)}: {model_config.num_params / 1e9:.2f}B params, "
         f"dtype {model_config.dtype}, attention {model_config.attention}, remat {c.train.remat}")
     log(f"mesh data={c.mesh.data} fsdp={c.mesh.fsdp} tensor={c.mesh.tensor} "
@@ -516,6 +520,9 @@ def preflight(setup: Setup, limit_bytes: int,
     and the knobs that shrink it; returns the figures otherwise."""
     figures, over = {}, []
     kind = setup.mesh.devices.flat[0].device_kind
+    note = native_pick.rollout_note(setup.settings.rollout.precision, native_pick.chip_of(kind))
+    if note:
+        log(f"preflight: {note}")
     for name, build in PROGRAMS.items():
         figures[name] = compiled_memory(build(setup).lowered.compile())
         peak = figures[name]["peak_bytes"]
