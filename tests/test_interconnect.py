@@ -82,7 +82,7 @@ def test_sharded_actor_pays_collectives_a_replica_does_not(tmp_path) -> None:
         replica["slice_rows"] / replica["step_ms"] * 1e3)
     assert any("decode loop, per token per device" in line for line in lines)
     table = interconnect.markdown_table([sharded, replica]).splitlines()
-    assert len(table) == 4 and table[2].endswith("| 1.00x |")
+    assert len(table) == 4 and "| 1.00x |" in table[2]
 
 
 def test_cli_rejects_a_chip_without_link_figures() -> None:

@@ -16,6 +16,7 @@ one decode step is predicted as
     latency     = sum over collectives of hops x per-hop latency          (TPU: ring hops)
                   or a fixed per-collective latency                       (H100: one NVSwitch hop)
     step        = compute + links + latency      (no overlap of collectives with compute assumed)
+                  (`step_ms_all_ports` / `tokens_per_s_all_ports`: the links at every port)
     tokens/s    = rows decoding at once on the slice / step
 
 per device, where
@@ -24,6 +25,8 @@ per device, where
   argument) + the KV cache the step reads: the device's rows x every cache slot x the bytes of one
   token's keys and values on it (`memory_plan.decode_kv`; XLA's blockwise attention skips only
   key blocks no row of the batch needs, so with rows of mixed lengths it reads about every slot);
+  (`*_live` fields: an attention that reads only the live slots of the refilling sampler's
+  steady state, `roofline.live_slots` of the config's prompt and response lengths);
 - FLOPs = `bench.roofline.step_flops` of the slice's rows over every slot, over the devices;
 - link bytes: `Collective.link_bytes` (what one device sends by a ring algorithm over its group);
 - hops: an all-gather, reduce-scatter or all-to-all on a bidirectional ring of n chips takes
@@ -134,10 +137,11 @@ def step(chip: str, actor: str, hbm_bytes: float, flops: float,
     total = compute + links["links_s"] + links["latency_s"]
     parts = {"hbm": t_mem, "flops": t_flops, "links": links["links_s"],
              "latency": links["latency_s"]}
+    optimistic = compute + links["links_all_ports_s"] + links["latency_s"]
     return {"hbm_ms": t_mem * 1e3, "flops_ms": t_flops * 1e3, "links_ms": links["links_s"] * 1e3,
             "links_ms_all_ports": links["links_all_ports_s"] * 1e3,
             "latency_ms": links["latency_s"] * 1e3, "step_ms": total * 1e3,
-            "bound": max(parts, key=parts.get)}
+            "step_ms_all_ports": optimistic * 1e3, "bound": max(parts, key=parts.get)}
 
 
 def actor_precision(settings: RunSettings) -> str:
@@ -203,10 +207,20 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
         "actor_bytes_per_device": actor_device, "actor_bytes": actor_total,
         "actor_fraction": round(actor_device / actor_total, 4),
         "rows_per_device": kv["rows"], "slice_rows": slice_rows, "cache_len": kv["cache_len"],
+        "prompt_len": kv["prompt_len"], "max_new_tokens": kv["max_new_tokens"],
         "kv_read_bytes_per_device": kv_read, "hbm_bytes_per_device": actor_device + kv_read,
         "flops_per_device": flops, "collectives": collectives.to_json(found),
         "compile_s": round(compile_s, 1), **predicted,
-        "tokens_per_s": slice_rows / predicted["step_ms"] * 1e3, "note": PREDICTION}
+        "tokens_per_s": slice_rows / predicted["step_ms"] * 1e3,
+        "tokens_per_s_all_ports": slice_rows / predicted["step_ms_all_ports"] * 1e3,
+        "note": PREDICTION}
+    # The same step with a ragged attention that reads only the rows' live slots (the refilling
+    # sampler's steady state under `bench.sampler.tail_limits`' lengths: `roofline.live_slots`).
+    live = roofline.live_slots(kv["prompt_len"], kv["max_new_tokens"])
+    ragged = step(target.chip.name, actor, actor_device + kv_read * live / kv["cache_len"],
+                  flops, found)
+    record.update(live_slots=live, step_ms_live=ragged["step_ms"],
+                  tokens_per_s_live=slice_rows / ragged["step_ms"] * 1e3)
     log(f"{target.name} {record['config_model']} {settings.rollout.precision} layout={layout} "
         f"(mesh data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor}, actor share "
         f"{record['actor_fraction']:.3g} per device; compiled in {compile_s:.0f} s):")
@@ -219,17 +233,25 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
     return record
 
 
+def _all_ports(r: dict[str, Any]) -> float:
+    """A record's tokens/s with its links at every port (from its parts, old records too)."""
+    step_ms = max(r["hbm_ms"], r["flops_ms"]) + r["links_ms_all_ports"] + r["latency_ms"]
+    return r["slice_rows"] / step_ms * 1e3
+
+
 def markdown_table(records: list[dict[str, Any]]) -> str:
     """Per config, target and layout: the collectives per token and the predicted step and
     tokens/s, and each layout's tokens/s over the first layout's of the same config and target."""
     head = ["target", "model", "precision", "layout (mesh; actor share)", "collectives / token",
             "MiB / token", "HBM+FLOP ms", "links ms", "latency ms", "predicted step ms",
-            "predicted tokens/s", "vs first layout"]
+            "predicted tokens/s", "vs first layout", "links at every port: tokens/s",
+            "vs first layout (every port)", "live KV reads: tokens/s", "vs first layout (live)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    first: dict[tuple[str, str], float] = {}
+    first: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
         key = (r["target"], r["config_model"])
-        first.setdefault(key, r["tokens_per_s"])
+        ref = first.setdefault(key, r)
+        ports = _all_ports(r)
         m = r["mesh"]
         lines.append("| " + " | ".join([
             r["target"], r["config_model"], r["precision"],
@@ -238,7 +260,12 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             str(r["collectives"]["count"]), f"{r['collectives']['bytes'] / 2**20:,.1f}",
             f"{max(r['hbm_ms'], r['flops_ms']):.2f}", f"{r['links_ms']:.2f}",
             f"{r['latency_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
-            f"{r['tokens_per_s'] / first[key]:.2f}x"]) + " |")
+            f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x", f"{ports:,.0f}",
+            f"{ports / _all_ports(ref):.2f}x"]
+            + ([f"{r['tokens_per_s_live']:,.0f}",
+                f"{r['tokens_per_s_live'] / ref['tokens_per_s_live']:.2f}x"]
+               if "tokens_per_s_live" in r and "tokens_per_s_live" in ref else ["", ""]))
+            + " |")
     return "\n".join(lines)
 
 
