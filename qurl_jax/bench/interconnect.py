@@ -1,15 +1,14 @@
 """The rollout's decode step on a target's whole slice: HBM, FLOPs and the interconnect, predicted.
 
     python -m qurl_jax.bench.interconnect --config=configs/deepscaler_r1_1p5b_int8.py \
-        --target=tpu:v5p-16 [--layouts=config,replicated] [--json=PATH]
+        --target=tpu:v5p-16 [--layouts=learner,rollout,replicated] [--json=PATH]
     python -m qurl_jax.bench.interconnect --table a.json b.json        # markdown table
 
 `bench.roofline` compiles a decode program for ONE device, so it never sees a collective. Here the
-run's own `rollout_decode` program (`memory_plan.PROGRAMS`: the config's sampler, rows, slots and
-cache, the actor of `rollout.precision` with the shardings the run gives it) is compiled by the
-target's compiler on the target's whole slice, the collectives one iteration of its decode loop
-(one generated token) runs per device are read from the optimized HLO (`bench.collectives`), and
-one decode step is predicted as
+run's decode program (the config's sampler, rows, slots and cache and its `rollout.precision`
+actor, in one of the layouts below) is compiled by the target's compiler on the target's whole
+slice, the collectives one iteration of its decode loop (one generated token) runs per device
+are read from the optimized HLO (`bench.collectives`), and one decode step is predicted as
 
     compute     = max(HBM bytes / HBM bandwidth, FLOPs / matrix rate of the actor's format)
     links       = sum over collectives of link bytes / link bandwidth     (ring algorithms)
@@ -213,7 +212,7 @@ def _actor_bytes(lowered: Any, compiled: Any) -> tuple[int, int]:
     return per_device, total
 
 
-def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layout: str = "config",
+def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layout: str = "rollout",
             log: Any = print) -> dict[str, Any]:
     """Compiles the run's `rollout_decode` program for `target`'s whole slice in `layout` and
     predicts its decode step (module docstring); returns the JSON-able record."""
