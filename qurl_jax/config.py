@@ -570,6 +570,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
     _check_paging(c)
+    from qurl_jax.checks import check_context, check_learnable
+
+    check_context(c)
+    check_learnable(c)
     try:
         objective_from_config(c.rl)
     except ValueError as e:
