@@ -7,7 +7,9 @@ learn, and the data itself.
 - `check_learnable(c)`: settings under which nothing learns are errors: one sample per prompt
   (every group advantage is 0), greedy sampling (`top_k=1`: the samples of a prompt are the same,
   so again every advantage is 0), an importance-weight cap below 1 (every on-policy token is
-  truncated: the cap no longer corrects a mismatch, it scales every gradient by C).
+  truncated: the cap no longer corrects a mismatch, it scales every gradient by C), a MIS or
+  Sparse-RL band without the on-policy weight 1, a Sparse-RL veto threshold >= 1 (both drop
+  nearly every token or sequence).
 - `slow_settings(c)`: settings that only make a run slow, as warnings: a rollout that decodes one
   row at a time (`max_concurrent_rows=1`, or a paged KV pool that holds one row).
   `config.validate` runs the first two; the trainer logs the third.
@@ -84,6 +86,24 @@ def check_learnable(c: ml_collections.ConfigDict) -> None:
             f"(it is 1 on policy): rl.loss_mode={rl.loss_mode!r} would scale every gradient by "
             f"{rl[cap_field]} instead of correcting the rollout mismatch; set it >= 1 (the "
             "papers use 1.5 to 8)")
+    # Bands that reject the on-policy weight 1: every token (or sequence) whose rollout matches the
+    # learner is dropped.
+    if rl.loss_mode == "mis" and not rl.mis_lo <= 1.0 <= rl.mis_hi:
+        raise ConfigError(
+            f"config.rl.mis_lo={rl.mis_lo}, mis_hi={rl.mis_hi}: the band excludes the on-policy "
+            "weight 1, so rl.loss_mode='mis' rejects every token whose rollout matches the "
+            "learner; keep mis_lo <= 1 <= mis_hi")
+    if rl.loss_mode == "sparse_rl":
+        band = tuple(rl.sparse_mask_band)
+        if band and not band[0] <= 1.0 <= band[1]:
+            raise ConfigError(
+                f"config.rl.sparse_mask_band={band} excludes the on-policy weight 1, so every "
+                "token whose rollout matches the learner is masked; keep lo <= 1 <= hi")
+        if rl.veto_tau >= 1.0:
+            raise ConfigError(
+                f"config.rl.veto_tau={rl.veto_tau} >= 1 vetoes every sequence with one token "
+                "below the on-policy weight 1, i.e. nearly all of them; the papers use 1e-4 "
+                "(0 = off)")
 
 
 def slow_settings(c: ml_collections.ConfigDict) -> list[str]:

@@ -150,6 +150,11 @@ def test_the_context_of_a_hugging_face_config(tmp_path):
     ({"rl.cap": 0.5}, r"config\.rl\.cap=0\.5 < 1 truncates every token's importance weight"),
     ({"rl.cap": 0.9, "rl.loss_mode": "tis"}, r"config\.rl\.cap=0\.9 < 1"),
     ({"rl.sparse_cap": 0.8, "rl.loss_mode": "sparse_rl"}, r"config\.rl\.sparse_cap=0\.8 < 1"),
+    ({"rl.loss_mode": "mis", "rl.mis_lo": 1.2, "rl.mis_hi": 3.0},
+     r"config\.rl\.mis_lo=1\.2, mis_hi=3\.0: the band excludes the on-policy weight 1"),
+    ({"rl.loss_mode": "sparse_rl", "rl.sparse_mask_band": (0.2, 0.9)},
+     r"config\.rl\.sparse_mask_band=\(0\.2, 0\.9\) excludes the on-policy weight 1"),
+    ({"rl.loss_mode": "sparse_rl", "rl.veto_tau": 1.5}, r"config\.rl\.veto_tau=1\.5 >= 1 vetoes"),
 ])
 def test_settings_under_which_nothing_learns_are_errors(fields, match):
     with pytest.raises(ConfigError, match=match):
@@ -160,6 +165,8 @@ def test_caps_a_mode_does_not_read_are_not_errors():
     validate(_config(**{"rl.cap": 0.5, "rl.loss_mode": "sparse_rl"}))  # reads sparse_cap
     validate(_config(**{"rl.cap": 0.5, "rl.loss_mode": "on_policy"}))
     validate(_config(**{"rollout.top_k": 2, "rl.cap": 1.0}))
+    validate(_config(**{"rl.loss_mode": "acr", "rl.mis_lo": 1.2, "rl.mis_hi": 3.0}))
+    validate(_config(**{"rl.loss_mode": "sparse_rl", "rl.sparse_mask_band": (0.5, 1.5)}))
 
 
 def test_a_rollout_of_one_row_at_a_time_is_a_warning():
