@@ -179,7 +179,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
 
     c.reward = ml_collections.ConfigDict()
-    c.reward.workers = 4  # math task: verifier processes (a process pool), each check under timeout_s
+    c.reward.workers = 4  # math task: verifier processes (a process pool), each under timeout_s
     c.reward.timeout_s = 5.0  # per-response verification timeout
     c.reward.format_weight = 0.0  # weight of the format reward (one \boxed{} answer)
 
