@@ -6,9 +6,13 @@ verifier's workers are documented as what they are (processes)."""
 import re
 from pathlib import Path
 
+import pytest
+
 from qurl_jax.config import base_config, field_docs, format_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# e.g. a Bazel sandbox without the documentation in its data
+needs_docs = pytest.mark.skipif(not (ROOT / "README.md").exists(), reason="no docs in this tree")
 
 
 def _printed_docs(text: str) -> dict[str, str]:
@@ -35,6 +39,7 @@ def test_print_config_shows_every_doc_whole():
         assert printed[name] == " ".join(doc.split()), name
 
 
+@needs_docs
 def test_accelerator_page_lists_every_selected_file_and_the_pallas_kernels():
     from tests.accelerator_selection import FILES
 
@@ -45,6 +50,7 @@ def test_accelerator_page_lists_every_selected_file_and_the_pallas_kernels():
     assert "pallas.ops.gpu.decode_attention" in page and "pallas.ops.tpu.paged_attention" in page
 
 
+@needs_docs
 def test_readme_figures_carry_their_conditions():
     readme = " ".join((ROOT / "README.md").read_text().split())
     study = " ".join((ROOT / "docs" / "study.md").read_text().split())
