@@ -57,15 +57,12 @@ done
 run mkdir -p "${DEST}"
 REQUIREMENTS="${DEST}/requirements.txt"
 # Every pin but jax/jaxlib (constraints below keep their versions), torch and ruff.
-note "writing ${REQUIREMENTS}"
-if [[ "${DRY_RUN}" != 1 ]]; then
-  grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | grep -vE '^(jax|jaxlib|torch|ruff)==' \
-    >"${REQUIREMENTS}"
-  [[ -z "${WITH_JAX}" ]] || echo "jax[${WITH_JAX}]==${JAX_VERSION}" >>"${REQUIREMENTS}"
-fi
+{
+  grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | grep -vE '^(jax|jaxlib|torch|ruff)=='
+  [[ -z "${WITH_JAX}" ]] || echo "jax[${WITH_JAX}]==${JAX_VERSION}"
+} | write_file "${REQUIREMENTS}"
 CONSTRAINTS="${DEST}/constraints.txt"
-[[ "${DRY_RUN}" == 1 ]] || printf 'jax==%s\njaxlib==%s\n' "${JAX_VERSION}" "${JAX_VERSION}" \
-  >"${CONSTRAINTS}"
+printf 'jax==%s\njaxlib==%s\n' "${JAX_VERSION}" "${JAX_VERSION}" | write_file "${CONSTRAINTS}"
 
 for version in ${PYTHONS//,/ }; do
   run python3 -m pip download --dest "${DEST}" --only-binary=:all: --implementation cp \
@@ -81,7 +78,7 @@ if [[ -z "${WITH_JAX}" ]]; then
   # Dependencies of flax, optax, orbax and aqtp; the host keeps its own JAX.
   run find "${DEST}" -maxdepth 1 \( -name 'jax-*.whl' -o -name 'jaxlib-*.whl' \) -delete
 fi
-if ((WITH_TORCH)) && [[ "${DRY_RUN}" != 1 ]]; then
-  echo "$(grep -E '^torch==' requirements.txt)+cpu" >>"${REQUIREMENTS}"
+if ((WITH_TORCH)); then
+  echo "$(grep -E '^torch==' requirements.txt)+cpu" | write_file "${REQUIREMENTS}" append
 fi
 note "done; on the host: python3 -m pip install --no-index --find-links=${DEST} -r ${REQUIREMENTS}"

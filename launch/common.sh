@@ -35,6 +35,20 @@ quote_cmd() {
   printf '%s' "${out}"
 }
 
+# write_file PATH [append]: writes (or appends) stdin to PATH; a dry run writes nothing and says
+# what it would, on stderr: "would write PATH:" and each line indented by four spaces.
+write_file() {
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    note "dry run: would ${2:-write} ${1}:"
+    sed 's/^/    /' >&2
+  elif [[ "${2:-}" == append ]]; then
+    cat >>"$1"
+  else
+    note "writing $1"
+    cat >"$1"
+  fi
+}
+
 # Prints the command; runs it unless this is a dry run.
 run() {
   echo "+ $(quote_cmd "$@")"

@@ -48,7 +48,7 @@ fi
 JAX_VERSION=$(pinned_jax_version requirements.txt)
 RUNTIME_REQUIREMENTS="${TMPDIR:-/tmp}/qurl_jax_requirements.txt"
 # The lines above "# Test-only dependencies" (torch, pytest and ruff are never used by a run).
-sed '/^# Test-only/,$d' requirements.txt >"${RUNTIME_REQUIREMENTS}"
+sed '/^# Test-only/,$d' requirements.txt | write_file "${RUNTIME_REQUIREMENTS}"
 
 run "${PYTHON}" -m venv "${VENV}"
 run "${VENV}/bin/python" -m pip install -q --upgrade pip

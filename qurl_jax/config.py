@@ -179,7 +179,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
 
     c.reward = ml_collections.ConfigDict()
-    c.reward.workers = 4  # verifier threads, overlapping the CPU-bound math check
+    c.reward.workers = 4  # math task: verifier processes (a process pool), each under timeout_s
     c.reward.timeout_s = 5.0  # per-response verification timeout
     c.reward.format_weight = 0.0  # weight of the format reward (one \boxed{} answer)
 
@@ -277,16 +277,19 @@ def _leaves(c: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, o
 
 
 def format_config(c: ml_collections.ConfigDict, width: int = 100) -> str:
-    """Every field as `name = value  # doc`, the doc cut to fit `width` columns (a section's doc,
-    e.g. `model.tiny`'s, stands for fields that have none of their own)."""
+    """Every field as `name = value  # doc`, the whole doc wrapped at `width` columns onto
+    indented `    # ...` lines (a section's doc, e.g. `model.tiny`'s, stands for fields that have
+    none of their own)."""
+    import textwrap
+
     docs = field_docs()
     lines = []
     for name, value in _leaves(c):
         doc = docs.get(name) or docs.get(name.rsplit(".", 1)[0], "")
         line = f"{name} = {value!r}"
         if doc:
-            room = max(width - len(line) - 4, 20)
-            line += "  # " + (doc if len(doc) <= room else doc[:room - 3] + "...")
+            line = textwrap.fill(doc, width, initial_indent=line + "  # ",
+                                 subsequent_indent="    # ", break_on_hyphens=False)
         lines.append(line)
     return "\n".join(lines)
 
@@ -570,6 +573,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
     _check_paging(c)
+    from qurl_jax.checks import check_context, check_learnable
+
+    check_context(c)
+    check_learnable(c)
     try:
         objective_from_config(c.rl)
     except ValueError as e:

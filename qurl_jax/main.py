@@ -217,6 +217,10 @@ def _main(argv: list[str]) -> None:
     from qurl_jax.trainer import Trainer
 
     check_mesh_fits(config.mesh)  # before the workdir or anything in it is written
+    from qurl_jax.checks import check_task_data
+    from qurl_jax.settings import RunSettings
+
+    check_task_data(RunSettings.from_config(config))  # the data too, and before any INFO line
     _check_workdir(_WORKDIR.value)
     # Before anything compiles: the memory preflight's programs and a restart's are loaded again.
     compilation.enable_persistent_cache(

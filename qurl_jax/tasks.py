@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +37,7 @@ from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
+from qurl_jax.data.tokenizer import build_char_tokenizer
 from qurl_jax.distributed import to_host
 from qurl_jax.errors import DataError
 from qurl_jax.models import ModelConfig
@@ -49,6 +50,24 @@ ARITH_EVAL_SIZE = 256
 ARITH_TRAIN_SIZE = 4000
 CHAIN_EVAL_SIZE = 256
 CHAIN_TRAIN_SIZE = 4000
+
+
+def prompt_text(problem: str, tokenizer: Any, *, template: str | None, chat: bool) -> str:
+    """The prompt a task gives the policy for `problem` (`template` None: the math template)."""
+    kwargs = {} if template is None else {"template": template}
+    return build_prompt(problem, tokenizer, chat=chat, **kwargs)
+
+
+def fitting_prompts(train: Sequence[MathExample], encode: Callable[[str], list[int]],
+                    max_prompt_len: int) -> list[MathExample]:
+    """The training examples whose encoded prompt fits `max_prompt_len`; `DataError` naming the
+    field and the shortest prompt when none does."""
+    lengths = [len(encode(ex.problem)) for ex in train]
+    kept = [ex for ex, n in zip(train, lengths, strict=True) if n <= max_prompt_len]
+    if not kept:
+        raise DataError(f"config.data.max_prompt_len={max_prompt_len}: no training prompt fits "
+                        f"(the shortest of {len(train)} has {min(lengths, default=0)} tokens)")
+    return kept
 
 
 class Task:
@@ -68,14 +87,8 @@ class Task:
         eos = tokenizer.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        kept, self.skipped_long = [], 0
-        for ex in train:
-            if len(self.encode(ex.problem)) <= max_prompt_len:
-                kept.append(ex)
-            else:
-                self.skipped_long += 1
-        if not kept:
-            raise ValueError(f"no training prompt fits data.max_prompt_len={max_prompt_len}")
+        kept = fitting_prompts(train, self.encode, max_prompt_len)
+        self.skipped_long = len(train) - len(kept)
         if self.skipped_long:
             logging.warning("skipped %d training prompts longer than data.max_prompt_len=%d",
                             self.skipped_long, max_prompt_len)
@@ -85,8 +98,7 @@ class Task:
 
     # ----------------------------------------------------------------------------------- prompts
     def prompt_text(self, problem: str) -> str:
-        kwargs = {} if self._template is None else {"template": self._template}
-        return build_prompt(problem, self.tokenizer, chat=self._chat, **kwargs)
+        return prompt_text(problem, self.tokenizer, template=self._template, chat=self._chat)
 
     def encode(self, problem: str) -> list[int]:
         return list(self.tokenizer.encode(self.prompt_text(problem), add_special_tokens=False))
@@ -200,26 +212,28 @@ def model_config_for(model: ModelSettings) -> ModelConfig:
     return config.replace(attention=model.attention)
 
 
-def _load_examples(path: str, field: str) -> list[MathExample]:
+def _load_examples(path: str, field: str, log: bool = True) -> list[MathExample]:
     """The examples of one math data file; `DataError` naming the file and `config.<field>` when it
-    cannot be read or holds no usable row."""
+    cannot be read or holds no usable row (before any line is logged)."""
     try:
         examples, stats = load_math_file(path)
     except (OSError, ValueError) as e:
         raise DataError(f"config.{field}: {path}: {e}") from e
-    logging.info("loaded %s: %s", path, stats)
     if not examples:
         reasons = ", ".join(f"{reason}: {count}" for reason, count in stats.skipped.items())
         raise DataError(f"config.{field}: {path}: no usable row among {stats.total_rows}"
                         + (f" (skipped: {reasons})" if reasons else ""))
+    if log:
+        logging.info("loaded %s: %s", path, stats)
     return examples
 
 
-def build_model_and_task(s: RunSettings, workdir: str) -> tuple[ModelConfig, Any, Task]:
-    """(model config, initial float32 params, task) of a validated run's settings: `s.model`,
-    the task of `s.data` with `s.eval.files`, the verifier of `s.reward`, the warm start of
-    `s.sft` (tiny model, cached under `workdir`), all seeded with `s.seed`."""
-    data, model = s.data, s.model
+def task_examples(s: RunSettings, log: bool = True
+                  ) -> tuple[list[MathExample], dict[str, list[MathExample]], str | None]:
+    """(training examples, evaluation sets by name, prompt template or None for the math one) of
+    the run's task: the synthetic task's splits, or `s.data.train_files`, with `s.eval.files`;
+    `DataError` naming the field and file of one that cannot be read or holds no usable row."""
+    data = s.data
     eval_sets: dict[str, list[MathExample]] = {}
     if data.task == "arithmetic":
         train, held_out = arith.arithmetic_splits(ARITH_TRAIN_SIZE, ARITH_EVAL_SIZE,
@@ -236,11 +250,26 @@ def build_model_and_task(s: RunSettings, workdir: str) -> tuple[ModelConfig, Any
     else:
         train = []
         for path in data.train_files:
-            train.extend(_load_examples(path, "data.train_files"))
+            train.extend(_load_examples(path, "data.train_files", log))
         template = None
     for path in s.eval.files:
-        eval_sets[os.path.splitext(paths.basename(path))[0]] = _load_examples(path, "eval.files")
+        name = os.path.splitext(paths.basename(path))[0]
+        eval_sets[name] = _load_examples(path, "eval.files", log)
+    return train, eval_sets, template
 
+
+def task_tokenizer(model: ModelSettings) -> Any:
+    """The run's tokenizer, without its weights: `model.path`'s, or the tiny model's character
+    tokenizer (the one its warm start saves)."""
+    return load_tokenizer(model.path) if model.source == "hf" else build_char_tokenizer()
+
+
+def build_model_and_task(s: RunSettings, workdir: str) -> tuple[ModelConfig, Any, Task]:
+    """(model config, initial float32 params, task) of a validated run's settings: `s.model`,
+    the task of `s.data` with `s.eval.files`, the verifier of `s.reward`, the warm start of
+    `s.sft` (tiny model, cached under `workdir`), all seeded with `s.seed`."""
+    train, eval_sets, template = task_examples(s)
+    data, model = s.data, s.model
     if model.source == "hf":
         model_config, params = load_hf(model.path)
         model_config = model_config.replace(dtype=model.dtype)

@@ -39,6 +39,7 @@ from qurl_jax import compilation, memory_plan, quant, report, run_config, target
 from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
+from qurl_jax.checks import check_task_data, slow_settings
 from qurl_jax.config import (
     sampling_params_from_config,
     validate,
@@ -112,6 +113,9 @@ class Trainer:
         self.learner = self.settings.train.learner(self.model_config, self.mesh,
                                                    temperature=c.rollout.temperature,
                                                    rollout_rows=self.settings.rollout_rows)
+        check_task_data(self.settings)  # the data files and prompt lengths, before any write
+        for warning in slow_settings(c):
+            logging.warning("%s", warning)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=c.train.checkpoint_every,
                                          keep=c.train.keep_checkpoints)

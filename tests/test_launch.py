@@ -255,8 +255,38 @@ def test_install_matches_the_pinned_jax_and_skips_test_only_pins(sh):
     pip = [c for c in cmds if c[:4] == ["/opt/v/bin/python", "-m", "pip", "install"]]
     assert [f"jax[tpu]=={jax_pin}" in c for c in pip] == [False, False, True, False]
     assert pip[-1][-3:] == ["--no-deps", "-e", "."]
-    requirements = Path(pip[1][pip[1].index("-r") + 1]).read_text()
+    path = pip[1][pip[1].index("-r") + 1]
+    assert not Path(path).exists()  # a dry run writes nothing: it says what it would
+    requirements = _would_write(err, path)
     assert f"jax=={jax_pin}" in requirements and "torch==" not in requirements
+
+
+def _would_write(stderr: str, path: str) -> list[str]:
+    """The lines a dry run says it would write to `path` (each indented under its header)."""
+    lines = stderr.splitlines()
+    header = [i for i, line in enumerate(lines) if line.endswith(f"would write {path}:")]
+    assert len(header) == 1, stderr
+    out = []
+    for line in lines[header[0] + 1:]:
+        if not line.startswith("    "):
+            break
+        out.append(line[4:])
+    return out
+
+
+def test_dry_runs_write_nothing(sh, tmp_path):
+    dest = tmp_path / "wheels"
+    before = sorted(tmp_path.iterdir())  # TMPDIR is tmp_path
+    rc, _, err = sh("install.sh", "--dry-run", "--accelerator=cpu", f"--venv={tmp_path}/v")
+    assert rc == 0, err
+    rc, _, err = sh("accelerator_wheels.sh", "--dry-run", f"--dest={dest}", "--with-jax=tpu",
+                    "--with-torch", "--python=3.12")
+    assert rc == 0, err
+    assert sorted(tmp_path.iterdir()) == before
+    assert "jax[tpu]==" in _would_write(err, f"{dest}/requirements.txt")[-1]
+    assert [line.split("==")[0] for line in _would_write(err, f"{dest}/constraints.txt")] == [
+        "jax", "jaxlib"]
+    assert f"would append {dest}/requirements.txt:\n    torch==" in err
 
 
 def test_scripts_are_shellcheck_clean():

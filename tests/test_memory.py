@@ -130,7 +130,7 @@ def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
     c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                              num_kv_heads=1, head_dim=16))
     c.data.prompts_per_step, c.rollout.n, c.rl.num_minibatches = 2, 4, 2
-    c.data.max_prompt_len, c.rollout.max_new_tokens = 32, 4
+    c.data.max_prompt_len, c.rollout.max_new_tokens, c.eval.max_new_tokens = 32, 4, 4
     c.train.preflight, c.train.memory_limit_gib = "on", 1e-6
     with pytest.raises(memory.MemoryPlanError, match=r"rollout_decode needs .*"
                        r"rollout\.max_concurrent_rows"):

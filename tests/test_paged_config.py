@@ -26,6 +26,7 @@ def _tiny():
     c.model.source, c.data.task, c.eval.files = "tiny", "arithmetic", []
     c.data.prompts_per_step, c.rollout.n = 4, 2
     c.data.max_prompt_len, c.rollout.max_new_tokens = 16, 16  # rows of 32 tokens: 2 pages
+    c.eval.max_new_tokens = 16  # the tiny model has 256 positions
     return c
 
 

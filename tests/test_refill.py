@@ -328,6 +328,7 @@ def test_trainer_switch() -> None:
         c.rollout.max_concurrent_rows = rows
         assert refill_enabled(c) == enabled, rows
     c.model.source, c.data.task, c.eval.files = "tiny", "arithmetic", []
+    c.data.max_prompt_len = c.rollout.max_new_tokens = c.eval.max_new_tokens = 16  # 256 positions
     validate(c)
     c.rollout.refill = "sometimes"
     with pytest.raises(ValueError, match="rollout.refill"):

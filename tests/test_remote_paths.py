@@ -53,6 +53,7 @@ def test_validate_accepts_a_model_url_and_data_urls(memory_root):
     c.model.path = f"{memory_root}/model"
     c.data.train_files = (f"{memory_root}/train.jsonl",)
     c.eval.files = (f"{memory_root}/train.jsonl",)
+    c.data.max_prompt_len = c.rollout.max_new_tokens = c.eval.max_new_tokens = 32  # 64 positions
     validate(c)
     examples, stats = load_math_file(f"{memory_root}/train.jsonl")
     assert [e.answer for e in examples] == ["2", "4"] and stats.loaded == 2

@@ -262,6 +262,7 @@ def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     c.data.train_files = ("third_party/math_data/test_aime.json",)
     c.data.prompts_per_step = 2
     c.data.max_prompt_len = 1024
+    c.model.tiny.max_position_embeddings = 2048  # AIME prompts in characters, + the responses
     c.rollout.n = 2
     c.rollout.max_new_tokens = 8
     c.rl.num_minibatches = 1
