@@ -37,30 +37,40 @@ _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of bad-input 
 EVAL_DIR = "eval"
 
 
-def _policy(learner: Any, model_config: Any, init: Any, workdir: str,
-            step: int | None, invariant_scaling: tuple[float, tuple[str, ...]]
-            ) -> tuple[int, Any]:
-    """(step, sharded float32 params): the checkpoint of `step` (None: the newest), or the
-    initial policy as the trainer prepares it when the workdir holds no checkpoint."""
-    import jax
-
-    from qurl_jax import quant
+def checkpoint_step(workdir: str, step: int | None) -> int:
+    """The step to evaluate: `step`, checked against the workdir's checkpoints (None: the newest;
+    0 without any: the initial policy); `UserError` naming what is missing. Reads metadata only."""
     from qurl_jax.checkpoint import Checkpointer
     from qurl_jax.errors import UserError
-    from qurl_jax.models import init_params
 
     directory = os.path.join(workdir, "checkpoints")
     steps = Checkpointer(directory).steps() if os.path.isdir(directory) else []
     if not steps:
         if step:
             raise UserError(f"--step={step}: {directory} holds no checkpoint")
+        return 0
+    step = steps[-1] if step is None else step
+    if step and step not in steps:
+        raise UserError(f"--step={step}: no checkpoint of that step in {directory} (saved: "
+                        f"{', '.join(map(str, steps))})")
+    return step
+
+
+def _policy(learner: Any, model_config: Any, init: Any, workdir: str,
+            step: int, invariant_scaling: tuple[float, tuple[str, ...]]) -> tuple[int, Any]:
+    """(step, sharded float32 params): the checkpoint of `step`, or at step 0 the initial policy
+    as the trainer prepares it."""
+    import jax
+
+    from qurl_jax import quant
+    from qurl_jax.checkpoint import Checkpointer
+    from qurl_jax.models import init_params
+
+    directory = os.path.join(workdir, "checkpoints")
+    if step == 0:
         s, targets = invariant_scaling
         params = init if s == 1.0 else quant.invariant_scaling(init, s=s, targets=targets)
         return 0, learner.shard_params(params)
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise UserError(f"--step={step}: no checkpoint of that step in {directory} (saved: "
-                        f"{', '.join(map(str, steps))})")
     params, opt_state = learner.abstract_state(
         jax.eval_shape(lambda: init_params(model_config, jax.random.key(0))))
     checkpointer = Checkpointer(directory)
@@ -80,7 +90,7 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
     from qurl_jax import sharding as shd
     from qurl_jax.config import validate
     from qurl_jax.data import reward_hook
-    from qurl_jax.errors import ConfigError
+    from qurl_jax.errors import ConfigError, WorkdirError
     from qurl_jax.sampling.factory import build_eval_sampler
     from qurl_jax.settings import RunSettings
     from qurl_jax.tasks import build_model_and_task, model_config_for
@@ -97,6 +107,9 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
         raise ConfigError("config.eval.files is empty: name the evaluation sets (or pass "
                           "--eval_files=a.jsonl,b.jsonl)")
     workdir = paths.local_abspath(workdir)
+    if c.model.source == "tiny" and not os.path.isdir(workdir):  # its warm start lives there
+        raise WorkdirError(f"--workdir={workdir} does not exist: name the run's workdir")
+    step = checkpoint_step(workdir, step)  # before the task or its warm start is built
     mesh = shd.mesh_from_config(c.mesh)
     model_config = model_config_for(settings.model)
     learner = settings.train.learner(model_config, mesh, temperature=c.rollout.temperature,

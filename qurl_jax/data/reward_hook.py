@@ -190,7 +190,9 @@ def hook_computer(fn_or_spec: str | Callable[..., Any], *, workers: int, timeout
         target = fn_or_spec
     item = functools.partial(score_one, target)
     if isinstance(target, str) or _importable(target):
-        return RewardComputer(item, num_workers=workers, timeout_s=timeout_s)
+        # The workers import this module, not math_verify, before their first call.
+        return RewardComputer(item, num_workers=workers, timeout_s=timeout_s,
+                              preload=(__name__,))
     logging.warning("reward_fn %s cannot be imported by the verifier processes (a lambda, a "
                     "closure or a function of __main__): it runs in threads, without the "
                     "%.3g s time limit; define it in a module to run it under the limit",
