@@ -24,7 +24,9 @@ from qurl_jax.settings import RunSettings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "own_task")
 TINY = "--config=configs/arith_tiny.py"
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+# This tree's qurl_jax also from another working directory (as an installed package would be).
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+           PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
 
 HOOKS = '''
 import time
