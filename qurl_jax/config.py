@@ -312,6 +312,11 @@ def ignored_fields(c: ml_collections.ConfigDict) -> list[str]:
             base_config().data.train_files):
         out.append(f"config.data.train_files is ignored: data.task={c.data.task!r} makes its "
                    "own problems")
+    base = base_config().data
+    for field in ("prompt_key", "answer_key", "prompt_suffix"):
+        if c.data.task != "math" and c.data[field] != base[field]:
+            out.append(f"config.data.{field} is ignored: data.task={c.data.task!r} makes its "
+                       "own prompts")
     return out
 
 

@@ -215,6 +215,14 @@ def test_prompt_key_without_answer_key_is_named():
         validate(_config(**{"data.prompt_key": "q"}))
 
 
+def test_prompt_fields_of_a_synthetic_task_are_named_as_ignored():
+    from qurl_jax.config import ignored_fields
+
+    c = _config(**{"data.task": "arithmetic", "data.prompt_suffix": ""})
+    assert ignored_fields(c) == ["config.data.prompt_suffix is ignored: data.task='arithmetic' "
+                                 "makes its own prompts"]
+
+
 def test_repository_data_paths_resolve_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     c = _config(**{"eval.files": ("examples/own_task/test.jsonl",)})
