@@ -288,15 +288,19 @@ def _leaves(c: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, o
 
 
 def format_config(c: ml_collections.ConfigDict, width: int = 100) -> str:
-    """Every field as `name = value  # doc`, the doc cut to fit `width` columns (a section's doc,
-    e.g. `model.tiny`'s, stands for fields that have none of their own)."""
+    """Every field as `name = value  # doc`, the doc cut to fit `width` columns, on a line of its
+    own below a value too long to leave it 20 (a section's doc, e.g. `model.tiny`'s, stands for
+    fields that have none of their own)."""
     docs = field_docs()
     lines = []
     for name, value in _leaves(c):
         doc = docs.get(name) or docs.get(name.rsplit(".", 1)[0], "")
         line = f"{name} = {value!r}"
+        if doc and width - len(line) - 4 < 20:  # a long value: the doc on the line below
+            lines.append(line)
+            line = "    "
         if doc:
-            room = max(width - len(line) - 4, 20)
+            room = width - len(line) - 4
             line += "  # " + (doc if len(doc) <= room else doc[:room - 3] + "...")
         lines.append(line)
     return "\n".join(lines)
