@@ -222,6 +222,17 @@ class Checkpointer:
         finally:
             self._move_aside(corrupt)
 
+    def restore_step(self, step: int, template: Any) -> tuple[Any, dict[str, Any]]:
+        """(state, meta) of the checkpoint of `step`, restored into `template`'s structure and
+        shardings (arrays or `jax.ShapeDtypeStruct`s); `CheckpointMismatchError` when it does not
+        fit. Nothing falls back to another step."""
+        self._raise_on_mismatch(step, self._saved_tensors(step), _tensors(template))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                          meta=ocp.args.JsonRestore()))
+        return restored["state"], dict(restored["meta"])
+
     def _move_aside(self, steps: list[int]) -> None:
         """Moves unreadable checkpoints to `<directory>/corrupt/<step>-<UTC time>` (process 0; the
         others wait), so the run saves those steps afresh and later restarts do not fall back."""

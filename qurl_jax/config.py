@@ -19,6 +19,7 @@ import ml_collections
 
 from qurl_jax import paths
 from qurl_jax.data.chains import ChainConfig
+from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.errors import ConfigError
 from qurl_jax.learner import OptimConfig
 from qurl_jax.models.attention import Implementation as AttentionImplementation
@@ -85,6 +86,12 @@ def base_config() -> ml_collections.ConfigDict:
     # arithmetic / chain: seed of the train / held-out split; -1 = `seed`. A study that varies the
     # RL seed fixes it, so every seed is evaluated on the same held-out problems.
     c.data.split_seed = -1
+    # math: the row fields of your own data files, '' = detect the DeepScaleR / DAPO / GSM8K
+    # layout; a dotted path reads a nested field ('reward_model.ground_truth').
+    c.data.prompt_key = ""  # math: each row's prompt field ('' = detect the layout)
+    c.data.answer_key = ""  # math: each row's answer field ('' = detect the layout)
+    # math: text appended to every problem before the chat template ('' = the problem alone)
+    c.data.prompt_suffix = PROMPT_SUFFIX
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.precision = "int8"  # a quant.RECIPES name (fp | int8 | fp8 | fp8_block | ...)
@@ -182,6 +189,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.workers = 4  # math task: verifier processes (a process pool), each under timeout_s
     c.reward.timeout_s = 5.0  # per-response verification timeout
     c.reward.format_weight = 0.0  # weight of the format reward (one \boxed{} answer)
+    # Your own reward instead of data.task's verifier: 'module.path:name' or 'path/to/file.py:name',
+    # a function (responses, answers[, prompts]) -> list of floats, run in the verifier processes
+    # under reward.timeout_s (a call that fails scores 0 and is counted); '' = data.task's verifier.
+    c.reward.function = ""
 
     c.train = ml_collections.ConfigDict()
     c.train.num_steps = 100
@@ -278,8 +289,9 @@ def _leaves(c: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, o
 
 def format_config(c: ml_collections.ConfigDict, width: int = 100) -> str:
     """Every field as `name = value  # doc`, the whole doc wrapped at `width` columns onto
-    indented `    # ...` lines (a section's doc, e.g. `model.tiny`'s, stands for fields that have
-    none of their own)."""
+    indented `    # ...` lines, starting on the line below a value too long to leave it 20
+    columns (a section's doc, e.g. `model.tiny`'s, stands for fields that have none of their
+    own)."""
     import textwrap
 
     docs = field_docs()
@@ -287,8 +299,12 @@ def format_config(c: ml_collections.ConfigDict, width: int = 100) -> str:
     for name, value in _leaves(c):
         doc = docs.get(name) or docs.get(name.rsplit(".", 1)[0], "")
         line = f"{name} = {value!r}"
+        if doc and width - len(line) - 4 < 20:  # a long value: the doc on the line below
+            lines.append(line)
+            line = "    "
         if doc:
-            line = textwrap.fill(doc, width, initial_indent=line + "  # ",
+            first = line + "  # " if line.strip() else "    # "
+            line = textwrap.fill(doc, width, initial_indent=first,
                                  subsequent_indent="    # ", break_on_hyphens=False)
         lines.append(line)
     return "\n".join(lines)
@@ -304,6 +320,11 @@ def ignored_fields(c: ml_collections.ConfigDict) -> list[str]:
             base_config().data.train_files):
         out.append(f"config.data.train_files is ignored: data.task={c.data.task!r} makes its "
                    "own problems")
+    base = base_config().data
+    for field in ("prompt_key", "answer_key", "prompt_suffix"):
+        if c.data.task != "math" and c.data[field] != base[field]:
+            out.append(f"config.data.{field} is ignored: data.task={c.data.task!r} makes its "
+                       "own prompts")
     return out
 
 
@@ -402,7 +423,7 @@ def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
     e = c.eval
     return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
                         max_new_tokens=e.max_new_tokens, max_examples=e.max_examples,
-                        files=tuple(e.files))
+                        files=tuple(map(paths.data_path, e.files)))
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -514,7 +535,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.data.task, TASKS, "data.task")
     if c.data.task == "math":
         for f in c.data.train_files:
-            if not paths.exists(f):
+            if not paths.exists(paths.data_path(f)):
                 raise ConfigError(f"config.data.train_files: {f!r} does not exist")
     if c.data.task == "chain":
         try:
@@ -523,8 +544,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             raise ConfigError(str(e)) from None
     if c.data.split_seed < -1:
         raise ConfigError(f"config.data.split_seed={c.data.split_seed} must be >= 0 (or -1: seed)")
+    if bool(c.data.prompt_key) != bool(c.data.answer_key):
+        raise ConfigError(f"config.data.prompt_key={c.data.prompt_key!r} and config.data."
+                          f"answer_key={c.data.answer_key!r}: set both (or neither, to detect "
+                          "the layout)")
+    if c.reward.function:
+        from qurl_jax.data import reward_hook
+
+        reward_hook.load(c.reward.function)  # imports it: ConfigError naming what is wrong
     for f in c.eval.files:
-        if not paths.exists(f):
+        if not paths.exists(paths.data_path(f)):
             raise ConfigError(f"config.eval.files: {f!r} does not exist")
     _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
     _choice(c.model.decode_attention, DECODE_ATTENTION, "model.decode_attention")

@@ -8,6 +8,8 @@ parsing, and `qurl_jax.config.validate` checks values, all before JAX compiles a
 devices, a checkpoint of another model) ends the run with one line naming it, `qurl_jax: <what>:
 <message>`, and exit code 2; `--verbose` adds the traceback. A workdir that already holds a
 checkpoint resumes from it.
+A list field also takes comma-separated values, `--config.data.train_files=/a.jsonl,/b.jsonl`
+(`qurl_jax.overrides`).
 
 SIGTERM (a spot VM's or scheduler's preemption notice) or Ctrl-C ends the run after the current
 step with a checkpoint and the line "preempted at step N; checkpoint saved; rerun the same command
@@ -98,8 +100,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
         print(_USAGE + "\nflags:\n" + flags.FLAGS.main_module_help(), flush=True)
         sys.exit(0)
+    from qurl_jax.overrides import expand_lists
+
     try:
-        return flags.FLAGS(argv)
+        return flags.FLAGS(expand_lists(argv))  # list fields also as a,b,c
     except SyntaxError as e:
         _bad_input("bad config file", f"{e.filename}:{e.lineno}: {e.msg}")
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:

@@ -121,3 +121,18 @@ def upload_dir(local: str, url: str) -> None:
 
 
 _COMPLETE = ".qurl_jax_complete"  # marks a finished `local_copy`
+
+
+# The repository's root, against which a relative data path that is not found from the working
+# directory is tried (the configs name the bundled sets relative to it).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def data_path(path: str) -> str:
+    """A data file's path as the run reads it: a URL or an absolute path as it is; a relative path
+    from the working directory when it exists there, else from the repository when it exists
+    there, else as it is (the error then names it as written)."""
+    if is_url(path) or os.path.isabs(path) or os.path.exists(path):
+        return path
+    in_repo = os.path.join(REPO_ROOT, path)
+    return in_repo if os.path.exists(in_repo) else path

@@ -29,8 +29,10 @@ from qurl_jax.config import (
 )
 from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
+from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig
+from qurl_jax.paths import data_path
 from qurl_jax.rl.objectives import ObjectiveConfig
 from qurl_jax.sampling.factory import RolloutSamplerSettings
 
@@ -82,7 +84,9 @@ class DataSettings:
     task: 'math' (the `train_files`), 'arithmetic' or 'chain' (synthetic, shaped by `arith_digits`
     / `arith_ops` and `chain`); prompts_per_step: distinct prompts per RL step; max_prompt_len:
     longer prompts are skipped; chat_template: prompts through the tokenizer's chat template;
-    split_seed: the synthetic train / held-out split's seed, -1 = the run's seed (`split_seed_of`).
+    split_seed: the synthetic train / held-out split's seed, -1 = the run's seed (`split_seed_of`);
+    prompt_key / answer_key: the math files' row fields ('' = detect the layout); prompt_suffix:
+    appended to every math problem. `train_files` are resolved (`paths.data_path`).
     """
 
     task: str = "math"
@@ -94,13 +98,18 @@ class DataSettings:
     arith_ops: str = "+-"
     chain: ChainConfig = ChainConfig()
     split_seed: int = -1
+    prompt_key: str = ""
+    answer_key: str = ""
+    prompt_suffix: str = PROMPT_SUFFIX
 
     @classmethod
     def from_config(cls, data: ml_collections.ConfigDict) -> DataSettings:
-        return cls(task=data.task, train_files=tuple(data.train_files),
+        return cls(task=data.task, train_files=tuple(map(data_path, data.train_files)),
                    prompts_per_step=data.prompts_per_step, max_prompt_len=data.max_prompt_len,
                    chat_template=data.chat_template, arith_digits=data.arith_digits,
-                   arith_ops=data.arith_ops, chain=chain_config(data), split_seed=data.split_seed)
+                   arith_ops=data.arith_ops, chain=chain_config(data), split_seed=data.split_seed,
+                   prompt_key=data.prompt_key, answer_key=data.answer_key,
+                   prompt_suffix=data.prompt_suffix)
 
     @property
     def arithmetic(self) -> ArithmeticConfig:
@@ -120,11 +129,12 @@ class RewardSettings:
     workers: int = 4
     timeout_s: float = 5.0
     format_weight: float = 0.0
+    function: str = ""  # your own reward, 'module.path:name' ('' = the task's verifier)
 
     @classmethod
     def from_config(cls, reward: ml_collections.ConfigDict) -> RewardSettings:
         return cls(workers=reward.workers, timeout_s=reward.timeout_s,
-                   format_weight=reward.format_weight)
+                   format_weight=reward.format_weight, function=reward.function)
 
 
 @dataclasses.dataclass(frozen=True)

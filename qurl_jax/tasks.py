@@ -33,8 +33,14 @@ from absl import logging
 from qurl_jax import paths
 from qurl_jax.config import EvalSettings
 from qurl_jax.data import arithmetic as arith
-from qurl_jax.data import chains
-from qurl_jax.data.datasets import MathExample, PromptIterator, build_prompt, load_math_file
+from qurl_jax.data import chains, reward_hook
+from qurl_jax.data.datasets import (
+    MathExample,
+    PromptIterator,
+    build_prompt,
+    gold_answers,
+    load_math_file,
+)
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
 from qurl_jax.data.tokenizer import build_char_tokenizer
@@ -76,10 +82,13 @@ class Task:
     def __init__(self, tokenizer: Any, train: Sequence[MathExample],
                  eval_sets: dict[str, list[MathExample]], *, reward: RewardComputer,
                  template: str | None, chat: bool, prompts_per_step: int, max_prompt_len: int,
-                 seed: int, format_weight: float = 0.0) -> None:
-        """`reward` scores correctness (0/1); `format_weight` w mixes in `format_reward`:
-        reward = (1 - w) * correct + w * format."""
+                 seed: int, format_weight: float = 0.0,
+                 answer_of: Callable[[MathExample], Any] = gold_answers) -> None:
+        """`reward` scores correctness (0/1, or a reward function's own values); `format_weight`
+        w mixes in `format_reward`: reward = (1 - w) * correct + w * format. `answer_of` gives
+        what `reward` gets as an example's answer (a reward function's: (answer, prompt))."""
         self.tokenizer = tokenizer
+        self.answer_of = answer_of
         self.format_weight = format_weight
         self._template = template
         self._chat = chat
@@ -116,12 +125,12 @@ class Task:
         if n % count or not 0 <= index < count:
             raise ValueError(f"next_prompts({n}, shard={shard}): not a slice of the batch")
         batch = next(self.iterator)[index * (n // count):(index + 1) * (n // count)]
-        return [self.encode(ex.problem) for ex in batch], [ex.gold_answers for ex in batch]
+        return [self.encode(ex.problem) for ex in batch], [self.answer_of(ex) for ex in batch]
 
     def sample_prompts(self, n: int) -> tuple[list[list[int]], list[Any]]:
         """The first n training prompts, without touching the stream (benchmarks)."""
         batch = self.train_examples[:n]
-        return [self.encode(ex.problem) for ex in batch], [ex.gold_answers for ex in batch]
+        return [self.encode(ex.problem) for ex in batch], [self.answer_of(ex) for ex in batch]
 
     def state(self) -> dict[str, int]:
         return self.iterator.state()
@@ -175,11 +184,12 @@ class Task:
                 examples = examples[: e.max_examples]
             if not e.greedy:
                 sampled = evaluate_examples(generate_fn, examples, self.reward, k=e.k,
-                                            prompt_fn=self.prompt_text)
+                                            prompt_fn=self.prompt_text, answer_fn=self.answer_of)
                 metrics.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in sampled.items()
                                 if k.startswith("all/")})
             greedy = evaluate_examples(functools.partial(generate_fn, greedy=True), examples,
-                                       self.reward, k=1, prompt_fn=self.prompt_text)
+                                       self.reward, k=1, prompt_fn=self.prompt_text,
+                                       answer_fn=self.answer_of)
             metrics[f"{name}/greedy_acc"] = greedy["all/avg@1"]
         return metrics
 
@@ -192,8 +202,21 @@ class Task:
 
 
 # ------------------------------------------------------------------------------------ building
-def _reward_computer(data: DataSettings, reward: RewardSettings) -> RewardComputer:
-    """The correctness verifier of `data.task` (the format term is added by `Task.rewards`)."""
+def _reward_computer(data: DataSettings, reward: RewardSettings,
+                     reward_fn: Callable[..., Any] | None = None
+                     ) -> tuple[RewardComputer, Callable[[MathExample], Any]]:
+    """The reward of the run and what it takes as an example's answer: a reward function
+    (`reward_fn`, else `reward.function`; `qurl_jax.data.reward_hook`) in the verifier processes,
+    else the correctness verifier of `data.task` (the format term is added by `Task.rewards`)."""
+    hook = reward_fn if reward_fn is not None else reward.function
+    if hook:
+        return (reward_hook.hook_computer(hook, workers=reward.workers,
+                                          timeout_s=reward.timeout_s),
+                reward_hook.answer_and_prompt)
+    return _task_verifier(data, reward), gold_answers
+
+
+def _task_verifier(data: DataSettings, reward: RewardSettings) -> RewardComputer:
     if data.task == "arithmetic":
         return RewardComputer(exact_match_reward, num_workers=1, use_processes=False)
     if data.task == "chain":
@@ -212,11 +235,14 @@ def model_config_for(model: ModelSettings) -> ModelConfig:
     return config.replace(attention=model.attention)
 
 
-def _load_examples(path: str, field: str, log: bool = True) -> list[MathExample]:
-    """The examples of one math data file; `DataError` naming the file and `config.<field>` when it
-    cannot be read or holds no usable row (before any line is logged)."""
+def _load_examples(path: str, field: str, data: DataSettings, log: bool = True
+                   ) -> list[MathExample]:
+    """The examples of one math data file (rows read through `data.prompt_key` / `answer_key`
+    when set); `DataError` naming the file and `config.<field>` when it cannot be read or holds
+    no usable row (before any line is logged)."""
+    keys = (data.prompt_key, data.answer_key) if data.prompt_key else None
     try:
-        examples, stats = load_math_file(path)
+        examples, stats = load_math_file(path, keys=keys)
     except (OSError, ValueError) as e:
         raise DataError(f"config.{field}: {path}: {e}") from e
     if not examples:
@@ -229,10 +255,11 @@ def _load_examples(path: str, field: str, log: bool = True) -> list[MathExample]
 
 
 def task_examples(s: RunSettings, log: bool = True
-                  ) -> tuple[list[MathExample], dict[str, list[MathExample]], str | None]:
-    """(training examples, evaluation sets by name, prompt template or None for the math one) of
-    the run's task: the synthetic task's splits, or `s.data.train_files`, with `s.eval.files`;
-    `DataError` naming the field and file of one that cannot be read or holds no usable row."""
+                  ) -> tuple[list[MathExample], dict[str, list[MathExample]], str]:
+    """(training examples, evaluation sets by name, prompt template) of the run's task: the
+    synthetic task's splits, or `s.data.train_files` read through `data.prompt_key` /
+    `answer_key` with `data.prompt_suffix` after each problem, with `s.eval.files`; `DataError`
+    naming the field and file of one that cannot be read or holds no usable row."""
     data = s.data
     eval_sets: dict[str, list[MathExample]] = {}
     if data.task == "arithmetic":
@@ -250,11 +277,11 @@ def task_examples(s: RunSettings, log: bool = True
     else:
         train = []
         for path in data.train_files:
-            train.extend(_load_examples(path, "data.train_files", log))
-        template = None
+            train.extend(_load_examples(path, "data.train_files", data, log))
+        template = "{problem}" + data.prompt_suffix
     for path in s.eval.files:
         name = os.path.splitext(paths.basename(path))[0]
-        eval_sets[name] = _load_examples(path, "eval.files", log)
+        eval_sets[name] = _load_examples(path, "eval.files", data, log)
     return train, eval_sets, template
 
 
@@ -264,10 +291,13 @@ def task_tokenizer(model: ModelSettings) -> Any:
     return load_tokenizer(model.path) if model.source == "hf" else build_char_tokenizer()
 
 
-def build_model_and_task(s: RunSettings, workdir: str) -> tuple[ModelConfig, Any, Task]:
+def build_model_and_task(s: RunSettings, workdir: str,
+                         reward_fn: Callable[..., Any] | None = None
+                         ) -> tuple[ModelConfig, Any, Task]:
     """(model config, initial float32 params, task) of a validated run's settings: `s.model`,
-    the task of `s.data` with `s.eval.files`, the verifier of `s.reward`, the warm start of
-    `s.sft` (tiny model, cached under `workdir`), all seeded with `s.seed`."""
+    the task of `s.data` with `s.eval.files`, the verifier of `s.reward` (or the reward function
+    `reward_fn`), the warm start of `s.sft` (tiny model, cached under `workdir`), all seeded with
+    `s.seed`."""
     train, eval_sets, template = task_examples(s)
     data, model = s.data, s.model
     if model.source == "hf":
@@ -278,8 +308,9 @@ def build_model_and_task(s: RunSettings, workdir: str) -> tuple[ModelConfig, Any
         model_config, params, tokenizer = tiny_policy(model, data, s.sft, seed=s.seed,
                                                       workdir=workdir, train=train)
     model_config = model_config.replace(attention=model.attention)
-    task = Task(tokenizer, train, eval_sets, reward=_reward_computer(data, s.reward),
+    reward, answer_of = _reward_computer(data, s.reward, reward_fn)
+    task = Task(tokenizer, train, eval_sets, reward=reward,
                 template=template, chat=data.chat_template,
                 prompts_per_step=data.prompts_per_step, max_prompt_len=data.max_prompt_len,
-                seed=s.seed, format_weight=s.reward.format_weight)
+                seed=s.seed, format_weight=s.reward.format_weight, answer_of=answer_of)
     return model_config, params, task

@@ -44,6 +44,7 @@ from qurl_jax.config import (
     sampling_params_from_config,
     validate,
 )
+from qurl_jax.data import reward_hook
 from qurl_jax.errors import ConfigError
 from qurl_jax.metrics import (
     MetricWriter,
@@ -94,8 +95,14 @@ def stream_key(seed: int, purpose: Stream, step: int, index: int = 0) -> jax.Arr
 class Trainer:
     """Owns the model, the actor's recipe, the sampler, the learner and the run state."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str) -> None:
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+                 reward_fn: Any = None) -> None:
+        """`reward_fn`: your own reward function (responses, answers[, prompts]) -> list of
+        floats, in place of `reward.function` or the task's verifier (`qurl_jax.data.reward_hook`;
+        checked before anything is written)."""
         self.config = validate(config)
+        if reward_fn is not None:
+            reward_hook.takes_prompts(reward_fn, "reward_fn")
         # The typed sections the code below reads (the tasks, the model, the warm start).
         self.settings = RunSettings.from_config(self.config)
         self.workdir = local_abspath(workdir)
@@ -127,7 +134,7 @@ class Trainer:
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(self.settings,
-                                                                          self.workdir)
+                                                                          self.workdir, reward_fn)
         engine_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                              max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
                              pad_id=self.task.pad_id, mesh=self.mesh)
@@ -487,7 +494,17 @@ class Trainer:
                            preempted=saved[-1] if saved else None)
             return summary
         summary.update(end_step=self.step_count, stopped=stopped, last=self.last_metrics)
-        if self.task.has_eval:
+        if stopped is None and self.step_count not in self.checkpointer.steps():
+            self._save(force=True)  # the final state, for `python -m qurl_jax.evaluate`
+        if self.task.has_eval and self._evaluated(summary["start_step"]):
+            # A finished run rerun: its final evaluation is in metrics.jsonl already.
+            logging.info("the run is complete at step %d; metrics.jsonl holds its final "
+                         "evaluation (python -m qurl_jax.evaluate evaluates again)",
+                         self.step_count)
+            summary["complete"] = True
+            if dist.is_primary():
+                summary["eval_after"] = eval_at(read_metrics(self.workdir), self.step_count)
+        elif self.task.has_eval:
             summary["eval_after"] = self.evaluate()
             self._write_eval(summary["eval_after"])
         steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r] \
@@ -507,6 +524,14 @@ class Trainer:
             summary["plots"] = self._write_plots()
         summary["compile"] = compilation.compile_stats().since(self._compiled_before).metrics("")
         return summary
+
+    def _evaluated(self, start_step: int) -> bool:
+        """Whether the run resumed at its last step and metrics.jsonl already has that step's
+        evaluation (read by process 0; the same answer on every process)."""
+        done = start_step == self.step_count > 0 and dist.is_primary() and any(
+            k.startswith("eval/") for r in read_metrics(self.workdir)
+            if r.get("step") == self.step_count for k in r)
+        return dist.host_sums({"done": float(done)})["done"] > 0
 
     def _close(self) -> None:
         """Waits for the checkpoint writes and ends the writers, threads and verifier processes."""

@@ -7,13 +7,17 @@ on the completions of a *noisy teacher* (`noisy_teacher_pairs`): correct answers
 with a stray end character that the exact-match verifier rejects, so that RL has a format to repair;
 for the chain task on the chains of a *buggy teacher* (`chains.teacher_pairs`) that forgets the
 carry of a units sum of ten with probability `sft.bug_rate`, so that RL has a skill to repair.
-The cache is keyed on every setting it depends on and rebuilt when one changes.
+The cache is keyed on every setting it depends on (for the math task also the content hash of its
+training examples, so a changed data file rebuilds it) and rebuilt when one changes. The math
+task's teacher answers `\\boxed{answer}` when `data.prompt_suffix` asks for it, else the bare
+answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -36,7 +40,7 @@ from qurl_jax.models import (
     positions_from_mask,
     token_logprobs,
 )
-from qurl_jax.models.hf import load_hf, load_tokenizer, save_hf
+from qurl_jax.models.hf import load_hf, save_hf
 from qurl_jax.settings import DataSettings, ModelSettings, SftSettings
 
 
@@ -120,9 +124,20 @@ def noisy_teacher_pairs(pairs: Sequence[tuple[str, str]], format_noise: float, s
     return out
 
 
+def data_hash(examples: Sequence[MathExample]) -> str:
+    """SHA-256 of the problems and answers a warm start trains on (their content, in order)."""
+    digest = hashlib.sha256()
+    for ex in examples:
+        digest.update(json.dumps([ex.problem, ex.answer, list(ex.alternatives)]).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
 def _warm_start_key(model: ModelSettings, data: DataSettings, sft: SftSettings,
-                    seed: int) -> dict[str, Any]:
-    """Everything the cached warm start depends on; a cache with another key is rebuilt."""
+                    seed: int, train: Sequence[MathExample] = ()) -> dict[str, Any]:
+    """Everything the cached warm start depends on; a cache with another key is rebuilt. A math
+    task's includes the content hash of its training examples (`data_hash`) and how they are
+    prompted, so a changed data file is never met with a stale warm start."""
     key = {"seed": seed, "tiny": dataclasses.asdict(model.tiny), "sft": dataclasses.asdict(sft),
            "task": data.task, "digits": data.arith_digits, "ops": data.arith_ops}
     if data.split_seed >= 0:  # the examples it trains on come from this split
@@ -131,7 +146,16 @@ def _warm_start_key(model: ModelSettings, data: DataSettings, sft: SftSettings,
         key.update(chain_steps=[data.chain.min_steps, data.chain.max_steps],
                    chain_carry10_share=data.chain.carry10_share,
                    chat_template=data.chat_template)
+    if data.task == "math":
+        key.update(data_sha256=data_hash(train), prompt_suffix=data.prompt_suffix,
+                   chat_template=data.chat_template)
     return key
+
+
+def math_completion(answer: str, prompt_suffix: str) -> str:
+    """The warm-start teacher's answer to a math problem: `\\boxed{answer}` when the prompt suffix
+    asks for a boxed answer, else the bare answer."""
+    return f"\\boxed{{{answer}}}" if "\\boxed" in prompt_suffix else answer
 
 
 def tiny_policy(model: ModelSettings, data: DataSettings, sft: SftSettings, *, seed: int,
@@ -140,14 +164,17 @@ def tiny_policy(model: ModelSettings, data: DataSettings, sft: SftSettings, *, s
     warm-started on `train` per `sft`, seeded with `seed`)."""
     sft_dir = os.path.join(workdir, "sft_model")
     key_file = os.path.join(sft_dir, "warm_start.json")
-    key = json.loads(json.dumps(_warm_start_key(model, data, sft, seed)))
+    key = json.loads(json.dumps(_warm_start_key(model, data, sft, seed, train)))
     if sft.steps and os.path.isfile(key_file):
         with open(key_file, encoding="utf-8") as f:
             cached = json.load(f)
         if cached == key:
             logging.info("reusing the cached warm start in %s", sft_dir)
             model_config, params = load_hf(sft_dir)
-            return model_config.replace(dtype=model.dtype), params, load_tokenizer(sft_dir)
+            # The character tokenizer is built in code: transformers' AutoTokenizer reloads the
+            # saved one as the model family's tokenizer (Qwen2's byte-level pre-tokenizer), which
+            # drops spaces, so a cached warm start would see other prompts than a fresh one.
+            return model_config.replace(dtype=model.dtype), params, build_char_tokenizer()
         logging.warning("the cached warm start in %s was built with other settings; rebuilding",
                         sft_dir)
     tokenizer = build_char_tokenizer()
@@ -164,8 +191,11 @@ def tiny_policy(model: ModelSettings, data: DataSettings, sft: SftSettings, *, s
             pairs = chains.teacher_pairs(train, prompt_fn, sft.bug_rate, seed,
                                          tokenizer.eos_token)
         else:
-            pairs = [(build_prompt(ex.problem, tokenizer),
-                      f"\\boxed{{{ex.answer}}}{tokenizer.eos_token}") for ex in train]
+            template = "{problem}" + data.prompt_suffix
+            pairs = [(build_prompt(ex.problem, tokenizer, chat=data.chat_template,
+                                   template=template),
+                      math_completion(ex.answer, data.prompt_suffix) + tokenizer.eos_token)
+                     for ex in train]
         logging.info("supervised warm start: %d steps on %d examples", sft.steps, len(pairs))
         params = supervised_warm_start(model_config, params, pairs, tokenizer, steps=sft.steps,
                                        learning_rate=sft.learning_rate,

@@ -3,7 +3,8 @@
 `load_math_file` reads a JSON array, JSON Lines or parquet file and detects the row layout: plain /
 DeepScaleR rows (`problem`, `answer`, maybe `solution`), DAPO-Math-17k rows (`prompt` as a chat list
 of {role, content} plus `reward_model.ground_truth`) or GSM8K rows (`question`, answer after
-`####`). Bad rows (missing or non-string problem, missing or unusable answer, broken JSON line) are
+`####`), or, given `keys` (`data.prompt_key`, `data.answer_key`), any rows through those two
+fields. Bad rows (missing or non-string problem, missing or unusable answer, broken JSON line) are
 skipped and counted by reason in `LoadStats`, never raised; numeric answers become strings (`142.0`
 -> `"142"`) and list answers are either alternatives (default; the Minerva file lists equivalent
 forms of one answer) or comma-joined parts. `PromptIterator` yields shuffled batches epoch after
@@ -27,7 +28,9 @@ import numpy as np
 
 from qurl_jax import paths
 
-PROMPT_TEMPLATE = "{problem} Let's think step by step and output the final answer within \\boxed{}."
+# The math task's default `data.prompt_suffix`, appended to every problem.
+PROMPT_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
+PROMPT_TEMPLATE = "{problem}" + PROMPT_SUFFIX
 
 # Default location of the bundled evaluation and training sets (see its README for row counts).
 MATH_DATA_DIR = Path(__file__).resolve().parents[2] / "third_party" / "math_data"
@@ -73,13 +76,19 @@ class MathExample:
         return (self.answer, *self.alternatives)
 
 
+def gold_answers(example: MathExample) -> tuple[str, ...]:
+    """`example.gold_answers`: what a verifier gets as the example's answer."""
+    return example.gold_answers
+
+
 @dataclasses.dataclass
 class LoadStats:
     """What `load_math_file` read and skipped.
 
     Attributes:
       path: the file read.
-      layout: detected row layout ("problem_answer", "dapo", "gsm8k", or "mixed:<a>+<b>").
+      layout: detected row layout ("problem_answer", "dapo", "gsm8k", "keys" when read through
+        named fields, or "mixed:<a>+<b>").
       total_rows: rows in the file (for JSONL, non-blank lines).
       loaded: rows turned into examples.
       skipped: reason -> count of rows dropped.
@@ -197,12 +206,45 @@ def _dapo_problem(prompt: Any) -> str:
     return _problem_text(text, "prompt content")
 
 
+def _field(row: dict[str, Any], key: str) -> Any:
+    """`row[key]`, a dotted key read through nested objects; None when missing."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _keyed_row(row: dict[str, Any], keys: tuple[str, str], list_answers: ListAnswerMode
+               ) -> tuple[str, str, str, tuple[str, ...], bool]:
+    """A row read through its named prompt and answer fields; a chat-list prompt gives its last
+    user turn, an object answer its JSON text."""
+    prompt_key, answer_key = keys
+    prompt = _field(row, prompt_key)
+    if isinstance(prompt, list | tuple):
+        turns = [m.get("content") for m in prompt if isinstance(m, dict)
+                 and m.get("role") == "user"]
+        prompt = turns[-1] if turns else None
+    problem = _problem_text(prompt, prompt_key)
+    raw_answer = _field(row, answer_key)
+    if raw_answer is None:
+        raise _SkipRow(f"missing {answer_key}")
+    if isinstance(raw_answer, dict):
+        raw_answer = json.dumps(raw_answer, sort_keys=True)
+    answer, alternatives = normalise_answer(raw_answer, list_answers)
+    return "keys", problem, answer, alternatives, not isinstance(raw_answer, str)
+
+
 def _parse_row(
-    row: Any, list_answers: ListAnswerMode
+    row: Any, list_answers: ListAnswerMode, keys: tuple[str, str] | None = None
 ) -> tuple[str, str, str, tuple[str, ...], bool]:
-    """Returns (layout, problem, answer, alternatives, answer_was_normalised) or raises _SkipRow."""
+    """Returns (layout, problem, answer, alternatives, answer_was_normalised) or raises _SkipRow.
+    With `keys` (prompt field, answer field) the row is read through them, else by its layout."""
     if not isinstance(row, dict):
         raise _SkipRow("row is not an object")
+    if keys is not None:
+        return _keyed_row(row, keys, list_answers)
     layout = _row_layout(row)
     if layout == "problem_answer":
         problem = _problem_text(row.get("problem"), "problem")
@@ -263,6 +305,7 @@ def load_math_file(
     path: str | Path,
     source: str | None = None,
     list_answers: ListAnswerMode = "alternatives",
+    keys: tuple[str, str] | None = None,
 ) -> tuple[list[MathExample], LoadStats]:
     """Loads math problems from a JSON array, JSONL or parquet file, skipping unusable rows.
 
@@ -271,6 +314,8 @@ def load_math_file(
         (gs://, through fsspec).
       source: name stored in each example; defaults to the file stem.
       list_answers: how list-valued answers are read (see `normalise_answer`).
+      keys: (prompt field, answer field) of every row (`data.prompt_key`, `data.answer_key`; a
+        dotted name reads a nested field); None detects the layout row by row.
 
     Returns:
       The examples in file order and the load statistics.
@@ -294,7 +339,8 @@ def load_math_file(
         try:
             if row is _BROKEN_LINE:
                 raise _SkipRow("invalid JSON line")
-            layout, problem, answer, alternatives, normalised = _parse_row(row, list_answers)
+            layout, problem, answer, alternatives, normalised = _parse_row(row, list_answers,
+                                                                           keys)
         except _SkipRow as e:
             skipped[str(e)] += 1
             if len(stats.skipped_rows) < _MAX_SKIPPED_ROWS:

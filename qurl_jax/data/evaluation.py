@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from qurl_jax.data.datasets import MathExample, build_prompt
+from qurl_jax.data.datasets import MathExample, build_prompt, gold_answers
 from qurl_jax.data.rewards import RewardComputer, RewardFn
 
 GenerateFn = Callable[[list[str], int], list[list[str]]]
@@ -50,6 +50,7 @@ def evaluate(
     prompt_fn: Callable[[str], str] = _default_prompt,
     batch_size: int | None = None,
     threshold: float = 0.5,
+    answer_fn: Callable[[MathExample], object] = gold_answers,
 ) -> dict[str, float]:
     """Generates n samples per problem, scores them and reports Avg@k and Pass@k.
 
@@ -57,13 +58,14 @@ def evaluate(
       generate_fn: `generate_fn(prompts, n)` -> for each prompt a list of n response strings.
       examples: problems; their `source` groups the results.
       reward_fn: `reward_fn(response, answer) -> float` called per sample, or a `RewardComputer`
-        scoring the whole batch in parallel. The reference is `example.gold_answers`.
+        scoring the whole batch in parallel. The reference is `answer_fn(example)`.
       k: the k of Avg@k / Pass@k.
       n: samples per problem (>= k; default k). Avg@k averages all n samples.
       prompt_fn: problem text -> prompt string (default `build_prompt` without a tokenizer; pass
         e.g. `functools.partial(build_prompt, tokenizer=tok)`).
       batch_size: prompts per `generate_fn` call (default: all at once).
       threshold: a sample counts as correct for Pass@k when its reward is > threshold.
+      answer_fn: an example's reference as `reward_fn` takes it (default `gold_answers`).
 
     Returns:
       Flat metrics: for each source and for "all", f"{name}/avg@{k}", f"{name}/pass@{k}" and
@@ -88,7 +90,7 @@ def evaluate(
         responses.extend(out)
 
     flat_responses = [r for samples in responses for r in samples]
-    flat_answers = [ex.gold_answers for ex in examples for _ in range(n)]
+    flat_answers = [answer_fn(ex) for ex in examples for _ in range(n)]
     if isinstance(reward_fn, RewardComputer):
         flat_rewards = reward_fn(flat_responses, flat_answers)
     else:

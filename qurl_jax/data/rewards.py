@@ -25,6 +25,8 @@ Answer = str | Sequence[str]
 RewardFn = Callable[[str, Answer], float]
 
 DEFAULT_TIMEOUT_S = 5.0
+# What a verifier worker does before it takes work: math_verify's imports and first parse.
+DEFAULT_PRELOAD = ("qurl_jax.data.rewards:warm_up_math_verify",)
 
 
 def _golds(answer: Answer) -> list[str]:
@@ -180,9 +182,11 @@ class RewardComputer:
         use_processes: bool = True,
         failure_reward: float = 0.0,
         memory_limit_mb: int | None = 4096,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
     ) -> None:
         """Args: see the class docstring; `reward_fn(response, answer) -> float` must be picklable
-        (a module-level function or a functools.partial of one) when `use_processes`."""
+        (a module-level function or a functools.partial of one) when `use_processes`; `preload`:
+        what each worker process imports (or calls) before it takes work (`VerifierPool`)."""
         if num_workers <= 0:
             raise ValueError(f"RewardComputer: num_workers must be positive, got {num_workers}")
         if use_processes:
@@ -202,7 +206,8 @@ class RewardComputer:
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
         self._pool = (
-            VerifierPool(num_workers, timeout_s, memory_limit_mb) if use_processes else None
+            VerifierPool(num_workers, timeout_s, memory_limit_mb, preload) if use_processes
+            else None
         )
         self._items = concurrent.futures.ThreadPoolExecutor(num_workers, "reward-item")
         self._batches = concurrent.futures.ThreadPoolExecutor(1, "reward-batch")

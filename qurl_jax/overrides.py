@@ -1,0 +1,54 @@
+"""Command-line overrides of list fields as comma-separated values.
+
+`ml_collections` reads a tuple field's override as a Python literal (`--config.data.train_files=
+"('/a.jsonl', '/b.jsonl')"`) and refuses `/a.jsonl,/b.jsonl`. `expand_lists` rewrites the
+`--config.<field>=a,b` arguments of the tuple fields of `config.base_config()` (which every config
+file starts from) into that literal before the flags are parsed: elements that read as Python
+numbers or booleans become them, the others stay strings; an empty value is the empty tuple. A
+value that already starts with '(' or '[' is left to `ml_collections` as it is.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+
+from qurl_jax.config import base_config
+
+
+def tuple_fields() -> set[str]:
+    """Dotted names of the tuple fields of `base_config()`."""
+    out: set[str] = set()
+
+    def walk(section, prefix: str) -> None:
+        for key, value in section.items():
+            if hasattr(value, "items"):
+                walk(value, f"{prefix}{key}.")
+            elif isinstance(value, tuple):
+                out.add(prefix + key)
+
+    walk(base_config(), "")
+    return out
+
+
+def _element(text: str) -> object:
+    text = text.strip()
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return value if isinstance(value, int | float | bool) else text
+
+
+def expand_lists(argv: Sequence[str]) -> list[str]:
+    """`argv` with `--config.<tuple field>=a,b,c` rewritten as a tuple literal."""
+    fields = tuple_fields()
+    out = []
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if sep and name.startswith("--config.") and name[len("--config."):] in fields \
+                and not value.lstrip().startswith(("(", "[")):
+            parts = [p for p in value.split(",") if p.strip()]
+            arg = f"{name}={tuple(_element(p) for p in parts)!r}"
+        out.append(arg)
+    return out
