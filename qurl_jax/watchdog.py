@@ -13,7 +13,7 @@ where. `StallWatchdog` turns that into an abort the scheduler can restart from t
   exits with `EXIT_STALL` (75, "try again") at once, from the watchdog thread: the main thread is
   blocked inside XLA and would never return to run an exception;
 - the limit: `timeout_s` when given, else max(`factor` x the slowest phase seen so far, `floor_s`);
-  until the first step has ended (its programs compile), `first_step_s`;
+  until the first step has ended (its programs compile), at least `first_step_s`;
 - a SIGTERM (the preemption notice) normally ends the run at the next step boundary
   (`qurl_jax.preemption`); when no step ends within `sigterm_grace_s` of it, the run is stalled
   and takes the same exit. The signal is seen through Python's signal wakeup fd, which the
@@ -48,7 +48,7 @@ class StallWatchdog:
       process: this process's index (names the file).
       timeout_s: a fixed limit per phase (None: max(factor x slowest phase seen, floor_s)).
       factor, floor_s: the automatic limit.
-      first_step_s: the limit until the first step has ended (compiles included).
+      first_step_s: the least limit until the first step has ended (compiles included).
       sigterm_grace_s: how long after a SIGTERM a step end may take before the run counts as
         stalled.
       poll_s: how often the thread checks.
@@ -120,8 +120,8 @@ class StallWatchdog:
 
     def limit_s(self) -> float:
         """The current phase's limit."""
-        if not self.steps_seen:
-            return self.timeout_s or self.first_step_s
+        if not self.steps_seen:  # compiles: never less than `first_step_s`
+            return max(self.timeout_s or 0.0, self.first_step_s)
         if self.timeout_s is not None:
             return self.timeout_s
         return max(self.factor * self.slowest_s, self.floor_s)

@@ -50,7 +50,7 @@ TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
         "--config.train.progress=False", "--config.train.report_speed=False",
         "--config.rl.entropy_coef=0.05", "--config.optim.learning_rate=3e-3",
         "--config.optim.warmup_steps=0", "--config.train.checkpoint_every=1",
-        "--config.rollout.max_concurrent_rows=16")
+        "--config.rollout.max_concurrent_rows=16", "--config.train.check_collectives=True")
 MESH = ("--config.mesh.fsdp=4", "--config.mesh.tensor=2")
 
 
@@ -66,23 +66,26 @@ class _Children:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, workdir: str, *args: str, devices: int, log: str) -> subprocess.Popen:
+    def start(self, workdir: str, *args: str, devices: int, log: str, tiny: bool = True
+              ) -> subprocess.Popen:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, PYTHONUNBUFFERED="1",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
         cmd = ["timeout", "-s", "KILL", str(RUN_TIMEOUT_S), sys.executable, "-m", "qurl_jax.main",
-               f"--config={REPO}/configs/arith_tiny.py", f"--workdir={workdir}", *TINY, *args]
+               f"--config={REPO}/configs/arith_tiny.py", f"--workdir={workdir}",
+               *(TINY if tiny else ()), *args]
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.procs.append(proc)
         return proc
 
-    def start_group(self, workdir: str, *args: str, num: int, logs: str) -> list[subprocess.Popen]:
+    def start_group(self, workdir: str, *args: str, num: int, logs: str, tiny: bool = True
+                    ) -> list[subprocess.Popen]:
         port = _free_port()
         return [self.start(workdir, *args, f"--coordinator_address=127.0.0.1:{port}",
                            f"--num_processes={num}", f"--process_id={i}",
                            f"--heartbeat_timeout_s={HEARTBEAT_S}", "--init_timeout_s=120",
-                           devices=8 // num, log=f"{logs}.{i}")
+                           devices=8 // num, log=f"{logs}.{i}", tiny=tiny)
                 for i in range(num)]
 
     def kill_all(self) -> None:

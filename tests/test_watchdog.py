@@ -49,6 +49,8 @@ def test_limit_is_the_first_step_limit_then_ten_times_the_slowest_phase_with_a_f
     assert wd.check() is None and not exits
     fixed, _, _ = _watchdog(tmp_path, timeout_s=5.0)
     fixed.enter("update")
+    assert fixed.limit_s() == 1800.0  # the first step compiles
+    fixed.step_done(1)
     assert fixed.limit_s() == 5.0
     with pytest.raises(ValueError, match="timeout_s"):
         StallWatchdog(str(tmp_path), timeout_s=0.0)
