@@ -390,6 +390,10 @@ class Trainer:
         for order in orders:
             for i in range(c.rl.num_minibatches):
                 idx = np.sort(order[i * mb:(i + 1) * mb]) if c.rl.num_minibatches > 1 else None
+                if pending and jax.process_count() > 1:
+                    # One update ahead at most: ~20 gathers and reshards dispatched behind a
+                    # running update hung two-process CPU runs (docs/scaling.md, "Failures").
+                    jax.block_until_ready(pending[-1])
                 mini = batch if idx is None else self.learner.shard_batch(
                     {k: v[idx] for k, v in batch.items()})
                 if c.train.apply_updates:

@@ -171,7 +171,7 @@ class StallWatchdog:
             data = os.read(self._wakeup[0], 512)
         except BlockingIOError:
             return
-        if signal.SIGTERM in data:
+        if signal.SIGTERM in data or signal.SIGINT in data:  # either asks for a stop
             self.note_sigterm()
 
     def note_sigterm(self) -> None:
