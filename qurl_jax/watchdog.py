@@ -15,7 +15,8 @@ where. `StallWatchdog` turns that into an abort the scheduler can restart from t
 - the limit: `timeout_s` when given, else max(`factor` x the slowest phase seen so far, `floor_s`);
   until the first step has ended (its programs compile), at least `first_step_s`;
 - a SIGTERM (the preemption notice) normally ends the run at the next step boundary
-  (`qurl_jax.preemption`); when no step ends within `sigterm_grace_s` of it, the run is stalled
+  (`qurl_jax.preemption`); when no step ends within max(`sigterm_grace_s`, 2 x the slowest step
+  seen) of it, the run is stalled
   and takes the same exit. The signal is seen through Python's signal wakeup fd, which the
   interpreter writes from its C-level handler even while the main thread is inside XLA.
 
@@ -50,7 +51,7 @@ class StallWatchdog:
       factor, floor_s: the automatic limit.
       first_step_s: the least limit until the first step has ended (compiles included).
       sigterm_grace_s: how long after a SIGTERM a step end may take before the run counts as
-        stalled.
+        stalled (or twice the slowest step seen, when longer).
       poll_s: how often the thread checks.
       exit_fn: what ends the process (tests pass a recorder); called with EXIT_STALL.
       clock: monotonic seconds (tests pass a fake one).
@@ -74,6 +75,8 @@ class StallWatchdog:
         self.phase: str | None = None  # armed by the first `enter`
         self._since = clock()
         self.slowest_s = 0.0
+        self.slowest_step_s = 0.0  # between step ends, after the first
+        self._step_since: float | None = None
         self.sigterm_at: float | None = None
         self.fired: str | None = None  # the stall line, once fired
         self._stop = threading.Event()
@@ -109,6 +112,9 @@ class StallWatchdog:
         now = self._clock()
         with self._lock:
             self._close_phase(now)
+            if self._step_since is not None:
+                self.slowest_step_s = max(self.slowest_step_s, now - self._step_since)
+            self._step_since = now
             self.step, self.steps_seen = int(step), self.steps_seen + 1
             self.phase, self._since = "between steps", now
             self.sigterm_at = None  # the preemption check of this step handles it
@@ -125,6 +131,11 @@ class StallWatchdog:
         if self.timeout_s is not None:
             return self.timeout_s
         return max(self.factor * self.slowest_s, self.floor_s)
+
+    def grace_s(self) -> float:
+        """How long a step end may take after a SIGTERM: `sigterm_grace_s`, or twice the
+        slowest step seen when that is longer (a long step is not a stall)."""
+        return max(self.sigterm_grace_s, 2.0 * self.slowest_step_s)
 
     # ------------------------------------------------------------------------------- the thread
     def start(self) -> StallWatchdog:
@@ -191,9 +202,9 @@ class StallWatchdog:
             elapsed, limit = now - self._since, self.limit_s()
             if elapsed > limit:
                 why = f"ran {elapsed:.0f} s, limit {limit:.0f} s"
-            elif self.sigterm_at is not None and now - self.sigterm_at > self.sigterm_grace_s:
+            elif self.sigterm_at is not None and now - self.sigterm_at > self.grace_s():
                 why = (f"SIGTERM {now - self.sigterm_at:.0f} s ago and no step end (grace "
-                       f"{self.sigterm_grace_s:.0f} s)")
+                       f"{self.grace_s():.0f} s)")
             else:
                 return None
             step, phase = self.step + 1, self.phase

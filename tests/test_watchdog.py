@@ -84,6 +84,16 @@ def test_sigterm_without_a_step_end_within_the_grace_is_a_stall(tmp_path):
     wd.note_sigterm()
     clock.now += 61.0
     assert "SIGTERM 61 s ago and no step end" in wd.check() and exits == [EXIT_STALL]
+    # Steps longer than half the grace stretch it to twice the slowest step.
+    slow, clock, exits = _watchdog(tmp_path, timeout_s=1e6, sigterm_grace_s=60.0)
+    slow.step_done(1)
+    clock.now += 100.0
+    slow.step_done(2)
+    slow.note_sigterm()
+    clock.now += 199.0
+    assert slow.grace_s() == 200.0 and slow.check() is None
+    clock.now += 2.0
+    assert "grace 200 s" in slow.check() and exits == [EXIT_STALL]
 
 
 def test_the_thread_sees_a_sigterm_while_the_main_thread_is_busy(tmp_path):
