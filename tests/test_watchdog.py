@@ -82,8 +82,9 @@ def test_sigterm_without_a_step_end_within_the_grace_is_a_stall(tmp_path):
     assert wd.check() is None
     wd.enter("rollout")
     wd.note_sigterm()
-    clock.now += 61.0
-    assert "SIGTERM 61 s ago and no step end" in wd.check() and exits == [EXIT_STALL]
+    clock.now += 119.0  # step 2 took 59 s: the grace is 118 s
+    assert "SIGTERM 119 s ago and no step end (grace 118 s)" in wd.check()
+    assert exits == [EXIT_STALL]
     # Steps longer than half the grace stretch it to twice the slowest step.
     slow, clock, exits = _watchdog(tmp_path, timeout_s=1e6, sigterm_grace_s=60.0)
     slow.step_done(1)
