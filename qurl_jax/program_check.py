@@ -19,8 +19,10 @@ jitted ones).
 
 Test hook (for the multi-process tests only): `QURL_JAX_TEST_PROGRAM_HOOK=extra:P:S` makes
 process P dispatch one extra (collective-free) program in step S, which `compare` must catch;
-`skip:P:S` makes process P skip step S's comparison (a collective), a hang the stall watchdog
-must catch.
+`hang:P:S` makes process P never reach step S's comparison (it skips the collective and waits),
+so the others wait in it: a hang the stall watchdog must catch. (Skipping a collective and going
+on does not hang on the CPU: Gloo aborts the next one, 'Received data size doesn't match
+expected size. Is there a distributed collective mismatch in your code?'.)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 import types
 from typing import Any
 
@@ -179,9 +182,11 @@ class ProgramCheck:
         records = self.log.take()
         if jax.process_count() == 1:
             return
-        if self.hook and self.hook[1:] == (me, step) and self.hook[0] == "skip":
-            logging.warning("test hook: process %d skips step %d's program check", me, step)
-            return
+        if self.hook and self.hook[1:] == (me, step) and self.hook[0] == "hang":
+            logging.warning("test hook: process %d never reaches step %d's program check", me,
+                            step)
+            while True:
+                time.sleep(1.0)
         digest = _words("\n".join(records))
         mine = np.concatenate([np.array([len(records)], np.uint32), digest])
         every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 5]
@@ -224,6 +229,6 @@ def _parse_hook(value: str) -> tuple[str, int, int] | None:
     if not value:
         return None
     kind, process, step = value.split(":")
-    if kind not in ("extra", "skip"):
-        raise ValueError(f"{HOOK_ENV}={value!r}: expected extra:P:S or skip:P:S")
+    if kind not in ("extra", "hang"):
+        raise ValueError(f"{HOOK_ENV}={value!r}: expected extra:P:S or hang:P:S")
     return kind, int(process), int(step)

@@ -174,6 +174,6 @@ def test_program_log_records_jitted_calls_with_shapes_and_shardings():
 
 def test_program_hook_parses_or_names_the_variable():
     assert program_check._parse_hook("") is None
-    assert program_check._parse_hook("skip:1:2") == ("skip", 1, 2)
+    assert program_check._parse_hook("hang:1:2") == ("hang", 1, 2)
     with pytest.raises(ValueError, match="QURL_JAX_TEST_PROGRAM_HOOK"):
         program_check._parse_hook("drop:1:2")
