@@ -469,11 +469,11 @@ class Trainer:
         stopped = None
         while self.step_count < total:
             metrics = self.step()
-            if self.watchdog:
-                self.watchdog.step_done(self.step_count)
             if self.program_check is not None:
                 with self._watch("check_collectives"):
                     self.program_check.compare(self.step_count)
+            if self.watchdog:
+                self.watchdog.step_done(self.step_count)
             progress.update(self.step_count, metrics)
             # Every step, on every process: in a multi-process run this is a collective point.
             preempted = preemption is not None and preemption.reached(self.step_count)
