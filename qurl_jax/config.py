@@ -233,6 +233,16 @@ def base_config() -> ml_collections.ConfigDict:
     # 'wandb' (Weights & Biases; skipped with a warning when not installed; WANDB_MODE=offline).
     c.train.loggers = ("tensorboard",)
     c.train.wandb_project = "qurl_jax"  # the W&B project of train.loggers 'wandb'
+    # Stall watchdog (`qurl_jax.watchdog`): a step phase running past this many seconds ends
+    # every process with its stacks in <workdir>/stall-<process>.txt and exit code 75, for a
+    # restart from the last checkpoint. 0 = on in multi-process runs only, with the automatic
+    # limit max(10 x the slowest phase seen, 600 s) (1800 s until the first step ends); > 0 = on
+    # with this limit; < 0 = off.
+    c.train.stall_timeout_s = 0.0
+    # Debug: every step, compare across processes a fingerprint of the jitted programs each
+    # dispatched (names, shapes, shardings); a difference stops the run naming the first one
+    # (`qurl_jax.program_check`). Costs a hash per dispatch and a small collective per step.
+    c.train.check_collectives = False
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()  # math evaluation sets; empty = none

@@ -231,8 +231,20 @@ def _main(argv: list[str]) -> None:
         compilation.cache_dir(config.train.compilation_cache_dir, _WORKDIR.value))
 
     guard = preemption.PreemptionGuard().install()
+    import jax
+
+    from qurl_jax import program_check, watchdog
+
+    # Before the trainer builds its programs, so that every one is recorded.
+    check = program_check.ProgramCheck(program_check.install()) \
+        if config.train.check_collectives else None
+    stall = watchdog.for_run(config.train.stall_timeout_s, _WORKDIR.value,
+                             jax.process_count(), jax.process_index())
     trainer = Trainer(config, _WORKDIR.value)
+    trainer.watchdog, trainer.program_check = stall, check
     summary = trainer.train(preemption=guard)
+    if stall:
+        stall.stop()
     if summary.get("stopped") == "preempted":
         if distributed.is_primary():
             print(f"qurl_jax: preempted at step {summary['preempted']}; checkpoint saved; rerun "

@@ -169,18 +169,27 @@ def eval_at(rows: list[Mapping[str, Any]], step: int) -> dict[str, float]:
 
 
 class PhaseTimer:
-    """Accumulates seconds per named phase: `with timer.phase('rollout'): ...`."""
+    """Accumulates seconds per named phase: `with timer.phase('rollout'): ...`.
 
-    def __init__(self) -> None:
+    listener: told when each phase starts and ends (`enter(name)` / `leave(name)`), e.g. the
+    stall watchdog (`qurl_jax.watchdog.StallWatchdog`); None = nobody.
+    """
+
+    def __init__(self, listener: Any = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.listener = listener
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.listener is not None:
+            self.listener.enter(name)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            if self.listener is not None:
+                self.listener.leave(name)
 
     def metrics(self, prefix: str = "time/") -> dict[str, float]:
         total = sum(self.seconds.values())

@@ -8,11 +8,14 @@ command to resume". A second signal aborts at once (the default action of that s
 checkpoint): the handler resets the signal's disposition when the first one arrives.
 
 Multi-process runs must save at the same step on every process, although the signal may reach only
-one of them. They use JAX's preemption sync point (`multihost_utils.reached_preemption_sync_point`):
-`jax.distributed.initialize` installs the runtime's own SIGTERM notifier, which tells the
-coordination service, and every process learns the same step to stop at. The guard therefore
-leaves SIGTERM to JAX there and forwards a SIGINT to its own process as a SIGTERM.
-`reached(step)` must then be called once per step on every process, as the trainer does.
+one of them: `reached(step)`, called once per step on every process (as the trainer does), is a
+small collective there, the largest of every process's "a stop was requested" flag, so every
+process stops after the same step. The guard owns SIGTERM there too, instead of the SIGTERM
+notifier `jax.distributed.initialize` installs (whose sync point,
+`multihost_utils.reached_preemption_sync_point`, gave the same step): a Python handler is what
+lets the stall watchdog (`qurl_jax.watchdog`) see a SIGTERM that arrives while the main thread is
+stuck inside XLA, and what makes a second SIGTERM end the process at once (JAX's notifier
+swallowed every further one).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import threading
 from types import FrameType
 
 import jax
+import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
@@ -45,8 +49,6 @@ class PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
             return self
         for signum in SIGNALS:
-            if signum == signal.SIGTERM and _multi_process():
-                continue  # JAX's notifier owns SIGTERM and shares the notice with every process
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -71,17 +73,17 @@ class PreemptionGuard:
         logging.warning("%s received: finishing this step, then saving a checkpoint (a second "
                         "%s aborts at once, without one)", signal.Signals(signum).name,
                         signal.Signals(signum).name)
-        if _multi_process() and signum != signal.SIGTERM:
-            os.kill(os.getpid(), signal.SIGTERM)  # into JAX's notifier, which tells every process
 
     def reached(self, step: int) -> bool:
         """Whether to save and stop after `step` (a collective point in multi-process runs: call it
         after every step on every process)."""
         if _multi_process():
-            if multihost_utils.reached_preemption_sync_point(step):
-                self.request(self.signum or signal.SIGTERM)
-                return True
-            return False
+            # Every process's request (its signal number, 0 for none), agreed at this step.
+            agreed = int(np.max(multihost_utils.process_allgather(
+                np.array(self.signum or 0, np.int64))))
+            if agreed:
+                self.request(agreed)
+            return bool(agreed)
         return self.signum is not None
 
     @property

@@ -23,6 +23,7 @@ rounds share a key, and no stream of one seed is a stream of another.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
 import math
 import os
@@ -165,6 +166,9 @@ class Trainer:
             wandb_project=c.train.wandb_project if "wandb" in c.train.loggers else None)
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
+        # Set by `python -m qurl_jax.main` (`qurl_jax.watchdog`, `qurl_jax.program_check`).
+        self.watchdog: Any = None
+        self.program_check: Any = None
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -314,7 +318,7 @@ class Trainer:
     # --------------------------------------------------------------------------------------- step
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics (already written to metrics.jsonl)."""
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.watchdog)
         compiled_before = compilation.compile_stats()
         with timer.phase("requantize"):
             rollout_params = jax.block_until_ready(quant.requantize(self.params, self.recipe))
@@ -397,6 +401,10 @@ class Trainer:
         for order in orders:
             for i in range(c.rl.num_minibatches):
                 idx = np.sort(order[i * mb:(i + 1) * mb]) if c.rl.num_minibatches > 1 else None
+                if pending and jax.process_count() > 1:
+                    # One update ahead at most: ~20 gathers and reshards dispatched behind a
+                    # running update hung two-process CPU runs (docs/scaling.md, "Failures").
+                    jax.block_until_ready(pending[-1])
                 mini = batch if idx is None else self.learner.shard_batch(
                     {k: v[idx] for k, v in batch.items()})
                 if c.train.apply_updates:
@@ -419,8 +427,13 @@ class Trainer:
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
         params = self.params if params is None else params
-        return self.task.evaluate(self.eval_sampler, params, self.settings.eval,
-                                  self.key(Stream.EVAL))
+        with self._watch("eval"):
+            return self.task.evaluate(self.eval_sampler, params, self.settings.eval,
+                                      self.key(Stream.EVAL))
+
+    def _watch(self, phase: str) -> Any:
+        """The stall watchdog's mark around a phase outside `step` (none without one)."""
+        return self.watchdog.watch(phase) if self.watchdog else contextlib.nullcontext()
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
         """Rollout tokens/s of the quantized actor vs the fp32 actor on the same prompts
@@ -434,8 +447,13 @@ class Trainer:
         # Plain sampling at the rollout's temperature, every row to the length limit.
         settings = SamplingParams(max_new_tokens=self.sampling.max_new_tokens,
                                   temperature=self.sampling.temperature)
+        n = c.rollout.n
+        try:  # a static sampler's chunk must hold n x batch shards rows
+            self.eval_sampler.rows_per_chunk(len(prompts), n)
+        except ValueError:  # the same rows as single samples: the same work
+            prompts, n = [p for p in prompts for _ in range(n)], 1
         return compare_rollout_speed(engines, prompts, settings, key=self.key(Stream.SPEED),
-                                     n=c.rollout.n)
+                                     n=n)
 
     def _write_eval(self, metrics: dict[str, float]) -> None:
         self.writer.write(self.step_count, {f"eval/{k}": v for k, v in metrics.items()})
@@ -462,6 +480,11 @@ class Trainer:
         stopped = None
         while self.step_count < total:
             metrics = self.step()
+            if self.program_check is not None:
+                with self._watch("check_collectives"):
+                    self.program_check.compare(self.step_count)
+            if self.watchdog:
+                self.watchdog.step_done(self.step_count)
             progress.update(self.step_count, metrics)
             # Every step, on every process: in a multi-process run this is a collective point.
             preempted = preemption is not None and preemption.reached(self.step_count)

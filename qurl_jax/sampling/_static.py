@@ -122,8 +122,14 @@ class Sampler:
             e.sharding.put_local, blocks=blocks)
         rows = local_group * n
         chunks = []
-        # Dispatched without waiting: the host never blocks between or inside the chunks.
+        # Dispatched one chunk ahead: chunk c goes out once chunk c - 2 has finished, so one chunk
+        # runs while the next is dispatched. Unbounded run-ahead hung every two-process CPU run
+        # with 32 chunks (docs/scaling.md, "Failures"): XLA's CPU client admits 32 programs in
+        # flight per device, and a launch held back on one device left the program's other
+        # devices, in both processes, waiting in its first all-gather.
         for c in range(num_chunks):
+            if c >= 2:
+                jax.block_until_ready(chunks[c - 2])
             prompt_rows = slice(c * local_group, (c + 1) * local_group)
             logits, cache = prefill(params, put(tokens[prompt_rows]), put(mask[prompt_rows]))
             response, _ = decode(params, cache, logits, put(row_ids[c * rows:(c + 1) * rows]),
