@@ -217,3 +217,43 @@ def resolve_tensor(setting: int | None, *, replica_bytes: int, kv_bytes: Callabl
             return t
     raise MeshError(f"rollout.tensor=auto: even at {candidates[-1]} (one process's devices) "
                     f"{describe(candidates[-1])}")
+
+
+def kv_bytes_per_device(settings: Any, model_config: Any, devices: int) -> int:
+    """The rollout's KV cache per device, whatever the tensor degree (rows over the replicas,
+    kv heads over the tensor axis): a paged pool's `rollout.kv_pages` pages, else the rows
+    decoded at once (`rollout.max_concurrent_rows`, 0 = a step's rows) at prompt + response
+    length; keys and values of every layer in the compute dtype."""
+    r, m = settings.rollout, model_config
+    token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * jnp.dtype(m.compute_dtype).itemsize
+    if r.sampler.kv_pages:
+        tokens = r.sampler.kv_pages * r.sampler.kv_page_size
+    else:
+        rows = r.sampler.max_concurrent_rows or settings.rollout_rows
+        tokens = rows * (settings.data.max_prompt_len + r.max_new_tokens)
+    return -(-tokens * token // devices)
+
+
+def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_params: Any,
+                abstract_opt_state: Any, device_bytes: int | None) -> int:
+    """`resolve_tensor` of a run (`settings.rollout.tensor`): the replica from the requantized
+    abstract parameters, the learner's parameters and optimizer state as what stays resident,
+    the KV by `kv_bytes_per_device`, `device_bytes` the usable memory of one device (None:
+    unknown)."""
+    from qurl_jax import quant
+
+    recipe = quant.get_recipe(settings.rollout.precision)
+    actor = jax.eval_shape(lambda p: quant.requantize(p, recipe,
+                                                      compute_dtype=model_config.compute_dtype),
+                           jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                        abstract_params))
+    replica = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                  for x in jax.tree.leaves(actor))
+    devices = learner_mesh.size
+    local = len([d for d in learner_mesh.devices.flat
+                 if d.process_index == learner_mesh.devices.flat[0].process_index])
+    return resolve_tensor(
+        parse_tensor(settings.rollout.tensor), replica_bytes=replica,
+        kv_bytes=lambda t: kv_bytes_per_device(settings, model_config, devices),
+        resident_bytes=tree_bytes_per_device((abstract_params, abstract_opt_state)),
+        device_bytes=device_bytes, local_devices=local, num_kv_heads=model_config.num_kv_heads)
