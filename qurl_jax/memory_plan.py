@@ -28,6 +28,11 @@ output, temp and peak bytes:
   batch shard. With `rollout.kv_pages` the slots' caches are one page pool (its share per
   device) behind a page table, so the KV bytes are the pool's, not rows x slots.
 
+On a mesh of more than one device, `report` also reads the collectives one iteration of the
+`rollout_decode` program's decode loop (one generated token) runs per device from its optimized
+HLO (`bench.collectives`; JSON `decode_collectives`: count, bytes, link bytes, per kind, the
+biggest operands).
+
 `decode_kv(setup)` gives the KV cache inside the `rollout_decode` program per device (its bytes,
 bytes per token, rows, prompt and response lengths), without compiling; `report` includes it, and
 `bench.memory --kv_capacity` turns it into the rows a fixed-slot and a paged cache keep in flight.
@@ -59,8 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qurl_jax import quant, rollout_layout, targets
+from qurl_jax import native_pick, quant, rollout_layout, targets
 from qurl_jax import sharding as shd
+from qurl_jax.bench import collectives
 from qurl_jax.errors import UserError
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, PagedKVCache, hf, init_params, param_logical_axes
@@ -487,6 +493,10 @@ def report(settings: RunSettings, shapes_dir: str,
     described = target.describe()
     log(f"target {target.name}: {described['device_kind']} ({described['platform']}), "
         f"{len(devices)} devices, budget {budget / GIB:.2f} GiB per device")
+    note = native_pick.rollout_note(c.rollout.precision,
+                                    native_pick.chip_of(str(described["device_kind"])))
+    if note:
+        log(note)
     log(f"model {os.path.basename(c.model.path)}: {model_config.num_params / 1e9:.2f}B params, "
         f"dtype {model_config.dtype}, attention {model_config.attention}, remat {c.train.remat}")
     log(f"mesh data={c.mesh.data} fsdp={c.mesh.fsdp} tensor={c.mesh.tensor} "
@@ -514,6 +524,11 @@ def report(settings: RunSettings, shapes_dir: str,
         for part, formula, value in program.estimate.parts:
             log(f"    {value / GIB:7.2f}  {part:50s} {formula}")
         log("    with " + ", ".join(f"{k}={v}" for k, v in program.estimate.symbols.items()))
+        if name == "rollout_decode" and setup.mesh.size > 1:  # what the decode loop moves
+            found = collectives.loop_body_collectives(compiled.as_text())
+            out["decode_collectives"] = collectives.to_json(found)
+            log("  decode loop, per token per device: "
+                + "\n  ".join(collectives.describe(found)))
     if "rollout_decode" in out["programs"]:
         out["decode_kv"] = decode_kv(setup)
     return out
@@ -548,6 +563,9 @@ def preflight(setup: Setup, limit_bytes: int,
     and the knobs that shrink it; returns the figures otherwise."""
     figures, over = {}, []
     kind = setup.mesh.devices.flat[0].device_kind
+    note = native_pick.rollout_note(setup.settings.rollout.precision, native_pick.chip_of(kind))
+    if note:
+        log(f"preflight: {note}")
     for name, build in PROGRAMS.items():
         figures[name] = compiled_memory(build(setup).lowered.compile())
         peak = figures[name]["peak_bytes"]

@@ -90,6 +90,12 @@ def test_memory_report_of_a_small_config(tmp_path):
     kv = figures["decode_kv"]
     assert kv["cache_bytes"] == kv["rows"] * kv["cache_len"] * kv["token_bytes"] > 0
     assert kv["cache_bytes"] < figures["programs"]["rollout_decode"]["peak_bytes"]
+    # The decode loop's collectives per token on this learner (fsdp) layout: read and printed.
+    moved = figures["decode_collectives"]
+    assert moved["count"] == sum(k["count"] for k in moved["by_kind"].values()) > 0
+    assert moved["bytes"] >= moved["first_buffer_bytes"] > 0
+    assert any(line.startswith("  decode loop, per token per device: "
+                               f"{moved['count']} collectives") for line in lines)
 
 
 def test_rollout_chunk_bounds_decode_memory(tmp_path):

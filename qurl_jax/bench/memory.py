@@ -12,6 +12,10 @@ memory plan) against the budget (85% of the chip's memory; 60 GiB on `cpu`) and 
 estimate; `--json` also writes them, with the target's name, platform and device kind. A bad flag
 or target ends with one line naming it and a non-zero exit.
 
+With `rollout_decode` among the programs on a mesh of more than one device, it also prints the
+collectives the decode loop runs per generated token per device (count, bytes, kinds, the biggest
+operands; `bench.collectives`, JSON `decode_collectives`): what the layout costs in links.
+
 `--kv_capacity` adds, from the `rollout_decode` program's figures, the rollout rows a device's KV
 memory keeps decoding at once (`bench.paged.kv_capacity`): the budget less what the decode program
 plans besides its KV cache, as today's fixed slots (prompt + max_new_tokens each) and as a paged

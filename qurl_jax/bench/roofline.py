@@ -92,9 +92,14 @@ CASES = (("DeepSeek-R1-Distill-Qwen-1.5B", 64), ("DeepSeek-R1-Distill-Qwen-1.5B"
 #  TPU v5p: cloud.google.com/tpu/docs/v5p: 2,765 GB/s HBM2e; 459 TFLOP/s BF16, 918 TOPS INT8.
 #    v5p has no FP8 matrix unit: libtpu widens e4m3 codes and runs f32 MXU passes
 #    (`bench.native_products`); its FP8 rate is taken as the BF16 rate, an optimistic bound.
+#  TPU v5e: cloud.google.com/tpu/docs/v5e: 819 GB/s HBM2; 197 TFLOP/s BF16, 393 TOPS INT8.
+#  TPU v6e: cloud.google.com/tpu/docs/v6e: 1,638 GB/s HBM; 918 TFLOP/s BF16, 1,836 TOPS INT8.
+#    Neither has an FP8 matrix unit either (`bench.native_products`): FP8 at the BF16 rate.
 CHIPS: dict[str, dict[str, float]] = {
     "h100": {"bandwidth": 3.35e12, "bf16": 989e12, "int8": 1979e12, "fp8": 1979e12},
     "v5p": {"bandwidth": 2.765e12, "bf16": 459e12, "int8": 918e12, "fp8": 459e12},
+    "v5e": {"bandwidth": 0.819e12, "bf16": 197e12, "int8": 393e12, "fp8": 197e12},
+    "v6e": {"bandwidth": 1.638e12, "bf16": 918e12, "int8": 1836e12, "fp8": 918e12},
 }
 MEASURED = {  # README, one H100 SXM, decode tokens/s (1.5B x 64): the only measurement there is
     ("gpu", "DeepSeek-R1-Distill-Qwen-1.5B", 64, "bf16"): 19365.0,

@@ -1,0 +1,320 @@
+"""The rollout's decode step on a target's whole slice: HBM, FLOPs and the interconnect, predicted.
+
+    python -m qurl_jax.bench.interconnect --config=configs/deepscaler_r1_1p5b_int8.py \
+        --target=tpu:v5p-16 [--layouts=config,replicated] [--json=PATH]
+    python -m qurl_jax.bench.interconnect --table a.json b.json        # markdown table
+
+`bench.roofline` compiles a decode program for ONE device, so it never sees a collective. Here the
+run's own `rollout_decode` program (`memory_plan.PROGRAMS`: the config's sampler, rows, slots and
+cache, the actor of `rollout.precision` with the shardings the run gives it) is compiled by the
+target's compiler on the target's whole slice, the collectives one iteration of its decode loop
+(one generated token) runs per device are read from the optimized HLO (`bench.collectives`), and
+one decode step is predicted as
+
+    compute     = max(HBM bytes / HBM bandwidth, FLOPs / matrix rate of the actor's format)
+    links       = sum over collectives of link bytes / link bandwidth     (ring algorithms)
+    latency     = sum over collectives of hops x per-hop latency          (TPU: ring hops)
+                  or a fixed per-collective latency                       (H100: one NVSwitch hop)
+    step        = compute + links + latency      (no overlap of collectives with compute assumed)
+                  (`step_ms_all_ports` / `tokens_per_s_all_ports`: the links at every port)
+    tokens/s    = rows decoding at once on the slice / step
+
+per device, where
+
+- HBM bytes = the actor's bytes on one device (its shards of the compiled program's parameter
+  argument) + the KV cache the step reads: the device's rows x every cache slot x the bytes of one
+  token's keys and values on it (`memory_plan.decode_kv`; XLA's blockwise attention skips only
+  key blocks no row of the batch needs, so with rows of mixed lengths it reads about every slot);
+  (`*_live` fields: an attention that reads only the live slots of the refilling sampler's
+  steady state, `roofline.live_slots` of the config's prompt and response lengths);
+- FLOPs = `bench.roofline.step_flops` of the slice's rows over every slot, over the devices;
+- link bytes: `Collective.link_bytes` (what one device sends by a ring algorithm over its group);
+- hops: an all-gather, reduce-scatter or all-to-all on a bidirectional ring of n chips takes
+  ceil(n / 2) hops, an all-reduce twice that (a reduce-scatter then an all-gather), a permute one.
+
+Layouts (`--layouts`): 'config' compiles the config as it is; 'replicated' sets `mesh.data` to
+every device and `mesh.fsdp = mesh.tensor = 1`, so the actor is whole on every device and the
+rows are split over all of them (a layout the learner cannot afford, and no run trains with it).
+Until the rollout has a layout of its own, 'config' is the learner's layout (the rollout runs on
+the learner's fsdp-sharded actor) and 'replicated' stands for the rollout layout with
+`rollout.tensor=1`; once the rollout layout is in the plan, 'config' compiles it. Each record
+says which layout its compiled program had: the actor's share per device (`actor_fraction`, 1.0
+for a replica, 1/t for a t-way tensor-parallel replica, 1/fsdp for the learner's layout).
+
+Link figures per chip (public; `LINKS`):
+
+- TPU v5e, v6e, v5p: Google's per-chip bidirectional ICI bandwidth over its ports
+  (cloud.google.com/tpu/docs/v5e: 400 GB/s, 4 ports; /v6e: 800 GB/s, 4 ports; /v5p: 1,200 GB/s,
+  6 ports of a 3D torus), divided by the ports: a bidirectional ring along one torus axis sends
+  over two ports, one way each, i.e. one port's bidirectional figure (v5e 100 GB/s, v6e and v5p
+  200 GB/s). The JAX scaling book (jax-ml/scaling-book, tpus.md) gives 9e10 / 1.8e11 / 1.8e11
+  bytes/s for the same quantity. Latency: about 1 us per ICI hop (scaling book, sharding.md,
+  "A note on ICI latency").
+- H100 SXM: 900 GB/s of NVLink per GPU, bidirectional (NVIDIA H100 datasheet), 450 GB/s each
+  way; all eight GPUs of a node meet at the NVSwitches, so a ring sends at 450 GB/s. Latency:
+  about 6 us for a small all-reduce on an 8 x H100 HGX node with NVLink SHARP, at 2 GPUs and more
+  beyond (NVIDIA/nccl issue 1259); 6 us per collective is taken, a floor.
+
+A group spanning several torus axes can use more ports (up to the chip's whole figure, recorded as
+`links_ms_all_ports`); an axis of fewer than 4 chips has no wraparound link. Everything here is a
+prediction from the compiler's program and public peak figures, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from qurl_jax import memory_plan, targets
+from qurl_jax import sharding as shd
+from qurl_jax.bench import collectives, roofline
+from qurl_jax.config import load_config_file
+from qurl_jax.settings import RunSettings
+
+LAYOUTS = ("config", "replicated")
+PREDICTION = "prediction from the compiled program and public peak figures, not a measurement"
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One chip's interconnect as the model uses it (module docstring, sources there).
+
+    ring_bytes_per_s: what one device sends per second in a ring collective along one axis;
+    all_ports_bytes_per_s: its every port one way (the most any collective can get);
+    hop_s: latency per ring hop (TPU), 0 where `collective_s` is used instead;
+    collective_s: fixed latency per collective (H100 over NVSwitch)."""
+
+    ring_bytes_per_s: float
+    all_ports_bytes_per_s: float
+    hop_s: float = 0.0
+    collective_s: float = 0.0
+
+
+LINKS: dict[str, Link] = {
+    "v5e": Link(ring_bytes_per_s=100e9, all_ports_bytes_per_s=200e9, hop_s=1e-6),
+    "v6e": Link(ring_bytes_per_s=200e9, all_ports_bytes_per_s=400e9, hop_s=1e-6),
+    "v5p": Link(ring_bytes_per_s=200e9, all_ports_bytes_per_s=600e9, hop_s=1e-6),
+    "h100": Link(ring_bytes_per_s=450e9, all_ports_bytes_per_s=450e9, collective_s=6e-6),
+}
+
+
+def hops(c: collectives.Collective) -> int:
+    """Ring hops of one collective on a bidirectional ring of its group (module docstring)."""
+    n = max(c.group, 1)
+    if c.kind in ("collective-permute", "collective-broadcast") or c.group == 0:
+        return 1
+    if n == 1:
+        return 0
+    return math.ceil(n / 2) * (2 if c.kind == "all-reduce" else 1)
+
+
+def link_seconds(found: list[collectives.Collective], link: Link) -> dict[str, float]:
+    """Seconds per iteration the collectives cost: bandwidth (ring, and at every port), latency."""
+    sent = sum(c.link_bytes for c in found)
+    latency = sum(link.collective_s + link.hop_s * hops(c) for c in found
+                  if c.group != 1)
+    return {"links_s": sent / link.ring_bytes_per_s,
+            "links_all_ports_s": sent / link.all_ports_bytes_per_s, "latency_s": latency}
+
+
+def step(chip: str, actor: str, hbm_bytes: float, flops: float,
+         found: list[collectives.Collective]) -> dict[str, Any]:
+    """The predicted decode step of one device (module docstring): its parts in ms and bound."""
+    peak = roofline.CHIPS[chip]
+    rate = peak.get(actor, peak["bf16"])
+    t_mem, t_flops = hbm_bytes / peak["bandwidth"], flops / rate
+    compute = max(t_mem, t_flops)
+    links = link_seconds(found, LINKS[chip])
+    total = compute + links["links_s"] + links["latency_s"]
+    parts = {"hbm": t_mem, "flops": t_flops, "links": links["links_s"],
+             "latency": links["latency_s"]}
+    optimistic = compute + links["links_all_ports_s"] + links["latency_s"]
+    return {"hbm_ms": t_mem * 1e3, "flops_ms": t_flops * 1e3, "links_ms": links["links_s"] * 1e3,
+            "links_ms_all_ports": links["links_all_ports_s"] * 1e3,
+            "latency_ms": links["latency_s"] * 1e3, "step_ms": total * 1e3,
+            "step_ms_all_ports": optimistic * 1e3, "bound": max(parts, key=parts.get)}
+
+
+def actor_precision(settings: RunSettings) -> str:
+    """The roofline's matrix-rate key of `rollout.precision`: int8, fp8 (fp8 and fp8_block) or
+    bf16 (the float and weight-only actors multiply in the compute dtype)."""
+    p = settings.rollout.precision
+    return "int8" if p == "int8" else "fp8" if p.startswith("fp8") else "bf16"
+
+
+def replicated(settings: RunSettings, devices: int) -> RunSettings:
+    """`settings` with the actor whole on every device: mesh data = devices, fsdp = tensor = 1."""
+    mesh = dataclasses.replace(settings.mesh, data=devices, fsdp=1, tensor=1)
+    return dataclasses.replace(settings, mesh=mesh)
+
+
+def _actor_bytes(lowered: Any, compiled: Any) -> tuple[int, int]:
+    """(bytes of the program's first argument, the actor's parameters, on one device; in all)."""
+    infos = jax.tree.leaves(lowered.args_info[0][0])
+    shardings = jax.tree.leaves(compiled.input_shardings[0][0])
+    per_device = total = 0
+    for info, sharding in zip(infos, shardings, strict=True):
+        itemsize = np.dtype(info.dtype).itemsize
+        total += int(np.prod(info.shape)) * itemsize
+        per_device += int(np.prod(sharding.shard_shape(info.shape))) * itemsize
+    return per_device, total
+
+
+def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layout: str = "config",
+            log: Any = print) -> dict[str, Any]:
+    """Compiles the run's `rollout_decode` program for `target`'s whole slice in `layout` and
+    predicts its decode step (module docstring); returns the JSON-able record."""
+    if target.chip is None or target.chip.name not in LINKS:
+        raise targets.TargetError(f"{target.name}: link figures known for {', '.join(LINKS)} "
+                                  "only")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    devices = target.devices()
+    model = memory_plan.model_shape(settings.model, shapes_dir)
+    if layout == "replicated":
+        settings = replicated(settings, len(devices))
+    setup = memory_plan.build_setup(settings, model, devices)
+    start = time.perf_counter()
+    lowered = memory_plan.rollout_decode(setup).lowered
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    found = collectives.loop_body_collectives(compiled.as_text())
+    kv = memory_plan.decode_kv(setup)
+    if kv is None:
+        raise memory_plan.PlanError("config.rollout.kv_policy compresses the KV cache; the "
+                                    "interconnect roofline reads a dense cache")
+    actor_device, actor_total = _actor_bytes(lowered, compiled)
+    mesh = setup.settings.mesh
+    slice_rows = kv["rows"] * kv["batch_shards"]
+    kv_read = kv["rows"] * kv["cache_len"] * kv["token_bytes"]
+    flops = roofline.step_flops(model, slice_rows, kv["cache_len"]) / setup.mesh.size
+    actor = actor_precision(setup.settings)
+    predicted = step(target.chip.name, actor, actor_device + kv_read, flops, found)
+    record = {
+        "target": target.name, "chip": target.chip.name, "devices": setup.mesh.size,
+        "config_model": os.path.basename(os.path.normpath(settings.model.path)),
+        "precision": settings.rollout.precision, "actor": actor, "layout": layout,
+        "mesh": {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor},
+        "actor_bytes_per_device": actor_device, "actor_bytes": actor_total,
+        "actor_fraction": round(actor_device / actor_total, 4),
+        "rows_per_device": kv["rows"], "slice_rows": slice_rows, "cache_len": kv["cache_len"],
+        "prompt_len": kv["prompt_len"], "max_new_tokens": kv["max_new_tokens"],
+        "kv_read_bytes_per_device": kv_read, "hbm_bytes_per_device": actor_device + kv_read,
+        "flops_per_device": flops, "collectives": collectives.to_json(found),
+        "compile_s": round(compile_s, 1), **predicted,
+        "tokens_per_s": slice_rows / predicted["step_ms"] * 1e3,
+        "tokens_per_s_all_ports": slice_rows / predicted["step_ms_all_ports"] * 1e3,
+        "note": PREDICTION}
+    # The same step with a ragged attention that reads only the rows' live slots (the refilling
+    # sampler's steady state under `bench.sampler.tail_limits`' lengths: `roofline.live_slots`).
+    live = roofline.live_slots(kv["prompt_len"], kv["max_new_tokens"])
+    ragged = step(target.chip.name, actor, actor_device + kv_read * live / kv["cache_len"],
+                  flops, found)
+    record.update(live_slots=live, step_ms_live=ragged["step_ms"],
+                  tokens_per_s_live=slice_rows / ragged["step_ms"] * 1e3)
+    log(f"{target.name} {record['config_model']} {settings.rollout.precision} layout={layout} "
+        f"(mesh data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor}, actor share "
+        f"{record['actor_fraction']:.3g} per device; compiled in {compile_s:.0f} s):")
+    log("  decode loop, per token per device: " + "\n  ".join(collectives.describe(found)))
+    p = predicted
+    log(f"  predicted step {p['step_ms']:.2f} ms = HBM/FLOP {max(p['hbm_ms'], p['flops_ms']):.2f}"
+        f" + links {p['links_ms']:.2f} + latency {p['latency_ms']:.2f} "
+        f"(bound: {p['bound']}); {record['tokens_per_s']:,.0f} tokens/s on the slice "
+        f"({slice_rows} rows) - a prediction")
+    return record
+
+
+def _all_ports(r: dict[str, Any]) -> float:
+    """A record's tokens/s with its links at every port (from its parts, old records too)."""
+    step_ms = max(r["hbm_ms"], r["flops_ms"]) + r["links_ms_all_ports"] + r["latency_ms"]
+    return r["slice_rows"] / step_ms * 1e3
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """Per config, target and layout: the collectives per token and the predicted step and
+    tokens/s, and each layout's tokens/s over the first layout's of the same config and target."""
+    head = ["target", "model", "precision", "layout (mesh; actor share)", "collectives / token",
+            "MiB / token", "HBM+FLOP ms", "links ms", "latency ms", "predicted step ms",
+            "predicted tokens/s", "vs first layout", "links at every port: tokens/s",
+            "vs first layout (every port)", "live KV reads: tokens/s", "vs first layout (live)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    first: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        key = (r["target"], r["config_model"])
+        ref = first.setdefault(key, r)
+        ports = _all_ports(r)
+        m = r["mesh"]
+        lines.append("| " + " | ".join([
+            r["target"], r["config_model"], r["precision"],
+            f"{r['layout']} (data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']}; "
+            f"{r['actor_fraction']:.3g})",
+            str(r["collectives"]["count"]), f"{r['collectives']['bytes'] / 2**20:,.1f}",
+            f"{max(r['hbm_ms'], r['flops_ms']):.2f}", f"{r['links_ms']:.2f}",
+            f"{r['latency_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x", f"{ports:,.0f}",
+            f"{ports / _all_ports(ref):.2f}x"]
+            + ([f"{r['tokens_per_s_live']:,.0f}",
+                f"{r['tokens_per_s_live'] / ref['tokens_per_s_live']:.2f}x"]
+               if "tokens_per_s_live" in r and "tokens_per_s_live" in ref else ["", ""]))
+            + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="a config file with get_config() (configs/)")
+    p.add_argument("--target", help="tpu:v5p-16, tpu:v5e-8, tpu:v6e-8, gpu:h100-8, ...")
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="config, replicated or both (module docstring)")
+    p.add_argument("--shapes_dir", help="model config.json files; default: shapes/ beside "
+                                        "--config")
+    p.add_argument("--json", help="write the records here (after each layout)")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these files")
+    args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table([r for path in args.table for r in json.load(open(path))]))
+        return
+    if not args.config:
+        sys.exit("qurl_jax: bad flag --config: required (or --table)")
+    layouts = args.layouts.split(",")
+    if any(a not in LAYOUTS for a in layouts):
+        sys.exit(f"qurl_jax: bad flag --layouts={args.layouts}: expected a list of "
+                 f"{', '.join(LAYOUTS)}")
+    try:
+        target = targets.parse(args.target or "")
+    except targets.TargetError as e:
+        sys.exit(f"qurl_jax: bad flag --target: {e}")
+    if target.chip is None or target.chip.name not in LINKS:
+        sys.exit(f"qurl_jax: bad flag --target={args.target}: link figures known for "
+                 f"{', '.join(LINKS)} only")
+    targets.use_cpu_unless_accelerator_attached()
+    try:
+        config = load_config_file(args.config)
+    except (OSError, ImportError, SyntaxError) as e:
+        sys.exit(f"qurl_jax: bad flag --config={args.config}: {e}")
+    shapes_dir = args.shapes_dir or os.path.join(os.path.dirname(os.path.abspath(args.config)),
+                                                 "shapes")
+    records = []
+    for layout in layouts:
+        try:
+            records.append(predict(RunSettings.from_config(config), shapes_dir, target, layout))
+        except (targets.TargetError, memory_plan.PlanError, shd.MeshError) as e:
+            sys.exit(f"qurl_jax: {e}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+    if len(records) > 1:
+        print("\n" + markdown_table(records))
+
+
+if __name__ == "__main__":
+    main()
