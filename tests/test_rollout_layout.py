@@ -216,3 +216,29 @@ def test_resolve_tensor_auto_and_errors() -> None:
     assert rl.parse_tensor("auto") is None and rl.parse_tensor("2") == 2
     with pytest.raises(ValueError, match="config.rollout.tensor='x'"):
         rl.parse_tensor("x")
+
+
+def test_tpu_decode_loop_moves_no_vocabulary_or_hidden_sized_operand(tmp_path) -> None:
+    # Compiled by libtpu for a v5e-4 slice (no device): the learner's 2 x 2 (data x FSDP) mesh,
+    # the rollout on 4 one-chip replicas. One iteration of the decode loop (a generated token)
+    # may exchange per-slot flags, nothing the size of the vocabulary, the hidden state, the
+    # MLP or the heads.
+    from qurl_jax import memory_plan
+    from qurl_jax.bench import collectives
+    from qurl_jax.settings import RunSettings
+    from tests.compile_only import compiler_or_skip
+    from tests.test_targets import SHAPE, _step_config
+
+    target = compiler_or_skip("tpu:v5e-4")
+    settings = RunSettings.from_config(_step_config(tmp_path, rollout_precision="int8",
+                                                    train_precision="fp", kv_policy="dense",
+                                                    refill=False))
+    model = memory_plan.model_shape(settings.model, str(tmp_path))
+    setup = memory_plan.build_setup(settings, model, target.devices())
+    assert dict(setup.rollout_mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 1}
+    hlo = memory_plan.rollout_decode(setup).lowered.compile().as_text()
+    found = collectives.loop_body_collectives(hlo)
+    big = {SHAPE.vocab_size, SHAPE.hidden_size, SHAPE.intermediate_size,
+           SHAPE.num_heads * SHAPE.head_dim}
+    assert not [c for c in found if big & set(c.shape)], collectives.describe(found)
+    assert sum(c.bytes for c in found) <= 1024, collectives.describe(found)
