@@ -242,3 +242,18 @@ def test_tpu_decode_loop_moves_no_vocabulary_or_hidden_sized_operand(tmp_path) -
            SHAPE.num_heads * SHAPE.head_dim}
     assert not [c for c in found if big & set(c.shape)], collectives.describe(found)
     assert sum(c.bytes for c in found) <= 1024, collectives.describe(found)
+
+
+@pytest.mark.slow
+def test_bench_layout_case_times_both_layouts_and_the_reshard(qwen, capsys) -> None:
+    import argparse
+
+    from qurl_jax.bench import sampler as bench
+
+    cfg, params = qwen
+    args = argparse.Namespace(tail_prompts=4, tail_n=2, new_tokens=8, prompt_len=4,
+                              tail_slots=8, refill_min=0, rounds=1, rollout_tensor=1)
+    figures = bench.layouts(cfg, params, args)
+    assert figures["learner layout tok/s"] > 0 and figures["rollout layout tok/s"] > 0
+    assert figures["reshard s"] > 0
+    assert "rollout layout / learner layout tokens/s" in capsys.readouterr().out
