@@ -257,3 +257,33 @@ def test_bench_layout_case_times_both_layouts_and_the_reshard(qwen, capsys) -> N
     assert figures["learner layout tok/s"] > 0 and figures["rollout layout tok/s"] > 0
     assert figures["reshard s"] > 0
     assert "rollout layout / learner layout tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~3 min: three CLI runs, two of them in parallel processes
+def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path) -> None:
+    # The rollout layout across processes: the learner's FSDP 4 x tensor 2 mesh over two
+    # processes of 4 devices, the rollout on 4 replicas of rollout.tensor=2 (each within one
+    # process), the static sampler; the same metrics (log-probs, rewards, updates) as
+    # one process of 8 devices.
+    from tests.test_multiprocess import (
+        MESH,
+        _assert_close_metrics,
+        _Children,
+        _comparable,
+        _wait_ok,
+    )
+
+    children = _Children()
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    args = (*MESH, "--config.train.num_steps=2", "--config.rollout.refill=off",
+            "--config.rollout.tensor=2")
+    try:
+        procs = children.start_group(two, *args, num=2, logs=two + ".log")
+        single = children.start(one, *args, devices=8, log=one + ".log")
+        _wait_ok([*procs, single], [two + ".log.0", two + ".log.1", one + ".log"])
+    finally:
+        children.kill_all()
+    a, b = _comparable(two), _comparable(one)
+    _assert_close_metrics(a, b)
+    assert "rollout layout: 4 replicas x rollout.tensor=2" in open(two + ".log.0").read()
+    assert a[(1, "train", "reshard/bytes_per_quantized_param")] > 0
