@@ -60,9 +60,8 @@ SLOW = pytest.mark.slow  # a sampler's programs compiled twice (one device, 8 de
 
 
 @pytest.mark.parametrize("kind, tensor", [
-    ("static", 2), pytest.param("static", 1, marks=SLOW), pytest.param("refill", 1, marks=SLOW),
-    pytest.param("refill", 2, marks=SLOW), pytest.param("paged", 1, marks=SLOW),
-    pytest.param("paged", 2, marks=SLOW)])
+    pytest.param(kind, tensor, marks=SLOW) for kind in ("static", "refill", "paged")
+    for tensor in (1, 2)])
 def test_same_tokens_as_one_device_int8(qwen, kind, tensor) -> None:
     cfg, params = qwen
     recipe = "int8"
