@@ -525,10 +525,14 @@ def report(settings: RunSettings, shapes_dir: str,
             log(f"    {value / GIB:7.2f}  {part:50s} {formula}")
         log("    with " + ", ".join(f"{k}={v}" for k, v in program.estimate.symbols.items()))
         if name == "rollout_decode" and setup.mesh.size > 1:  # what the decode loop moves
-            found = collectives.loop_body_collectives(compiled.as_text())
-            out["decode_collectives"] = collectives.to_json(found)
-            log("  decode loop, per token per device: "
-                + "\n  ".join(collectives.describe(found)))
+            try:
+                found = collectives.loop_body_collectives(compiled.as_text())
+            except collectives.HloError as e:  # a program without a loop: say so, go on
+                log(f"  decode loop: not read ({e})")
+            else:
+                out["decode_collectives"] = collectives.to_json(found)
+                log("  decode loop, per token per device: "
+                    + "\n  ".join(collectives.describe(found)))
     if "rollout_decode" in out["programs"]:
         out["decode_kv"] = decode_kv(setup)
     return out

@@ -123,6 +123,11 @@ def test_reads_every_collective_of_the_loop_with_the_most_dots() -> None:
     assert summary.first_buffer_bytes == nbytes - 8 * 1024 * 4
 
 
+def test_the_body_alone_misses_what_its_calls_run() -> None:
+    found = collectives.loop_body_collectives(HLO, follow_calls=False)
+    assert [c.name for c in found] == ["ar"]
+
+
 def test_a_named_loop_and_async_pairs_counted_once() -> None:
     found = collectives.loop_body_collectives(HLO, while_name="outer")
     assert [(c.kind, c.shape, c.bytes, c.group) for c in found] == [

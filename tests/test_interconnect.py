@@ -65,12 +65,13 @@ def test_sharded_actor_pays_collectives_a_replica_does_not(tmp_path) -> None:
     # partial sums and logits every token, the replicas only per-slot flags.
     target = compiler_or_skip("tpu:v5e-4")
     lines = []
-    sharded = interconnect.predict(_settings(tmp_path, 4), str(tmp_path), target, "config",
+    sharded = interconnect.predict(_settings(tmp_path, 4), str(tmp_path), target, "learner",
                                    log=lines.append)
-    replica = interconnect.predict(_settings(tmp_path, 4), str(tmp_path), target, "replicated",
+    replica = interconnect.predict(_settings(tmp_path, 4), str(tmp_path), target, "rollout",
                                    log=lines.append)
     assert sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
-    assert replica["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    assert sharded["layout"] == "learner" and replica["layout"] in (
+        "rollout", "replicated (stands in for the rollout layout)")
     assert replica["actor_fraction"] == 1.0 and sharded["actor_fraction"] < 0.5
     assert sharded["slice_rows"] == replica["slice_rows"] > 0
     assert sharded["collectives"]["count"] > replica["collectives"]["count"]
@@ -88,6 +89,6 @@ def test_sharded_actor_pays_collectives_a_replica_does_not(tmp_path) -> None:
 def test_cli_rejects_a_chip_without_link_figures() -> None:
     with pytest.raises(SystemExit, match="bad flag --target=cpu"):
         interconnect.main(["--config=configs/arith_tiny.py", "--target=cpu"])
-    with pytest.raises(SystemExit, match="bad flag --layouts=learner"):
+    with pytest.raises(SystemExit, match="bad flag --layouts=config"):
         interconnect.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
-                           "--layouts=learner"])
+                           "--layouts=config"])

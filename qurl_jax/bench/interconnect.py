@@ -1,15 +1,14 @@
 """The rollout's decode step on a target's whole slice: HBM, FLOPs and the interconnect, predicted.
 
     python -m qurl_jax.bench.interconnect --config=configs/deepscaler_r1_1p5b_int8.py \
-        --target=tpu:v5p-16 [--layouts=config,replicated] [--json=PATH]
+        --target=tpu:v5p-16 [--layouts=learner,rollout,replicated] [--json=PATH]
     python -m qurl_jax.bench.interconnect --table a.json b.json        # markdown table
 
 `bench.roofline` compiles a decode program for ONE device, so it never sees a collective. Here the
-run's own `rollout_decode` program (`memory_plan.PROGRAMS`: the config's sampler, rows, slots and
-cache, the actor of `rollout.precision` with the shardings the run gives it) is compiled by the
-target's compiler on the target's whole slice, the collectives one iteration of its decode loop
-(one generated token) runs per device are read from the optimized HLO (`bench.collectives`), and
-one decode step is predicted as
+run's decode program (the config's sampler, rows, slots and cache and its `rollout.precision`
+actor, in one of the layouts below) is compiled by the target's compiler on the target's whole
+slice, the collectives one iteration of its decode loop (one generated token) runs per device
+are read from the optimized HLO (`bench.collectives`), and one decode step is predicted as
 
     compute     = max(HBM bytes / HBM bandwidth, FLOPs / matrix rate of the actor's format)
     links       = sum over collectives of link bytes / link bandwidth     (ring algorithms)
@@ -32,14 +31,20 @@ per device, where
 - hops: an all-gather, reduce-scatter or all-to-all on a bidirectional ring of n chips takes
   ceil(n / 2) hops, an all-reduce twice that (a reduce-scatter then an all-gather), a permute one.
 
-Layouts (`--layouts`): 'config' compiles the config as it is; 'replicated' sets `mesh.data` to
-every device and `mesh.fsdp = mesh.tensor = 1`, so the actor is whole on every device and the
-rows are split over all of them (a layout the learner cannot afford, and no run trains with it).
-Until the rollout has a layout of its own, 'config' is the learner's layout (the rollout runs on
-the learner's fsdp-sharded actor) and 'replicated' stands for the rollout layout with
-`rollout.tensor=1`; once the rollout layout is in the plan, 'config' compiles it. Each record
-says which layout its compiled program had: the actor's share per device (`actor_fraction`, 1.0
-for a replica, 1/t for a t-way tensor-parallel replica, 1/fsdp for the learner's layout).
+Layouts (`--layouts`, default learner,rollout):
+
+- 'learner': the config's sampler on the learner's mesh with the actor as `quant.requantize`
+  leaves it there (each kernel keeps its fsdp sharding): how the rollout decodes until it has a
+  layout of its own;
+- 'rollout': the plan's own `rollout_decode` program (`memory_plan.PROGRAMS`) where the plan
+  builds it on the rollout's replicas (`Setup.rollout_mesh`); where it does not (before the
+  rollout layout), 'replicated' stands in for it and the record says so;
+- 'replicated': `mesh.data` set to every device and `mesh.fsdp = mesh.tensor = 1`, so the actor
+  is whole on every device and the rows are split over all of them: the rollout layout at
+  `rollout.tensor=1`, built from the learner's side (a layout the learner cannot afford).
+
+Each record says what its compiled program had: the actor's share per device (`actor_fraction`,
+1.0 for a replica, 1/t for a t-way tensor-parallel replica, 1/fsdp for the learner's layout).
 
 Link figures per chip (public; `LINKS`):
 
@@ -74,13 +79,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from qurl_jax import memory_plan, targets
+from qurl_jax import memory_plan, quant, targets
 from qurl_jax import sharding as shd
 from qurl_jax.bench import collectives, roofline
 from qurl_jax.config import load_config_file
+from qurl_jax.models import PagedKVCache
+from qurl_jax.sampling.factory import build_rollout_sampler
 from qurl_jax.settings import RunSettings
 
-LAYOUTS = ("config", "replicated")
+LAYOUTS = ("learner", "rollout", "replicated")
 PREDICTION = "prediction from the compiled program and public peak figures, not a measurement"
 
 
@@ -157,6 +164,42 @@ def replicated(settings: RunSettings, devices: int) -> RunSettings:
     return dataclasses.replace(settings, mesh=mesh)
 
 
+def _learner_decode(setup: memory_plan.Setup) -> tuple[Any, dict[str, int]]:
+    """The run's decode program on the learner's layout: its sampler on the learner's mesh with
+    the actor as `quant.requantize` leaves it there (the learner's fsdp shardings), and the KV
+    cache it holds per device (rows, batch shards, cache slots, bytes per token)."""
+    rollout = setup.settings.rollout
+    sampler = build_rollout_sampler(
+        setup.model_config, quant.make_dot_general(quant.get_recipe(rollout.precision)),
+        rollout.sampler, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
+        mesh=setup.mesh, platform=targets.platform_of(setup.mesh))
+    rows = sampler.rows_per_chunk(setup.settings.data.prompts_per_step, rollout.n)
+    slots = min(rollout.sampler.max_concurrent_rows or rows, rows) if rollout.sampler.refills \
+        else rows
+    actor = getattr(setup, "learner_actor", None) or setup.actor  # the plan's name for it
+    lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
+                                     n=rollout.n)["decode"]
+    engine = sampler.engine
+    if engine.kv_policy.compresses:
+        raise memory_plan.PlanError("config.rollout.kv_policy compresses the KV cache; the "
+                                    "interconnect roofline reads a dense cache")
+    cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
+    cache = engine.layout.abstract(slots, cache_len)
+    k = cache.k[0]
+    per_device = int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
+    mesh = setup.mesh.shape
+    kv = {"cache_len": int(cache_len), "prompt_len": setup.prompt_len,
+          "max_new_tokens": setup.response_len, "batch_shards": mesh["data"] * mesh["fsdp"]}
+    if isinstance(cache, PagedKVCache):  # pools f[Hkv, P, page_size, D]: pages over the shards
+        pages = k.sharding.shard_shape(k.shape)[1]
+        kv_rows = cache.page_table.sharding.shard_shape(cache.page_table.shape)[0]
+        token = 2 * len(cache.k) * per_device // (pages * cache.page_size)
+    else:
+        kv_rows = k.sharding.shard_shape(k.shape)[0]
+        token = 2 * len(cache.k) * per_device // (kv_rows * cache_len)
+    return lowered, {**kv, "rows": int(kv_rows), "token_bytes": int(token)}
+
+
 def _actor_bytes(lowered: Any, compiled: Any) -> tuple[int, int]:
     """(bytes of the program's first argument, the actor's parameters, on one device; in all)."""
     infos = jax.tree.leaves(lowered.args_info[0][0])
@@ -169,7 +212,7 @@ def _actor_bytes(lowered: Any, compiled: Any) -> tuple[int, int]:
     return per_device, total
 
 
-def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layout: str = "config",
+def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layout: str = "rollout",
             log: Any = print) -> dict[str, Any]:
     """Compiles the run's `rollout_decode` program for `target`'s whole slice in `layout` and
     predicts its decode step (module docstring); returns the JSON-able record."""
@@ -180,15 +223,20 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
         raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
     devices = target.devices()
     model = memory_plan.model_shape(settings.model, shapes_dir)
-    if layout == "replicated":
-        settings = replicated(settings, len(devices))
     setup = memory_plan.build_setup(settings, model, devices)
+    has_rollout_layout = hasattr(setup, "rollout_mesh")
+    if layout == "replicated" or (layout == "rollout" and not has_rollout_layout):
+        setup = memory_plan.build_setup(replicated(settings, len(devices)), model, devices)
+        layout = "replicated" + (" (stands in for the rollout layout)" if layout == "rollout"
+                                 else "")
     start = time.perf_counter()
-    lowered = memory_plan.rollout_decode(setup).lowered
+    if layout == "learner":
+        lowered, kv = _learner_decode(setup)
+    else:
+        lowered, kv = memory_plan.rollout_decode(setup).lowered, memory_plan.decode_kv(setup)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     found = collectives.loop_body_collectives(compiled.as_text())
-    kv = memory_plan.decode_kv(setup)
     if kv is None:
         raise memory_plan.PlanError("config.rollout.kv_policy compresses the KV cache; the "
                                     "interconnect roofline reads a dense cache")
@@ -199,7 +247,9 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
     flops = roofline.step_flops(model, slice_rows, kv["cache_len"]) / setup.mesh.size
     actor = actor_precision(setup.settings)
     predicted = step(target.chip.name, actor, actor_device + kv_read, flops, found)
+    rollout_mesh = getattr(setup, "rollout_mesh", None)
     record = {
+        "rollout_mesh": dict(rollout_mesh.shape) if rollout_mesh is not None else None,
         "target": target.name, "chip": target.chip.name, "devices": setup.mesh.size,
         "config_model": os.path.basename(os.path.normpath(settings.model.path)),
         "precision": settings.rollout.precision, "actor": actor, "layout": layout,
@@ -273,8 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a config file with get_config() (configs/)")
     p.add_argument("--target", help="tpu:v5p-16, tpu:v5e-8, tpu:v6e-8, gpu:h100-8, ...")
-    p.add_argument("--layouts", default=",".join(LAYOUTS),
-                   help="config, replicated or both (module docstring)")
+    p.add_argument("--layouts", default="learner,rollout",
+                   help="learner, rollout, replicated: a list (module docstring)")
     p.add_argument("--shapes_dir", help="model config.json files; default: shapes/ beside "
                                         "--config")
     p.add_argument("--json", help="write the records here (after each layout)")
