@@ -101,6 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0  # 0 = off
     c.rollout.top_p = 1.0
     c.rollout.max_concurrent_rows = 0  # rows decoded at once (bounds the KV cache); 0 = all
+    # The rollout's replicas of the quantized actor over the run's devices (rollout_layout.py):
+    # each split over this many devices ('auto': the smallest power of two within one process's
+    # devices at which a replica, its KV and the learner's state fit a device; 1 where it fits).
+    c.rollout.tensor = "auto"
     # Refill finished rows' slots with waiting rows (sampling.RefillSampler, continuous batching):
     # 'on', 'off' (the static chunked Sampler) or 'auto' = on when rows wait, i.e. when
     # max_concurrent_rows > 0 holds fewer rows than prompts_per_step * n. Both samplers draw the
@@ -514,12 +518,18 @@ def _check_paging(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.rollout.kv_pages={r.kv_pages}: a paged KV pool does not "
                           f"take the compressing rollout.kv_policy={r.kv_policy!r}; set one "
                           "of them to 0 / 'dense'")
-    if -1 in (c.mesh.data, c.mesh.fsdp):
+    from qurl_jax.rollout_layout import parse_tensor
+
+    tensor = parse_tensor(r.get("tensor", "auto"))
+    if -1 in (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) or tensor is None:
         return  # the batch shards are known once the mesh is built: the sampler checks
-    shards = c.mesh.data * c.mesh.dcn.data * c.mesh.fsdp * c.mesh.dcn.fsdp
+    # The rollout's batch shards are its replicas (`qurl_jax.rollout_layout`).
+    shards = (c.mesh.data * c.mesh.dcn.data * c.mesh.fsdp * c.mesh.dcn.fsdp * c.mesh.tensor
+              * c.mesh.dcn.tensor) // tensor
     if r.kv_pages % shards:
         raise ConfigError(f"config.rollout.kv_pages={r.kv_pages} must be a multiple of the "
-                          f"batch shards (mesh data x fsdp = {shards})")
+                          f"batch shards (the rollout's replicas: mesh devices / "
+                          f"rollout.tensor = {shards})")
     tokens = c.data.max_prompt_len + r.max_new_tokens
     need = -(-tokens // r.kv_page_size)
     if r.kv_pages // shards < need:
@@ -576,6 +586,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rl.kl_estimator, KL_ESTIMATORS, "rl.kl_estimator")
     _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
     _choice(c.rollout.refill, REFILL, "rollout.refill")
+    from qurl_jax.rollout_layout import parse_tensor
+
+    try:
+        parse_tensor(c.rollout.tensor)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
     _choice(c.train.preflight, ("auto", "on", "off"), "train.preflight")
     if c.train.preflight_target:

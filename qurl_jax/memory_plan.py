@@ -64,12 +64,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qurl_jax import native_pick, quant, targets
+from qurl_jax import native_pick, quant, rollout_layout, targets
 from qurl_jax import sharding as shd
 from qurl_jax.bench import collectives
 from qurl_jax.errors import UserError
 from qurl_jax.learner import Learner
-from qurl_jax.models import ModelConfig, PagedKVCache, hf, init_params
+from qurl_jax.models import ModelConfig, PagedKVCache, hf, init_params, param_logical_axes
 from qurl_jax.sampling.factory import build_rollout_sampler
 from qurl_jax.settings import MeshSizes, ModelSettings, RunSettings
 
@@ -111,19 +111,45 @@ class Setup:
 
     @functools.cached_property
     def requantize_fn(self) -> Callable:
-        """The jitted requantize of the rollout precision: one function per Setup, so the
-        `actor` shardings and the `requantize` program share one compile."""
+        """The jitted requantize of the rollout precision (unquantized leaves in the compute
+        dtype, as the trainer makes them): one function per Setup, so the `learner_actor`
+        shardings and the `requantize` program share one compile."""
         recipe = quant.get_recipe(self.settings.rollout.precision)
-        return jax.jit(lambda params: quant.requantize(params, recipe))
+        dtype = self.model_config.compute_dtype
+        return jax.jit(lambda params: quant.requantize(params, recipe, compute_dtype=dtype))
 
     @functools.cached_property
-    def actor(self) -> Any:
+    def learner_actor(self) -> Any:
         """The rollout actor's parameters as `jax.ShapeDtypeStruct`s with the shardings
-        requantize gives them."""
+        requantize gives them on the learner's mesh (the reshard's input)."""
         fn = self.requantize_fn
         shardings = fn.lower(self.params).compile().output_shardings
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             jax.eval_shape(fn, self.params), shardings)
+
+    @functools.cached_property
+    def rollout_mesh(self) -> Mesh:
+        """The rollout's replicas over the mesh's devices (`qurl_jax.rollout_layout`); 'auto' is
+        1 here (the plan compiles it; the trainer checks the device's memory)."""
+        tensor = rollout_layout.parse_tensor(self.settings.rollout.tensor) or 1
+        return rollout_layout.rollout_mesh(self.mesh, tensor)
+
+    @functools.cached_property
+    def reshard(self) -> rollout_layout.Reshard:
+        return rollout_layout.Reshard(param_logical_axes(self.model_config), self.rollout_mesh)
+
+    @functools.cached_property
+    def actor(self) -> Any:
+        """The rollout actor's parameters as `jax.ShapeDtypeStruct`s on the rollout's replicas
+        (what the samplers' programs take)."""
+        src = self.learner_actor
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            src, self.reshard.shardings(src))
+
+    @property
+    def replicas(self) -> int:
+        """The rollout's batch shards: its replicas."""
+        return int(self.rollout_mesh.shape["data"] * self.rollout_mesh.shape["fsdp"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,9 +273,22 @@ def requantize(setup: Setup) -> Program:
     """The rollout actor made from the learner's parameters, every step."""
     lowered = setup.requantize_fn.lower(setup.params)
     s = _symbols(setup, setup.rollout_rows)
-    actor = _bytes_per_device(setup.actor)
+    actor = _bytes_per_device(setup.learner_actor)
     return Program(lowered, Estimate((("params (input)", "Pd", s["Pd"]),
                                       ("actor (output)", "codes + scales", actor)), s))
+
+
+def reshard(setup: Setup) -> Program:
+    """The actor's codes and scales moved from the learner's layout to the rollout's replicas,
+    every step (`qurl_jax.rollout_layout.Reshard`)."""
+    src = setup.learner_actor
+    lowered = setup.reshard.fn(src).lower(src)
+    s = _symbols(setup, setup.rollout_rows)
+    return Program(lowered, Estimate((
+        ("actor on the learner's layout (input)", "codes + scales / devices",
+         _bytes_per_device(src)),
+        ("actor replica share (output)", "codes + scales / rollout.tensor",
+         _bytes_per_device(setup.actor))), s))
 
 
 def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
@@ -260,7 +299,7 @@ def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
     sampler = build_rollout_sampler(
         setup.model_config, quant.make_dot_general(quant.get_recipe(rollout.precision)),
         rollout.sampler, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
-        mesh=setup.mesh, platform=targets.platform_of(setup.mesh))
+        mesh=setup.rollout_mesh, platform=targets.platform_of(setup.mesh))
     rows = sampler.rows_per_chunk(run.data.prompts_per_step, rollout.n)
     refill = rollout.sampler.refills
     slots = min(rollout.sampler.max_concurrent_rows or rows, rows) if refill else rows
@@ -268,21 +307,23 @@ def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
 
 
 def _rollout(setup: Setup, name: str) -> Program:
-    run, rollout = setup.settings, setup.settings.rollout
+    rollout = setup.settings.rollout
     refill = rollout.sampler.refills
     sampler, rows, slots = _rollout_sampler(setup)
     actor = setup.actor
     lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
                                      n=rollout.n)[name]
-    s = _symbols(setup, slots)
+    shards = setup.replicas
+    t = int(setup.rollout_mesh.shape["tensor"])
+    s = {**_symbols(setup, slots), "b": max(slots // shards, 1), "t": t}
     m = setup.model_config
-    b, V, t = s["b"], s["V"], s["t"]
+    b, V = s["b"], s["V"]
     kv_heads = max(m.num_kv_heads // t, 1)
     token = 2 * s["L"] * kv_heads * m.head_dim * s["cb"]  # keys and values of one token
     if rollout.sampler.kv_pages:  # the pool replaces the rows' slots
-        pages = rollout.sampler.kv_pages // (run.mesh.data * run.mesh.fsdp)
+        pages = rollout.sampler.kv_pages // shards
         kv = ("KV page pool (keys and values, every layer; rollout.kv_pages)",
-              "2*L*(kv_pages/(data*fsdp))*page_size*max(Hkv/t,1)*D * cb",
+              "2*L*(kv_pages/replicas)*page_size*max(Hkv/t,1)*D * cb",
               pages * rollout.sampler.kv_page_size * token)
         s = {**s, "pages": pages, "page_size": rollout.sampler.kv_page_size}
     else:
@@ -292,8 +333,6 @@ def _rollout(setup: Setup, name: str) -> Program:
               b * sampler.engine.cache_slots(setup.prompt_len, setup.response_len) * token)
     parts = (
         ("actor parameters", "codes + scales per device", _bytes_per_device(actor)),
-        ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
-         _weights_at_work(s)[2]),
         kv,
         ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
     ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
@@ -301,10 +340,10 @@ def _rollout(setup: Setup, name: str) -> Program:
            * s["cb"]),) if name == "prefill" else ()) + ((
         ("row-indexed outputs of every row (refill)",
          "rows/device * G * 13 (tokens, two log-probs, mask)",
-         max(rows // (run.mesh.data * run.mesh.fsdp), 1) * s["G"] * 13),
+         max(rows // shards, 1) * s["G"] * 13),
         ("held prompt prefills (refill; one per batch shard, whole on every device)",
-         "data*fsdp * 2*L*P*max(Hkv/t,1)*D * cb",
-         run.mesh.data * run.mesh.fsdp * 2 * s["L"] * sampler.engine.prefill_slots(setup.prompt_len)
+         "replicas * 2*L*P*max(Hkv/t,1)*D * cb",
+         shards * 2 * s["L"] * sampler.engine.prefill_slots(setup.prompt_len)
          * kv_heads * m.head_dim * s["cb"])) if refill else ())
     counts = {"rows per call": rows, "slots": slots} if refill else {"rows per chunk": rows}
     return Program(lowered, Estimate(parts, {**s, **counts}))
@@ -342,7 +381,7 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
     cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
     cache = engine.layout.abstract(slots, cache_len)
     cache_bytes = _bytes_per_device((cache.k, cache.v))
-    shards = setup.settings.mesh.data * setup.settings.mesh.fsdp
+    shards = setup.replicas
     out = {"cache_len": int(cache_len), "cache_bytes": cache_bytes,
            "prompt_len": setup.prompt_len, "max_new_tokens": setup.response_len,
            "rollout_rows": max(setup.rollout_rows // shards, 1), "batch_shards": shards}
@@ -359,6 +398,7 @@ PROGRAMS: dict[str, Callable[[Setup], Program]] = {
     "learner_update": learner_update,
     "learner_logprobs": learner_logprobs,
     "requantize": requantize,
+    "reshard": reshard,
     "rollout_prefill": rollout_prefill,
     "rollout_decode": rollout_decode,
 }
@@ -505,9 +545,12 @@ KNOBS = {
     "learner_logprobs": "rl.num_micro_batches (log-prob slices are one micro-batch), "
                         "train.logprob_chunk (smaller), mesh.fsdp / mesh.tensor",
     "requantize": "mesh.fsdp / mesh.tensor (parameters spread over more devices)",
-    "rollout_prefill": "rollout.max_concurrent_rows (smaller chunks), mesh.data / mesh.fsdp",
+    "reshard": "rollout.tensor (each replica over more devices)",
+    "rollout_prefill": "rollout.max_concurrent_rows (smaller chunks), rollout.tensor (each "
+                       "replica over more devices)",
     "rollout_decode": "rollout.max_concurrent_rows (smaller chunks; the KV cache is per row), "
-                      "rollout.kv_pages (a smaller pool, when paged), mesh.data / mesh.fsdp",
+                      "rollout.kv_pages (a smaller pool, when paged), rollout.tensor (each "
+                      "replica over more devices)",
 }
 
 

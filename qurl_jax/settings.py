@@ -165,13 +165,15 @@ class RolloutSettings:
     max_new_tokens: int = 1024
     temperature: float = 1.0
     sampler: RolloutSamplerSettings = RolloutSamplerSettings(rows_per_step=8 * 8)  # data's 8
+    tensor: str = "auto"  # the rollout replicas' tensor degree (`qurl_jax.rollout_layout`)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
         """Of the whole config: the sampler's rows per step are `data.prompts_per_step * n`."""
         r = c.rollout
         return cls(precision=r.precision, n=r.n, max_new_tokens=r.max_new_tokens,
-                   temperature=r.temperature, sampler=rollout_sampler_settings(c))
+                   temperature=r.temperature, sampler=rollout_sampler_settings(c),
+                   tensor=str(r.get("tensor", "auto")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,24 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("cache_length", None),
 )
 
+# The rollout's replicas (`qurl_jax.rollout_layout`, a mesh whose 'data' axis is the replicas and
+# whose 'fsdp' axis is 1): no weight sharded over fsdp; heads, MLP and kv heads over the rollout's
+# tensor axis; the embedding and the LM head whole on every device (a vocabulary-sharded head
+# would gather every slot's logits every token); rows, slots and pages over the replicas.
+ROLLOUT_AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", None),
+    ("norm", None),
+    ("head_dim", None),
+    ("layers", None),
+    ("cache_length", None),
+)
+
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int,
                dcn: Mapping[str, int] | None = None) -> dict[str, int]:

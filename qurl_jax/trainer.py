@@ -36,7 +36,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import compilation, memory_plan, quant, report, run_config, targets
+from qurl_jax import compilation, memory_plan, quant, report, rollout_layout, run_config, targets
 from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
@@ -56,7 +56,7 @@ from qurl_jax.metrics import (
     rollout_share,
     to_floats,
 )
-from qurl_jax.models import init_params, positions_from_mask
+from qurl_jax.models import init_params, param_logical_axes, positions_from_mask
 from qurl_jax.preemption import PreemptionGuard
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
@@ -133,12 +133,25 @@ class Trainer:
         if self.checkpointer.steps():
             run_config.check(c, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
+        # The rollout's own layout: replicas of the quantized actor over the same devices
+        # (`qurl_jax.rollout_layout`); the learner, its log-probs and the optimizer stay on
+        # `self.mesh`.
+        abstract = self._abstract_state()
+        memory = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+        self.rollout_mesh = rollout_layout.rollout_mesh(self.mesh, rollout_layout.plan_tensor(
+            self.settings, self.model_config, self.mesh, abstract["params"],
+            abstract["opt_state"], memory and int(memory * memory_plan.FIT_FRACTION)))
+        self._reshard = rollout_layout.Reshard(param_logical_axes(self.model_config),
+                                               self.rollout_mesh)
+        logging.info("rollout layout: %d replicas x rollout.tensor=%d over the learner's %s",
+                     self.rollout_mesh.shape["data"], self.rollout_mesh.shape["tensor"],
+                     dict(self.mesh.shape))
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(self.settings,
                                                                           self.workdir, reward_fn)
         engine_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
                              max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
-                             pad_id=self.task.pad_id, mesh=self.mesh)
+                             pad_id=self.task.pad_id, mesh=self.rollout_mesh)
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
         # the learner's log-probs (logp_prox) stay dense.
         sampler_settings = self.settings.rollout.sampler
@@ -321,8 +334,15 @@ class Trainer:
         timer = PhaseTimer(self.watchdog)
         compiled_before = compilation.compile_stats()
         with timer.phase("requantize"):
-            rollout_params = jax.block_until_ready(quant.requantize(self.params, self.recipe))
+            actor = jax.block_until_ready(quant.requantize(
+                self.params, self.recipe, compute_dtype=self.model_config.compute_dtype))
+        with timer.phase("reshard"):  # codes and scales to the rollout's replicas
+            rollout_params = jax.block_until_ready(self._reshard(actor))
+        moved = self._reshard.bytes(actor)
+        del actor
         r, metrics = self.collect(rollout_params, timer)
+        metrics.update({"reshard/bytes_per_device": float(moved.received),
+                        "reshard/bytes_per_quantized_param": moved.per_quantized_parameter})
         batch = self._learner_batch(r)
         with timer.phase("logp_recompute"):
             batch["logp_prox"] = self.learner.logprobs(self.params, batch)
@@ -426,8 +446,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- run
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
-        params = self.params if params is None else params
         with self._watch("eval"):
+            params = self._on_rollout_layout(self.params if params is None else params)
             return self.task.evaluate(self.eval_sampler, params, self.settings.eval,
                                       self.key(Stream.EVAL))
 
@@ -440,10 +460,10 @@ class Trainer:
         (`qurl_jax.rollout_speed`)."""
         c = self.config
         prompts, _ = self.task.sample_prompts(num_prompts or c.data.prompts_per_step)
-        engines = [("fp", self.eval_sampler, self.params)]
+        engines = [("fp", self.eval_sampler, self._on_rollout_layout(self.params))]
         if self.recipe.quantizes:
-            engines.append((self.recipe.name, self.sampler,
-                            quant.requantize(self.params, self.recipe)))
+            engines.append((self.recipe.name, self.sampler, self._reshard(quant.requantize(
+                self.params, self.recipe, compute_dtype=self.model_config.compute_dtype))))
         # Plain sampling at the rollout's temperature, every row to the length limit.
         settings = SamplingParams(max_new_tokens=self.sampling.max_new_tokens,
                                   temperature=self.sampling.temperature)
@@ -454,6 +474,12 @@ class Trainer:
             prompts, n = [p for p in prompts for _ in range(n)], 1
         return compare_rollout_speed(engines, prompts, settings, key=self.key(Stream.SPEED),
                                      n=n)
+
+    def _on_rollout_layout(self, params: Any) -> Any:
+        """Full-precision `params` (the learner's) in the compute dtype on the rollout's
+        replicas, for the evaluation sampler."""
+        return self._reshard(quant.requantize(params, "fp",
+                                              compute_dtype=self.model_config.compute_dtype))
 
     def _write_eval(self, metrics: dict[str, float]) -> None:
         self.writer.write(self.step_count, {f"eval/{k}": v for k, v in metrics.items()})

@@ -66,11 +66,11 @@ def test_a_run_resumes_with_another_pool(tmp_path):
      r"config\.rollout\.kv_pages=8: .*refilling sampler"),
     ({"rollout.kv_pages": 8, "rollout.kv_policy": "snapkv", "rollout.kv_budget": 16,
       "rollout.kv_interval": 4}, r"config\.rollout\.kv_pages=8: .*kv_policy='snapkv'"),
-    ({"rollout.kv_pages": 9, "mesh.fsdp": 2},
+    ({"rollout.kv_pages": 9, "mesh.fsdp": 2, "rollout.tensor": "1"},
      r"config\.rollout\.kv_pages=9 must be a multiple of the batch shards .* = 2\)"),
-    ({"rollout.kv_pages": 12, "mesh.data": 2, "mesh.dcn.fsdp": 4},
+    ({"rollout.kv_pages": 12, "mesh.data": 2, "mesh.dcn.fsdp": 4, "rollout.tensor": "1"},
      r"config\.rollout\.kv_pages=12 must be a multiple of the batch shards .* = 8\)"),
-    ({"rollout.kv_pages": 2, "mesh.fsdp": 2},
+    ({"rollout.kv_pages": 2, "mesh.fsdp": 2, "rollout.tensor": "1"},
      r"config\.rollout\.kv_pages=2: a batch shard's pool of 1 pages of 16 tokens holds no row "
      r".* = 32 tokens \(needs 2 pages per shard, 4 in all\)"),
 ])

@@ -142,6 +142,10 @@ def test_one_step_each_loss_mode(int8_trainer, mode):
     # behaviour (int8) and proximal (fp32) policies differ a little, never wildly
     assert 0 < m["logp_gap_abs_mean"] < 0.5
     assert _params_changed(before, t.params) > 0
+    # The rollout ran on its own replicas of the learner's devices (one-device replicas),
+    # resharded once per step (`test_rollout_layout` checks what a reshard moves).
+    assert dict(t.sampler.engine.mesh.shape) == {"data": t.mesh.size, "fsdp": 1, "tensor": 1}
+    assert m["time/reshard_s"] > 0 and m["reshard/bytes_per_quantized_param"] >= 0
 
 
 @pytest.mark.parametrize("precision", [p for p in PRECISIONS if p != "int8"])

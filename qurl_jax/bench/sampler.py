@@ -46,6 +46,14 @@ last-bit difference into another token); an error otherwise. It says how many ro
 and from refill tail's own tokens (the CPU attention kernel rounds differently again). The floor
 on a CPU, where the paged attention is XLA's over every row's pages gathered, per layer per step:
 paged tail / refill tail >= 0.90.
+
+`--cases layout` (not in the default; needs several devices, e.g. `XLA_FLAGS=
+--xla_force_host_platform_device_count=8`) times the int8 actor's `refill tail` in the learner's
+layout (the actor requantized on an FSDP mesh over every device, the sampler on that mesh, as
+before the rollout layout) and in the rollout layout (`qurl_jax.rollout_layout`: the codes
+resharded to one-device replicas, `--rollout-tensor` devices each), interleaved round by round,
+and the reshard's seconds. Host devices copy instead of crossing links and share the same cores,
+so this checks the mechanism, not an accelerator's speed-up.
 """
 
 from __future__ import annotations
@@ -295,6 +303,71 @@ def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: a
                   + token_check(outputs[case], outputs[f"{name} refill tail"], args.logp_tol))
 
 
+def layouts(config: ModelConfig, params: Any, args: argparse.Namespace) -> dict[str, float]:
+    """The `layout` case (module docstring): tokens/s of the int8 actor's long tail in the
+    learner's and the rollout's layout, and the reshard's seconds; prints and returns them."""
+    from qurl_jax import quant
+    from qurl_jax import rollout_layout as rl
+    from qurl_jax.models import param_logical_axes
+    from qurl_jax.sharding import make_mesh, shard_params
+
+    if jax.device_count() < 2:
+        raise SystemExit("--cases layout: needs several devices (XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=8 on a CPU)")
+    learner = make_mesh(fsdp=-1)
+    master = shard_params(params, param_logical_axes(config), learner)
+    actor = jax.block_until_ready(quant.requantize(master, "int8"))
+    reshard = rl.Reshard(param_logical_axes(config), rl.rollout_mesh(learner, args.rollout_tensor))
+    hook = quant.make_dot_general("int8")
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, config.vocab_size, (args.tail_prompts, args.prompt_len)).tolist()
+    n, max_new = args.tail_n, args.new_tokens
+    limits = tail_limits(len(prompts) * n, max_new)
+    settings = SamplingParams(max_new_tokens=max_new, temperature=1.0)
+    buckets = dict(prompt_buckets=(args.prompt_len,), gen_buckets=(max_new,))
+    samplers = {name: RefillSampler(config, hook, max_concurrent_rows=args.tail_slots,
+                                    refill_min=args.refill_min, mesh=mesh, **buckets)
+                for name, mesh in (("learner layout", learner), ("rollout layout", reshard.mesh))}
+
+    def resharded() -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(reshard(actor))
+        return out, time.perf_counter() - t0
+
+    def run(name: str, weights: Any) -> float:
+        t0 = time.perf_counter()
+        out = samplers[name].sample(weights, prompts, settings, length_limits=limits,
+                                    key=jax.random.key(0), n=n)
+        out.tokens.block_until_ready()
+        return time.perf_counter() - t0
+
+    replica, _ = resharded()  # compiles the reshard
+    run("learner layout", actor)  # compile / warm up
+    run("rollout layout", replica)
+    times: dict[str, list[float]] = {"learner layout": [], "rollout layout": [], "reshard": []}
+    for _ in range(args.rounds):
+        times["learner layout"].append(run("learner layout", actor))
+        replica, seconds = resharded()
+        times["reshard"].append(seconds)
+        times["rollout layout"].append(run("rollout layout", replica))
+    moved = reshard.bytes(actor)
+    tokens = int(limits.sum())
+    rate = {k: tokens / min(times[k]) for k in ("learner layout", "rollout layout")}
+    print(f"layouts: {len(prompts)} prompts x n={n} through {args.tail_slots} slots, "
+          f"{jax.device_count()} {jax.devices()[0].platform} devices; learner FSDP "
+          f"{dict(learner.shape)}, rollout {dict(reshard.mesh.shape)}; int8 refill tail, "
+          f"{tokens} tokens; best of {args.rounds} interleaved rounds")
+    for name in rate:
+        print(f"  {name:<16}{min(times[name]):>8.2f} s{rate[name]:>9.0f} tok/s")
+    print(f"  reshard         {min(times['reshard']) * 1e3:>8.1f} ms (best; median "
+          f"{np.median(times['reshard']) * 1e3:.1f}), {moved.received / 2**20:.1f} MiB received "
+          f"per device, {moved.per_quantized_parameter:.2f} bytes per quantized parameter")
+    print(f"rollout layout / learner layout tokens/s: "
+          f"{rate['rollout layout'] / rate['learner layout']:.2f}x")
+    return {**{f"{k} tok/s": v for k, v in rate.items()},
+            "reshard s": min(times["reshard"])}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -313,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", default="decode,long_tail,paged",
                         help="decode (equal lengths, vs transformers), long_tail (static vs "
                              "refilling sampler, fp32 and int8 among --engines) and/or paged "
-                             "(the paged KV pool beside refill tail)")
+                             "(the paged KV pool beside refill tail); layout (the learner's vs "
+                             "the rollout's layout, several devices)")
     parser.add_argument("--tail-prompts", type=int, default=16)
     parser.add_argument("--tail-n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--tail-slots", type=int, default=16,
@@ -329,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logp-tol", type=float, default=0.02,
                         help="paged cases: most log-prob difference from the dense refill with "
                              "XLA attention before a row's tokens part")
+    parser.add_argument("--rollout-tensor", type=int, default=1,
+                        help="layout case: devices per rollout replica")
     parser.add_argument("--layers", type=int, default=BENCH_CONFIG.num_layers,
                         help="decoder layers (smaller = a smaller, faster model)")
     args = parser.parse_args(argv)
@@ -359,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
               f"model {cfg.num_params / 1e6:.1f}M params ({cfg.num_layers} layers)")
         _long_tail(cfg, tail_engines, args, "long_tail" in cases,
                    scales if "paged" in cases else ())
+    if "layout" in cases:
+        layouts(cfg, params, args)
     if "decode" not in cases:
         return
     rng = np.random.default_rng(0)

@@ -1,0 +1,288 @@
+"""Tests for qurl_jax.rollout_layout: the rollout's replicas over the learner's devices and the
+once-per-step reshard of the quantized actor into them.
+
+Expected values come from one-device samplers on the one-device requantized actor (themselves
+tested against transformers in test_sampler.py): the actor requantized on the learner's FSDP
+mesh, resharded, and sampled on the rollout mesh must give the same tokens and (float32)
+log-probs, for the static, refilling and paged samplers at rollout.tensor 1 and 2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qurl_jax import quant
+from qurl_jax import rollout_layout as rl
+from qurl_jax.errors import MeshError
+from qurl_jax.models import param_logical_axes
+from qurl_jax.quant import QuantizedTensor
+from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
+from qurl_jax.sharding import make_mesh, shard_params
+from tests.test_refill import LIMITS, PROMPTS6, _assert_prefix_equal
+from tests.test_sampler import TINY, _random_params
+
+KW = dict(max_prompt_len=16, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> tuple:
+    cfg = TINY["qwen2"]
+    return cfg, _random_params(cfg)
+
+
+def _learner_mesh(tensor: int):
+    # The learner's layout: FSDP over the devices the rollout tensor group does not take.
+    return make_mesh(data=1, fsdp=8 // tensor, tensor=tensor)
+
+
+def _resharded(cfg, params, recipe: str, tensor: int):
+    """(rollout mesh, the actor requantized on the learner's mesh and resharded, Reshard)."""
+    learner = _learner_mesh(1)
+    master = shard_params(params, param_logical_axes(cfg), learner)
+    actor = quant.requantize(master, recipe)
+    mesh = rl.rollout_mesh(learner, tensor)
+    reshard = rl.Reshard(param_logical_axes(cfg), mesh)
+    return mesh, reshard(actor), reshard
+
+
+def _sampler(kind: str, cfg, hook, **kw):
+    if kind == "static":
+        return Sampler(cfg, hook, **KW, **kw)
+    if kind == "refill":
+        return RefillSampler(cfg, hook, **KW, refill_min=1, **kw)
+    return RefillSampler(cfg, hook, **KW, refill_min=1, kv_pages=8 * 4, kv_page_size=8, **kw)
+
+
+SLOW = pytest.mark.slow  # a sampler's programs compiled twice (one device, 8 devices) each
+
+
+@pytest.mark.parametrize("kind, tensor", [
+    pytest.param(kind, tensor, marks=SLOW) for kind in ("static", "refill", "paged")
+    for tensor in (1, 2)])
+def test_same_tokens_as_one_device_int8(qwen, kind, tensor) -> None:
+    cfg, params = qwen
+    recipe = "int8"
+    hook = quant.make_dot_general(recipe)
+    mesh, actor, _ = _resharded(cfg, params, recipe, tensor)
+    # Greedy: an int8 activation code is a rounding of a float that the layout's reduction
+    # order moves by an ulp, so sampled int8 rows can part where a draw sits on a boundary (on
+    # main's learner mesh with data=2 too); the float actor's test below draws with
+    # the key.
+    kw = dict(key=jax.random.key(5), n=2, settings=SamplingParams(max_new_tokens=16,
+                                                                  greedy=True))
+    ref = Sampler(cfg, hook, **KW).sample(quant.requantize(params, recipe), PROMPTS6, **kw)
+    replicas = 8 // tensor
+    extra = {} if kind == "static" else dict(max_concurrent_rows=2 * replicas)
+    out = _sampler(kind, cfg, hook, mesh=mesh, **extra).sample(
+        actor, PROMPTS6, **kw, **({} if kind == "static" else dict(length_limits=LIMITS)))
+    if kind == "static":
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_allclose(np.asarray(out.logp), np.asarray(ref.logp), atol=1e-4)
+    else:
+        _assert_prefix_equal(out, ref, LIMITS, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, tensor", [("fp8", 2), ("fp8_block", 1), ("fp8_block", 2)])
+def test_same_tokens_as_one_device_fp8(qwen, recipe, tensor) -> None:
+    cfg, params = qwen
+    hook = quant.make_dot_general(recipe)
+    mesh, actor, _ = _resharded(cfg, params, recipe, tensor)
+    kw = dict(key=jax.random.key(6), n=2, settings=SamplingParams(max_new_tokens=12,
+                                                                  greedy=True))
+    ref = Sampler(cfg, hook, **KW).sample(quant.requantize(params, recipe), PROMPTS6, **kw)
+    out = Sampler(cfg, hook, **KW, mesh=mesh).sample(actor, PROMPTS6, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(out.logp), np.asarray(ref.logp), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_same_draws_as_one_device_float_actor(qwen) -> None:
+    # The rows' random streams on the replicas: sampled, top-k, the float ('fp') actor (no
+    # activation rounding to part the rows).
+    cfg, params = qwen
+    mesh, actor, _ = _resharded(cfg, params, "fp", 2)
+    kw = dict(key=jax.random.key(7), n=2, settings=SamplingParams(max_new_tokens=16,
+                                                                  temperature=0.8, top_k=40))
+    ref = Sampler(cfg, **KW).sample(params, PROMPTS6, **kw)
+    out = RefillSampler(cfg, **KW, mesh=mesh, max_concurrent_rows=8, refill_min=1).sample(
+        actor, PROMPTS6, length_limits=LIMITS, **kw)
+    _assert_prefix_equal(out, ref, LIMITS)
+
+
+def test_rollout_mesh_is_the_learners_devices_in_replicas(qwen) -> None:
+    learner = make_mesh(data=2, fsdp=4)
+    mesh = rl.rollout_mesh(learner, 2)
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert list(mesh.devices.flat) == list(learner.devices.flat)
+    with pytest.raises(MeshError, match=r"rollout.tensor=3 does not divide"):
+        rl.rollout_mesh(learner, 3)
+
+
+@pytest.mark.parametrize("recipe", ["int8", "fp8_block"])
+def test_actor_layout_is_replicas_heads_over_tensor(qwen, recipe) -> None:
+    cfg, params = qwen
+    mesh, actor, _ = _resharded(cfg, params, recipe, 2)
+    layer = actor["layers_0"]
+    P = jax.sharding.PartitionSpec
+    assert actor["embed_tokens"]["embedding"].sharding.spec == P(None, None)
+    q = layer["self_attn"]["q_proj"]["kernel"]
+    assert isinstance(q, QuantizedTensor) and q.qvalue.sharding.mesh is mesh
+    assert q.qvalue.sharding.spec == P(None, "tensor")  # [embed, heads]: no fsdp
+    down = layer["mlp"]["down_proj"]["kernel"]
+    assert down.qvalue.sharding.spec == P("tensor", None)  # [mlp, embed]
+    # Every device holds its replica's whole embedding and half the heads.
+    assert q.qvalue.addressable_shards[0].data.shape == (cfg.hidden_size,
+                                                         cfg.num_heads * cfg.head_dim // 2)
+
+
+def _collective_dtypes(hlo: str) -> list[tuple[str, str]]:
+    """(kind, result type) of every collective in an optimized HLO module's text."""
+    import re
+
+    kinds = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+    out = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\(?[a-z0-9]+\[[^=]*?) ([a-z-]+)\(", line)
+        if m and m.group(2).removesuffix("-start") in kinds:
+            out.append((m.group(2), m.group(1)))
+    return out
+
+
+def test_reshard_moves_codes_scales_and_no_float_kernel(qwen) -> None:
+    cfg, params = qwen
+    learner = _learner_mesh(1)
+    master = shard_params(params, param_logical_axes(cfg), learner)
+    from qurl_jax.learner import Learner, OptimConfig
+    from qurl_jax.rl.objectives import ObjectiveConfig
+
+    lrn = Learner(cfg, ObjectiveConfig(), OptimConfig(), learner)
+    opt_state = lrn.init_opt_state(master)
+    before = jax.tree.map(np.asarray, (master, opt_state))
+    shardings = jax.tree.map(lambda x: x.sharding, (master, opt_state))
+    actor = quant.requantize(master, "int8", compute_dtype=jnp.bfloat16)
+    reshard = rl.Reshard(param_logical_axes(cfg), rl.rollout_mesh(learner, 1))
+    hlo = reshard.fn(actor).lower(actor).compile().as_text()
+    moved = _collective_dtypes(hlo)
+    assert moved, "the reshard moved nothing"
+    # Codes (s8), scales (f32, one per output channel: [1, out]) and the leaves the recipe does
+    # not quantize (the embedding, bf16; XLA:CPU carries a bf16 all-gather in f32); never a
+    # float kernel.
+    for kind, result in moved:
+        dtype = result.split("[")[0].lstrip("(")
+        assert dtype in ("s8", "f32", "bf16"), (kind, result)
+        dims = tuple(int(d) for d in result.split("[")[1].split("]")[0].split(",") if d)
+        if dtype != "s8" and len(dims) == 2 and 1 not in dims:
+            assert dims == (cfg.vocab_size, cfg.hidden_size), (kind, result)
+    assert any(r.startswith("s8[") for _, r in moved)
+    # Its arguments: codes, scales and compute-dtype leaves; no float32 kernel of the master.
+    entry = hlo.split("entry_computation_layout={(", 1)[1].split(")->", 1)[0]
+    assert "f32[" not in entry.replace("f32[1,", ""), entry
+    out = reshard(actor)
+    # Learner state untouched: same values, same shardings, buffers alive.
+    after = jax.tree.map(np.asarray, (master, opt_state))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    assert jax.tree.map(lambda x: x.sharding, (master, opt_state)) == shardings
+    q = out["layers_0"]["mlp"]["up_proj"]["kernel"]
+    np.testing.assert_array_equal(
+        np.asarray(q.qvalue), np.asarray(quant.requantize(params, "int8")["layers_0"]["mlp"]
+                                         ["up_proj"]["kernel"].qvalue))
+    moved_bytes = reshard.bytes(actor)
+    assert moved_bytes.quantized_parameters == sum(
+        int(np.prod(x.qvalue.shape)) for x in jax.tree.leaves(
+            actor, is_leaf=lambda x: isinstance(x, QuantizedTensor))
+        if isinstance(x, QuantizedTensor))
+    # Per device: 7/8 of the codes (1 byte each) and of the per-channel scales.
+    assert 0.8 < moved_bytes.codes / moved_bytes.quantized_parameters < 1.1
+
+
+def test_resolve_tensor_auto_and_errors() -> None:
+    gib = 1 << 30
+    kw = dict(kv_bytes=lambda t: gib // t, resident_bytes=2 * gib, local_devices=8,
+              num_kv_heads=8)
+    assert rl.resolve_tensor(None, replica_bytes=2 * gib, device_bytes=None, **kw) == 1
+    assert rl.resolve_tensor(None, replica_bytes=2 * gib, device_bytes=16 * gib, **kw) == 1
+    # 16 GiB replica + 1 GiB KV + 2 GiB learner: 19 > 12; / 2: 8 + 0.5 + 2 fits.
+    assert rl.resolve_tensor(None, replica_bytes=16 * gib, device_bytes=12 * gib, **kw) == 2
+    assert rl.resolve_tensor(4, replica_bytes=16 * gib, device_bytes=12 * gib, **kw) == 4
+    with pytest.raises(MeshError, match=r"rollout.tensor=1: .* the device's 12.00 GiB"):
+        rl.resolve_tensor(1, replica_bytes=16 * gib, device_bytes=12 * gib, **kw)
+    with pytest.raises(MeshError, match=r"rollout.tensor=auto: even at 8"):
+        rl.resolve_tensor(None, replica_bytes=200 * gib, device_bytes=12 * gib, **kw)
+    assert rl.parse_tensor("auto") is None and rl.parse_tensor("2") == 2
+    with pytest.raises(ValueError, match="config.rollout.tensor='x'"):
+        rl.parse_tensor("x")
+
+
+def test_tpu_decode_loop_moves_no_vocabulary_or_hidden_sized_operand(tmp_path) -> None:
+    # Compiled by libtpu for a v5e-4 slice (no device): the learner's 2 x 2 (data x FSDP) mesh,
+    # the rollout on 4 one-chip replicas. One iteration of the decode loop (a generated token)
+    # may exchange per-slot flags, nothing the size of the vocabulary, the hidden state, the
+    # MLP or the heads.
+    from qurl_jax import memory_plan
+    from qurl_jax.bench import collectives
+    from qurl_jax.settings import RunSettings
+    from tests.compile_only import compiler_or_skip
+    from tests.test_targets import SHAPE, _step_config
+
+    target = compiler_or_skip("tpu:v5e-4")
+    settings = RunSettings.from_config(_step_config(tmp_path, rollout_precision="int8",
+                                                    train_precision="fp", kv_policy="dense",
+                                                    refill=False))
+    model = memory_plan.model_shape(settings.model, str(tmp_path))
+    setup = memory_plan.build_setup(settings, model, target.devices())
+    assert dict(setup.rollout_mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 1}
+    hlo = memory_plan.rollout_decode(setup).lowered.compile().as_text()
+    found = collectives.loop_body_collectives(hlo)
+    big = {SHAPE.vocab_size, SHAPE.hidden_size, SHAPE.intermediate_size,
+           SHAPE.num_heads * SHAPE.head_dim}
+    assert not [c for c in found if big & set(c.shape)], collectives.describe(found)
+    assert sum(c.bytes for c in found) <= 1024, collectives.describe(found)
+
+
+@pytest.mark.slow
+def test_bench_layout_case_times_both_layouts_and_the_reshard(qwen, capsys) -> None:
+    import argparse
+
+    from qurl_jax.bench import sampler as bench
+
+    cfg, params = qwen
+    args = argparse.Namespace(tail_prompts=4, tail_n=2, new_tokens=8, prompt_len=4,
+                              tail_slots=8, refill_min=0, rounds=1, rollout_tensor=1)
+    figures = bench.layouts(cfg, params, args)
+    assert figures["learner layout tok/s"] > 0 and figures["rollout layout tok/s"] > 0
+    assert figures["reshard s"] > 0
+    assert "rollout layout / learner layout tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~3 min: three CLI runs, two of them in parallel processes
+def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path) -> None:
+    # The rollout layout across processes: the learner's FSDP 4 x tensor 2 mesh over two
+    # processes of 4 devices, the rollout on 4 replicas of rollout.tensor=2 (each within one
+    # process), the static sampler; the same metrics (log-probs, rewards, updates) as
+    # one process of 8 devices.
+    from tests.test_multiprocess import (
+        MESH,
+        _assert_close_metrics,
+        _Children,
+        _comparable,
+        _wait_ok,
+    )
+
+    children = _Children()
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    args = (*MESH, "--config.train.num_steps=2", "--config.rollout.refill=off",
+            "--config.rollout.tensor=2")
+    try:
+        procs = children.start_group(two, *args, num=2, logs=two + ".log")
+        single = children.start(one, *args, devices=8, log=one + ".log")
+        _wait_ok([*procs, single], [two + ".log.0", two + ".log.1", one + ".log"])
+    finally:
+        children.kill_all()
+    a, b = _comparable(two), _comparable(one)
+    _assert_close_metrics(a, b)
+    assert "rollout layout: 4 replicas x rollout.tensor=2" in open(two + ".log.0").read()
+    assert a[(1, "train", "reshard/bytes_per_quantized_param")] > 0
