@@ -150,7 +150,8 @@ IMPLEMENTATIONS = {
 }
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("impl", ["dense", "blockwise",
+                                  pytest.param("pallas_tpu", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("lengths,t", [([5, 14, 1, 4], 32), ([32], 32)])
 def test_segment_attention_equals_per_sequence_attention(impl, lengths, t):
     q, k, v, pos, seg, valid = _packed_qkv(lengths, t)
@@ -207,37 +208,43 @@ def _rel_close(got, want, what, rel=1e-6, atol=0.0):
     assert err <= rel * scale + atol, f"{what}: max |diff| {err:.3g} vs scale {scale:.3g}"
 
 
-def _run(learner, params, batch):
-    """(logp_prox, logp_ref-equivalent, loss, metrics, grads) of one padded batch."""
+def _run(learner, params, batch, update=True):
+    """(logp_prox, loss, metrics, grads, update metrics or None) of one padded batch."""
     params = learner.shard_params(params)
     batch = learner.shard_batch(batch)
     batch["logp_prox"] = learner.logprobs(params, batch)
     full = learner._maybe_pack(batch, 1)  # the whole batch as one slice
     (loss, metrics), grads = jax.jit(jax.value_and_grad(learner.loss, has_aux=True))(params, full)
-    opt_state = learner.init_opt_state(params)
-    _, _, upd = learner.update(params, opt_state, batch)
+    upd = None
+    if update:
+        _, _, upd = learner.update(params, learner.init_opt_state(params), batch)
     return (np.asarray(batch["logp_prox"]), float(loss), jax.device_get(metrics),
             jax.device_get(grads), jax.device_get(upd))
 
 
-CASES = [dict(mode=m, agg=a) for m in ("on_policy", "naive", "tis", "mis", "acr", "sparse_rl")
-         for a in ("token_mean",)] + [
-    dict(mode="acr", agg="seq_mean_token_mean"),
-    dict(mode="acr", agg="seq_mean_token_sum_norm"),
-    dict(mode="tis", agg="seq_mean_token_sum_norm", agg_norm_len=4),
-    dict(mode="acr", agg="token_mean", kl_coef=0.1, entropy_coef=0.01),
-]
+# Every mode (token_mean), every aggregation (acr), Dr.GRPO's constant, KL + entropy. One case
+# runs in the default suite (~40 s of compiles on the shared CPU); the others are slow tests.
+CASES = [dict(mode="acr", agg="token_mean", kl_coef=0.1, entropy_coef=0.01)] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in
+    [dict(mode=m, agg="token_mean") for m in ("on_policy", "naive", "tis", "mis", "acr",
+                                                "sparse_rl")]
+    + [dict(mode="acr", agg="seq_mean_token_mean"), dict(mode="acr", agg="seq_mean_token_sum_norm"),
+       dict(mode="tis", agg="seq_mean_token_sum_norm", agg_norm_len=4)]]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def _case_id(c):
+    return "-".join(f"{v}" for v in c.values()) if isinstance(c, dict) else None
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_packed_learner_matches_padded(case):
     objective = ObjectiveConfig(**case)
     params = init_params(CFG, jax.random.key(1))
     batch = _padded(PROMPTS, RESPONSES, seed=3, dapo_empty=(4, 5))
     mesh = shd.make_mesh()
-    want = _run(_learner(mesh, objective), params, batch)
+    want = _run(_learner(mesh, objective), params, batch, update=False)
     packed_learner = _learner(mesh, objective, packing_on=True)
-    got = _run(packed_learner, params, batch)
+    got = _run(packed_learner, params, batch, update=False)
     real = batch["resp_mask"] > 0
     _rel_close(got[0][real], want[0][real], "logp_prox", atol=1e-7)
     _rel_close(got[1], want[1], "loss")
@@ -245,8 +252,6 @@ def test_packed_learner_matches_padded(case):
         _rel_close(got[2][k], want[2][k], f"metric {k}", atol=1e-7)
     for path, g in jax.tree_util.tree_leaves_with_path(got[3]):
         _rel_close(g, _leaf(want[3], path), f"grad {jax.tree_util.keystr(path)}")
-    for k in ("update/loss", "update/grad_norm"):
-        _rel_close(got[4][k], want[4][k], k)
     assert packed_learner.last_pack["learner/real_token_share"] > 0.5
 
 
@@ -256,6 +261,7 @@ def _leaf(tree, path):
     return tree
 
 
+@pytest.mark.slow  # ~90 s of compiles each on the shared CPU
 @pytest.mark.parametrize("attention", ["dense", "blockwise"])
 def test_packed_learner_matches_padded_on_8_devices_with_micro_batches(attention, monkeypatch):
     monkeypatch.setattr(attn, "BLOCK_Q", 8)
