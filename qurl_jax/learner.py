@@ -126,11 +126,13 @@ def split_rows(batch: Batch, n: int) -> Batch:
 
     Strided rather than contiguous: the batch axis is sharded over devices in contiguous blocks, so
     every slice keeps B / n rows spread over all devices and the scan over slices needs no
-    communication (a contiguous slice would live on one device)."""
-    b = jax.tree.leaves(batch)[0].shape[0]
-    if b % n:
-        raise ValueError(f"batch size {b} is not divisible into {n} micro-batches")
-    return jax.tree.map(lambda x: x.reshape(b // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+    communication (a contiguous slice would live on one device). Each array is split by its own
+    leading size (a packed batch's rows and sequences differ)."""
+    for x in jax.tree.leaves(batch):
+        if x.shape[0] % n:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible into {n} micro-batches")
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
+                        batch)
 
 
 def merge_rows(x: jax.Array) -> jax.Array:

@@ -194,11 +194,12 @@ def test_dispatcher_passes_segment_ids():
 
 
 # ------------------------------------------------------------------------------------ learner
-def _learner(mesh, objective, num_micro_batches=1, packing_on=False, attention="dense"):
+def _learner(mesh, objective, num_micro_batches=1, packing_on=False, attention="dense",
+             logprob_batch_size=0):
     cfg = dataclasses.replace(CFG, attention=attention)
     return Learner(cfg, objective, OptimConfig(learning_rate=1e-2), mesh, temperature=0.9,
                    num_micro_batches=num_micro_batches, packing=packing_on,
-                   pack_length=16 if packing_on else 0)
+                   pack_length=16 if packing_on else 0, logprob_batch_size=logprob_batch_size)
 
 
 def _rel_close(got, want, what, rel=1e-6, atol=0.0):
@@ -242,8 +243,9 @@ def test_packed_learner_matches_padded(case):
     params = init_params(CFG, jax.random.key(1))
     batch = _padded(PROMPTS, RESPONSES, seed=3, dapo_empty=(4, 5))
     mesh = shd.make_mesh()
-    want = _run(_learner(mesh, objective), params, batch, update=False)
-    packed_learner = _learner(mesh, objective, packing_on=True)
+    # Log-probs in two slices of 4 sequences (a lax.map over packed slices), the loss on all 8.
+    want = _run(_learner(mesh, objective, logprob_batch_size=4), params, batch, update=False)
+    packed_learner = _learner(mesh, objective, packing_on=True, logprob_batch_size=4)
     got = _run(packed_learner, params, batch, update=False)
     real = batch["resp_mask"] > 0
     _rel_close(got[0][real], want[0][real], "logp_prox", atol=1e-7)
@@ -253,6 +255,16 @@ def test_packed_learner_matches_padded(case):
     for path, g in jax.tree_util.tree_leaves_with_path(got[3]):
         _rel_close(g, _leaf(want[3], path), f"grad {jax.tree_util.keystr(path)}")
     assert packed_learner.last_pack["learner/real_token_share"] > 0.5
+
+
+def test_split_rows_splits_each_array_by_its_own_rows():
+    from qurl_jax.learner import merge_rows, split_rows
+
+    batch = {"rows": jnp.arange(6 * 3).reshape(6, 3), "seqs": jnp.arange(16)}
+    parts = split_rows(batch, 2)
+    assert parts["rows"].shape == (2, 3, 3) and parts["seqs"].shape == (2, 8)
+    np.testing.assert_array_equal(parts["seqs"][1], np.arange(1, 16, 2))
+    np.testing.assert_array_equal(merge_rows(parts["rows"]), batch["rows"])
 
 
 def _leaf(tree, path):
@@ -276,3 +288,37 @@ def test_packed_learner_matches_padded_on_8_devices_with_micro_batches(attention
     _rel_close(got[0][real], want[0][real], "logp_prox", atol=1e-7)
     for k in ("update/loss", "update/grad_norm"):
         _rel_close(got[4][k], want[4][k], k)
+
+
+# ------------------------------------------------------------------------------------ trainer
+@pytest.mark.slow  # four short tiny-model runs (~2 min here)
+@pytest.mark.parametrize("first", [False, True], ids=["padded_then_packed", "packed_then_padded"])
+def test_packed_run_reproduces_padded_run_and_resumes_across_layouts(tmp_path, first):
+    from qurl_jax.trainer import Trainer
+    from tests.test_trainer import tiny_config
+
+    def config(packing_on):
+        return tiny_config(**{"train.packing": packing_on, "rl.num_micro_batches": 2})
+
+    runs = {}
+    for packing_on in (False, True):
+        t = Trainer(config(packing_on), str(tmp_path / f"full_{packing_on}"))
+        runs[packing_on] = [t.step() for _ in range(3)]
+    # Resume: two steps in one layout, a checkpoint, the third step in the other layout.
+    workdir = str(tmp_path / "resumed")
+    t = Trainer(config(first), workdir)
+    t.step(), t.step()
+    t._save(force=True)
+    resumed = Trainer(config(not first), workdir)
+    assert resumed.step_count == 2
+    third = resumed.step()
+    skip = ("time/", "compile/", "learner/")
+    for step, (a, b) in enumerate(zip(runs[False], runs[True], strict=True)):
+        for k in a:
+            if k.startswith(skip) or k.endswith("tokens_per_s"):
+                continue
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (step, k)
+    for k in runs[False][2]:
+        if not k.startswith(skip) and not k.endswith("tokens_per_s"):
+            assert third[k] == pytest.approx(runs[not first][2][k], rel=1e-5, abs=1e-6), k
+    assert "learner/real_token_share" in runs[True][0]
