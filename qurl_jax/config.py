@@ -203,6 +203,9 @@ def base_config() -> ml_collections.ConfigDict:
     # attention block); False runs today's padded [rows, max_prompt_len + max_new_tokens] layout.
     c.train.packing = True
     c.train.pack_length = 0
+    # With packing: update micro-batches of this many packed tokens (rows of pack_length), as many
+    # as a minibatch needs (bucketed), instead of rl.num_micro_batches; 0 = off.
+    c.train.tokens_per_micro_batch = 0
     # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
@@ -442,7 +445,8 @@ _NON_NEGATIVE = (
     "rl.eps_high", "rl.kl_coef", "rl.dual_clip", "rl.veto_tau", "rl.overlong_buffer",
     "rl.overlong_factor", "optim.learning_rate", "optim.weight_decay", "optim.grad_clip",
     "optim.warmup_steps", "optim.decay_steps", "sft.steps", "train.eval_every",
-    "train.memory_limit_gib", "train.pack_length", "eval.max_examples", "eval.temperature")
+    "train.memory_limit_gib", "train.pack_length", "train.tokens_per_micro_batch",
+    "eval.max_examples", "eval.temperature")
 # field -> (low, high, whether high is excluded)
 _INTERVALS = {"optim.b1": (0.0, 1.0, True), "optim.b2": (0.0, 1.0, True),
               "optim.end_lr_ratio": (0.0, 1.0, False), "reward.format_weight": (0.0, 1.0, False),

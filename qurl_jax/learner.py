@@ -175,6 +175,23 @@ def _accumulate_metrics(acc: dict[str, jax.Array], new: dict[str, jax.Array],
     return out
 
 
+def _gather_sequences(batch: Batch) -> Batch:
+    """A token-budget packed batch with its per-sequence arrays in `seq_index`'s slots (empty
+    slots: no response token in the loss, advantage 0)."""
+    index = batch["seq_index"]
+    real = index >= 0
+    out = {}
+    for k, v in batch.items():
+        if k == "seq_index":
+            continue
+        if k in packing_lib.PACKED_KEYS:
+            out[k] = v
+            continue
+        x = jnp.take(v, jnp.maximum(index, 0), axis=0)
+        out[k] = jnp.where(real.reshape(-1, *([1] * (x.ndim - 1))), x, jnp.zeros_like(x))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with global-norm clipping and a linear warm-up into a cosine or constant schedule."""
@@ -247,6 +264,11 @@ class Learner:
       P + G rounded up to the attention block, `packing.default_pack_length`) before the
       programs run (see the module doc); `last_pack` holds the latest batch's rows and real-token
       share.
+    tokens_per_micro_batch: with packing, the update's micro-batches are sized by packed tokens
+      instead of `num_micro_batches`: rows of tokens_per_micro_batch // pack_length (per process,
+      rounded up to its devices), as many micro-batches as the (mini)batch's sequences need,
+      rounded up to a bucket (`packing.bucket_rows`); empty padding micro-batches, rows and
+      sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences.
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
@@ -254,7 +276,7 @@ class Learner:
                  remat: Remat | str = Remat.NONE, scan_layers: bool = False,
                  logprob_chunk: int = 512, logprob_batch_size: int = 0,
                  precision: str | quant.Recipe = "fp", packing: bool = False,
-                 pack_length: int = 0) -> None:
+                 pack_length: int = 0, tokens_per_micro_batch: int = 0) -> None:
         objective.validate()
         quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
         self.precision = quant.get_recipe(precision)
@@ -266,6 +288,9 @@ class Learner:
             raise ValueError(f"logprob_batch_size must be >= 0, got {logprob_batch_size}")
         if pack_length < 0:
             raise ValueError(f"train.pack_length must be >= 0, got {pack_length}")
+        if tokens_per_micro_batch < 0:
+            raise ValueError(f"train.tokens_per_micro_batch must be >= 0, got "
+                             f"{tokens_per_micro_batch}")
         try:
             remat = Remat(remat)
         except ValueError as e:
@@ -285,6 +310,7 @@ class Learner:
         self._logprob_fns: dict[Any, Callable] = {}
         self.packing = bool(packing)
         self.pack_length = int(pack_length)
+        self.tokens_per_micro_batch = int(tokens_per_micro_batch)
         self.last_pack: dict[str, float] = {}
         self._pack_cache: tuple[Any, int, Batch] | None = None
 
@@ -371,6 +397,42 @@ class Learner:
             self._pack_cache = (tokens, num_slices, packed)
         out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
         out.update(packed)
+        return out
+
+    def _budget_rows(self, pack_length: int) -> tuple[int, int]:
+        """(packed rows of one token-budget micro-batch on this process, processes)."""
+        _, count = dist.row_block(self.mesh)
+        shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
+        rows = max(self.tokens_per_micro_batch // pack_length, 1)
+        if rows * pack_length > self.tokens_per_micro_batch:
+            raise ValueError(f"train.tokens_per_micro_batch={self.tokens_per_micro_batch} is less "
+                             f"than one packed row of train.pack_length={pack_length} tokens")
+        return -(-rows // shards) * shards, count
+
+    def pack_budget_batch(self, batch: Batch) -> Batch:
+        """The padded batch packed into token-budget micro-batches (`packing.pack_budget`): the
+        packed rows, `resp_index` and `seq_index` of each micro-batch, and the per-sequence
+        arrays as they are (the update gathers them by `seq_index`). The micro-batch count and
+        the sequences per micro-batch are agreed over processes (the largest, bucketed)."""
+        tokens = dist.local_rows(batch["tokens"])
+        mask = dist.local_rows(batch["attn_mask"])
+        resp_mask = dist.local_rows(batch["resp_mask"])
+        length = self.pack_length or packing_lib.default_pack_length(tokens.shape[1])
+        rows, count = self._budget_rows(length)
+        index, _ = dist.row_block(self.mesh)
+        m = packing_lib.bucket_rows(dist.agree_max(
+            packing_lib.budget_micro_batches(mask, length, rows)))
+        most = packing_lib.budget_assignment(mask, length, m)[3]
+        seqs = packing_lib.bucket_rows(dist.agree_max(most))
+        host = packing_lib.pack_budget(tokens, mask, batch["resp_mask"].shape[1], length,
+                                       num_micro=m, rows_per_micro=rows, seqs_per_micro=seqs,
+                                       resp_mask=resp_mask, row_offset=index * rows,
+                                       seq_offset=index * tokens.shape[0])
+        self.last_pack = {"learner/packed_rows": float(host.rows * count),
+                          "learner/real_token_share": host.real_share,
+                          "learner/micro_batches": float(m)}
+        out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
+        out.update(dist.global_batch(self.mesh, host.arrays))
         return out
 
     def _maybe_pack(self, batch: Batch, num_slices: int) -> Batch:
@@ -467,7 +529,10 @@ class Learner:
 
         Donates `params` and `opt_state`; returns the new ones and scalar metrics.
         """
-        batch = self._maybe_pack(batch, self.num_micro_batches)
+        if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
+            batch = self.pack_budget_batch(batch)
+        else:
+            batch = self._maybe_pack(batch, self.num_micro_batches)
         return self.update_fn(params, opt_state, batch)(params, opt_state, batch)
 
     def update_fn(self, params: Any, opt_state: Any, batch: Batch) -> Callable:
@@ -486,6 +551,10 @@ class Learner:
 
     def _update(self, params: Any, opt_state: Any, batch: Batch):
         n = self.num_micro_batches
+        if "seq_index" in batch:  # token-budget micro-batches: their sequences, gathered
+            rows, count = self._budget_rows(batch["tokens"].shape[1])
+            n = batch["tokens"].shape[0] // (rows * count)
+            batch = _gather_sequences(batch)
         b = batch["tokens"].shape[0]
         if b % n:
             raise ValueError(f"batch size {b} is not divisible by num_micro_batches={n}")

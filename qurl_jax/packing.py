@@ -173,3 +173,72 @@ def pack(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pack_leng
                    "attn_mask": out_mask, "resp_index": resp_index},
                   rows_used=used, real_tokens=int(lengths.sum()))
 
+
+
+# ------------------------------------------------------------------ token-budget micro-batches
+def budget_micro_batches(attn_mask: np.ndarray, pack_length: int, rows_per_micro: int) -> int:
+    """Micro-batches of `rows_per_micro` packed rows these sequences need (first-fit decreasing
+    over all of them), before the bucket."""
+    row, _ = first_fit_decreasing(sequence_lengths(attn_mask), pack_length)
+    return max(-(-(int(row.max(initial=-1)) + 1) // rows_per_micro), 1)
+
+
+def budget_assignment(attn_mask: np.ndarray, pack_length: int, num_micro: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(micro i32[B], row_in_micro i32[B], offset i32[B], most sequences in one micro-batch):
+    first-fit decreasing row r goes to micro-batch r % num_micro as its row r // num_micro, so
+    the fullest rows spread over the micro-batches. Empty sequences get micro -1."""
+    row, offset = first_fit_decreasing(sequence_lengths(attn_mask), pack_length)
+    micro = np.where(row >= 0, row % num_micro, -1).astype(np.int32)
+    counts = np.bincount(micro[micro >= 0], minlength=num_micro)
+    return micro, (row // num_micro).astype(np.int32), offset, int(counts.max(initial=0))
+
+
+def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pack_length: int,
+                *, num_micro: int, rows_per_micro: int, seqs_per_micro: int,
+                resp_mask: np.ndarray | None = None, row_offset: int = 0,
+                seq_offset: int = 0) -> Packed:
+    """Packs the sequences into `num_micro` token-budget micro-batches of `rows_per_micro` rows
+    (`budget_assignment`), laid out for `learner.split_rows(x, num_micro)` (row j of micro-batch
+    k at j * num_micro + k). Beside `PACKED_KEYS`, `seq_index` i32[num_micro * seqs_per_micro]
+    names the sequence (+ `seq_offset`, a process's first global sequence; -1 for an empty slot)
+    at slot s * num_micro + k: the learner gathers the per-sequence arrays with it, so a
+    micro-batch's loss sees exactly the sequences its rows hold, and `resp_index` is laid out the
+    same way (slot, not sequence). `row_offset`: see `pack`."""
+    tokens = np.asarray(tokens)
+    mask = np.asarray(attn_mask, bool)
+    m = num_micro
+    base = pack(tokens, mask, response_len, pack_length, resp_mask=resp_mask)  # checks the input
+    micro, row_in, offset, most = budget_assignment(mask, pack_length, m)
+    if int(row_in.max(initial=-1)) + 1 > rows_per_micro or most > seqs_per_micro:
+        raise ValueError(f"packing: the sequences need more than {m} micro-batches of "
+                         f"{rows_per_micro} rows and {seqs_per_micro} sequences")
+    length = pack_length
+    lengths = sequence_lengths(mask)
+    first = np.where(lengths > 0, np.argmax(mask, axis=1), 0)
+    out = {k: np.zeros((m * rows_per_micro, length), np.int32)
+           for k in ("tokens", "positions")}
+    out["segment_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
+    out["attn_mask"] = np.zeros((m * rows_per_micro, length), bool)
+    out["resp_index"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
+    out["seq_index"] = np.full((m * seqs_per_micro,), -1, np.int32)
+    seg_count = np.zeros(m * rows_per_micro, np.int32)
+    slot_count = np.zeros(m, np.int32)
+    t, g = tokens.shape[1], response_len
+    for seq in np.flatnonzero(lengths > 0):
+        k, j, o, n, f = int(micro[seq]), int(row_in[seq]), int(offset[seq]), int(lengths[seq]), \
+            int(first[seq])
+        dst = j * m + k
+        out["tokens"][dst, o:o + n] = tokens[seq, f:f + n]
+        out["positions"][dst, o:o + n] = np.arange(n)
+        out["segment_ids"][dst, o:o + n] = seg_count[dst]
+        out["attn_mask"][dst, o:o + n] = True
+        seg_count[dst] += 1
+        slot = int(slot_count[k]) * m + k
+        slot_count[k] += 1
+        out["seq_index"][slot] = seq + seq_offset
+        s = np.arange(g)
+        col = o + (t - g + s - f) - 1
+        ok = (t - g + s >= f + 1) & (t - g + s < f + n)
+        out["resp_index"][slot] = np.where(ok, (row_offset + j) * length + col, 0)
+    return Packed(out, rows_used=int(row_in.max(initial=-1)) + 1, real_tokens=base.real_tokens)

@@ -35,7 +35,8 @@ RESUMABLE = (
     "train.memory_limit_gib", "train.compilation_cache_dir", "eval.", "mesh.", "reward.workers",
     "reward.timeout_s", "rollout.max_concurrent_rows", "rollout.refill", "rollout.kv_pages",
     "rollout.kv_page_size", "rollout.kv_watermark_pages", "model.attention",
-    "model.path", "train.loggers", "train.wandb_project", "train.packing", "train.pack_length")
+    "model.path", "train.loggers", "train.wandb_project", "train.packing", "train.pack_length",
+    "train.tokens_per_micro_batch")
 
 
 def flatten(c: ml_collections.ConfigDict | dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -180,6 +180,7 @@ class TrainSettings:
     precision: str = "fp"
     packing: bool = False
     pack_length: int = 0
+    tokens_per_micro_batch: int = 0
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
@@ -188,7 +189,8 @@ class TrainSettings:
                    num_minibatches=c.rl.num_minibatches, num_micro_batches=c.rl.num_micro_batches,
                    remat=c.train.remat, scan_layers=c.train.scan_layers,
                    logprob_chunk=c.train.logprob_chunk, precision=c.train.precision,
-                   packing=c.train.packing, pack_length=c.train.pack_length)
+                   packing=c.train.packing, pack_length=c.train.pack_length,
+                   tokens_per_micro_batch=c.train.tokens_per_micro_batch)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
@@ -203,7 +205,8 @@ class TrainSettings:
                        scan_layers=self.scan_layers, logprob_chunk=self.logprob_chunk,
                        logprob_batch_size=self.micro_batch_rows(rollout_rows),
                        precision=self.precision, packing=self.packing,
-                       pack_length=self.pack_length)
+                       pack_length=self.pack_length,
+                       tokens_per_micro_batch=self.tokens_per_micro_batch)
 
 
 @dataclasses.dataclass(frozen=True)
