@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -387,7 +386,8 @@ class Learner:
             index, count = dist.row_block(self.mesh)
             shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
             used = dist.agree_max(packing_lib.rows_needed(mask, length, num_slices))
-            rows = packing_lib.bucket_rows(used, shards // math.gcd(num_slices, shards))
+            # Every slice's rows split over this process's devices (`_constrain_rows`).
+            rows = packing_lib.bucket_rows(used, shards)
             host = packing_lib.pack(local_tokens, mask, response_len, length,
                                     num_slices=num_slices, num_rows=rows, resp_mask=resp_mask,
                                     row_offset=index * rows)
@@ -423,7 +423,8 @@ class Learner:
         m = packing_lib.bucket_rows(dist.agree_max(
             packing_lib.budget_micro_batches(mask, length, rows)))
         most = packing_lib.budget_assignment(mask, length, m)[3]
-        seqs = packing_lib.bucket_rows(dist.agree_max(most))
+        shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
+        seqs = packing_lib.bucket_rows(dist.agree_max(most), shards)
         host = packing_lib.pack_budget(tokens, mask, batch["resp_mask"].shape[1], length,
                                        num_micro=m, rows_per_micro=rows, seqs_per_micro=seqs,
                                        resp_mask=resp_mask, row_offset=index * rows,
