@@ -178,7 +178,7 @@ class TrainSettings:
     scan_layers: bool = False
     logprob_chunk: int = 512
     precision: str = "fp"
-    packing: bool = False
+    packing: bool = True
     pack_length: int = 0
     tokens_per_micro_batch: int = 0
 
