@@ -391,8 +391,7 @@ class Learner:
             host = packing_lib.pack(local_tokens, mask, response_len, length,
                                     num_slices=num_slices, num_rows=rows, resp_mask=resp_mask,
                                     row_offset=index * rows)
-            self.last_pack = {"learner/packed_rows": float(host.rows * count),
-                              "learner/real_token_share": host.real_share}
+            self.last_pack = self._pack_metrics(host, count)
             packed = dist.global_batch(self.mesh, host.arrays)
             self._pack_cache = (tokens, num_slices, packed)
         out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
@@ -429,12 +428,18 @@ class Learner:
                                        num_micro=m, rows_per_micro=rows, seqs_per_micro=seqs,
                                        resp_mask=resp_mask, row_offset=index * rows,
                                        seq_offset=index * tokens.shape[0])
-        self.last_pack = {"learner/packed_rows": float(host.rows * count),
-                          "learner/real_token_share": host.real_share,
-                          "learner/micro_batches": float(m)}
+        self.last_pack = {**self._pack_metrics(host, count), "learner/micro_batches": float(m)}
         out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
         out.update(dist.global_batch(self.mesh, host.arrays))
         return out
+
+    @staticmethod
+    def _pack_metrics(host: packing_lib.Packed, count: int) -> dict[str, float]:
+        """Packed rows and real-token share over every process's rows (a small collective)."""
+        sums = dist.host_sums({"real": float(host.real_tokens),
+                               "computed": float(host.arrays["tokens"].size)})
+        return {"learner/packed_rows": float(host.rows * count),
+                "learner/real_token_share": sums["real"] / max(sums["computed"], 1.0)}
 
     def _maybe_pack(self, batch: Batch, num_slices: int) -> Batch:
         if not self.packing or "segment_ids" in batch:
