@@ -213,6 +213,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
     c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
+    # Learner batches packed: each micro-batch's sequences, without padding, into rows of
+    # train.pack_length tokens (0: the longest sequence the config allows, rounded up to the
+    # attention block); False runs today's padded [rows, max_prompt_len + max_new_tokens] layout.
+    c.train.packing = True
+    c.train.pack_length = 0
+    # With packing: update micro-batches of this many packed tokens (rows of pack_length), as many
+    # as a minibatch needs (bucketed), instead of rl.num_micro_batches; 0 = off.
+    c.train.tokens_per_micro_batch = 0
     # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
@@ -475,7 +483,8 @@ _NON_NEGATIVE = (
     "rl.eps_high", "rl.kl_coef", "rl.dual_clip", "rl.veto_tau", "rl.overlong_buffer",
     "rl.overlong_factor", "optim.learning_rate", "optim.weight_decay", "optim.grad_clip",
     "optim.warmup_steps", "optim.decay_steps", "sft.steps", "train.eval_every",
-    "train.memory_limit_gib", "eval.max_examples", "eval.temperature")
+    "train.memory_limit_gib", "train.pack_length", "train.tokens_per_micro_batch",
+    "eval.max_examples", "eval.temperature")
 # field -> (low, high, whether high is excluded)
 _INTERVALS = {"optim.b1": (0.0, 1.0, True), "optim.b2": (0.0, 1.0, True),
               "optim.end_lr_ratio": (0.0, 1.0, False), "reward.format_weight": (0.0, 1.0, False),

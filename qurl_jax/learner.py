@@ -25,6 +25,12 @@ quantized policy (Jet-RL). It composes with remat, the layer scan, micro-batches
 A non-finite loss or gradient leaves parameters and optimizer state unchanged and is reported in
 the metrics (`update/skipped`), so the trainer can count bad steps without losing the last good
 state.
+
+Packing (`Learner(packing=True)`, `train.packing`): `logprobs` and `update` take the same padded
+batch, but pack its sequences (`qurl_jax.packing`, host-side, each process its own rows) into rows
+of `pack_length` tokens per micro-batch slice before the jitted program runs: the programs then
+compute only real tokens plus at most a bucket's worth of empty rows, and `resp_index` gathers the
+response log-probs back to [B, G], so the objective sees exactly what the padded layout gives it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from qurl_jax import distributed as dist
+from qurl_jax import packing as packing_lib
 from qurl_jax import quant
 from qurl_jax import sharding as shd
 from qurl_jax.models import (
@@ -86,16 +94,44 @@ def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positi
                                   chunk=chunk, with_entropy=with_entropy)
 
 
+def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
+                             resp_index: jax.Array, temperature: float, *, chunk: int,
+                             with_entropy: bool = False, precision: str | quant.Recipe = "fp"
+                             ) -> tuple[jax.Array, jax.Array | None]:
+    """`response_logprobs` of packed rows: f32[B, G] (and entropies) of the sequences whose
+    response slots `resp_index` i32[B, G] points into rows {tokens, positions, segment_ids,
+    attn_mask} [R, L] (`qurl_jax.packing`).
+
+    The LM head runs on every packed position (in chunks), each predicting the next token of its
+    row; a response token's log-prob is then read at the position before it. Padding slots read
+    position 0 (a value no loss uses, as in the padded layout). FP8 scales see only real tokens.
+    """
+    mask = rows["attn_mask"]
+    model, params = quant.bind_train_precision(model, params, precision, token_mask=mask)
+    hidden, _ = model.apply({"params": params}, rows["tokens"], rows["positions"], mask,
+                            return_hidden=True, segment_ids=rows["segment_ids"])
+    head_dot = quant.make_train_dot_general(precision)
+    head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
+    tokens = rows["tokens"]
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    logp, entropy = chunked_token_logprobs(head, hidden, targets, temperature, chunk=chunk,
+                                           with_entropy=with_entropy)
+    take = lambda x: x.reshape(-1)[resp_index]  # noqa: E731
+    return take(logp), None if entropy is None else take(entropy)
+
+
 def split_rows(batch: Batch, n: int) -> Batch:
     """[B, ...] -> [n, B / n, ...] with slice i = rows i, i + n, i + 2n, ...
 
     Strided rather than contiguous: the batch axis is sharded over devices in contiguous blocks, so
     every slice keeps B / n rows spread over all devices and the scan over slices needs no
-    communication (a contiguous slice would live on one device)."""
-    b = jax.tree.leaves(batch)[0].shape[0]
-    if b % n:
-        raise ValueError(f"batch size {b} is not divisible into {n} micro-batches")
-    return jax.tree.map(lambda x: x.reshape(b // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+    communication (a contiguous slice would live on one device). Each array is split by its own
+    leading size (a packed batch's rows and sequences differ)."""
+    for x in jax.tree.leaves(batch):
+        if x.shape[0] % n:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible into {n} micro-batches")
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
+                        batch)
 
 
 def merge_rows(x: jax.Array) -> jax.Array:
@@ -135,6 +171,23 @@ def _accumulate_metrics(acc: dict[str, jax.Array], new: dict[str, jax.Array],
             out[k] = acc[k] + v
         else:
             out[k] = acc[k] + weight * v
+    return out
+
+
+def _gather_sequences(batch: Batch) -> Batch:
+    """A token-budget packed batch with its per-sequence arrays in `seq_index`'s slots (empty
+    slots: no response token in the loss, advantage 0)."""
+    index = batch["seq_index"]
+    real = index >= 0
+    out = {}
+    for k, v in batch.items():
+        if k == "seq_index":
+            continue
+        if k in packing_lib.PACKED_KEYS:
+            out[k] = v
+            continue
+        x = jnp.take(v, jnp.maximum(index, 0), axis=0)
+        out[k] = jnp.where(real.reshape(-1, *([1] * (x.ndim - 1))), x, jnp.zeros_like(x))
     return out
 
 
@@ -206,13 +259,23 @@ class Learner:
       the forward and backward of both `logprobs` (pi_prox, pi_ref) and `update` (Jet-RL's
       unified flow when the rollout runs 'fp8_block' too). Master weights, optimizer state,
       attention, norms and the LM head stay in float. Other recipes raise ValueError.
+    packing: pack each micro-batch's sequences into rows of `pack_length` tokens (0: the batch's
+      P + G rounded up to the attention block, `packing.default_pack_length`) before the
+      programs run (see the module doc); `last_pack` holds the latest batch's rows and real-token
+      share.
+    tokens_per_micro_batch: with packing, the update's micro-batches are sized by packed tokens
+      instead of `num_micro_batches`: rows of tokens_per_micro_batch // pack_length (per process,
+      rounded up to its devices), as many micro-batches as the (mini)batch's sequences need,
+      rounded up to a bucket (`packing.bucket_rows`); empty padding micro-batches, rows and
+      sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences.
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
                  mesh: Mesh, *, temperature: float = 1.0, num_micro_batches: int = 1,
                  remat: Remat | str = Remat.NONE, scan_layers: bool = False,
                  logprob_chunk: int = 512, logprob_batch_size: int = 0,
-                 precision: str | quant.Recipe = "fp") -> None:
+                 precision: str | quant.Recipe = "fp", packing: bool = False,
+                 pack_length: int = 0, tokens_per_micro_batch: int = 0) -> None:
         objective.validate()
         quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
         self.precision = quant.get_recipe(precision)
@@ -222,6 +285,11 @@ class Learner:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
         if logprob_batch_size < 0:
             raise ValueError(f"logprob_batch_size must be >= 0, got {logprob_batch_size}")
+        if pack_length < 0:
+            raise ValueError(f"train.pack_length must be >= 0, got {pack_length}")
+        if tokens_per_micro_batch < 0:
+            raise ValueError(f"train.tokens_per_micro_batch must be >= 0, got "
+                             f"{tokens_per_micro_batch}")
         try:
             remat = Remat(remat)
         except ValueError as e:
@@ -239,6 +307,11 @@ class Learner:
         self._logical = param_logical_axes(model_config)
         self._update_fns: dict[Any, Callable] = {}
         self._logprob_fns: dict[Any, Callable] = {}
+        self.packing = bool(packing)
+        self.pack_length = int(pack_length)
+        self.tokens_per_micro_batch = int(tokens_per_micro_batch)
+        self.last_pack: dict[str, float] = {}
+        self._pack_cache: tuple[Any, int, Batch] | None = None
 
     # ----------------------------------------------------------------------------------- placement
     def param_shardings(self, params: Any) -> Any:
@@ -293,15 +366,100 @@ class Learner:
     def _batch_shardings(self, batch: Batch) -> dict[str, NamedSharding]:
         return {k: shd.batch_sharding(self.mesh, v.ndim) for k, v in batch.items()}
 
+    # ------------------------------------------------------------------------------------ packing
+    def pack_batch(self, batch: Batch, num_slices: int) -> Batch:
+        """The packed form of a padded batch (global arrays), its sequences cut into `num_slices`
+        strided micro-batch slices: the `packing.PACKED_KEYS` (replacing tokens, positions and
+        attn_mask) beside the per-sequence arrays. Each process packs its own rows; the row
+        count is the largest any process's slice needs, rounded up to a bucket
+        (`packing.bucket_rows`) and to the devices the rows split over."""
+        tokens = batch["tokens"]
+        cached = self._pack_cache
+        if cached is not None and cached[0] is tokens and cached[1] == num_slices:
+            packed = cached[2]
+        else:
+            local_tokens = dist.local_rows(tokens)
+            mask = dist.local_rows(batch["attn_mask"])
+            resp_mask = dist.local_rows(batch["resp_mask"]) if "resp_mask" in batch else None
+            response_len = batch["resp_mask"].shape[1]
+            length = self.pack_length or packing_lib.default_pack_length(local_tokens.shape[1])
+            index, count = dist.row_block(self.mesh)
+            shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
+            used = dist.agree_max(packing_lib.rows_needed(mask, length, num_slices))
+            # Every slice's rows split over this process's devices (`_constrain_rows`).
+            rows = packing_lib.bucket_rows(used, shards)
+            host = packing_lib.pack(local_tokens, mask, response_len, length,
+                                    num_slices=num_slices, num_rows=rows, resp_mask=resp_mask,
+                                    row_offset=index * rows)
+            self.last_pack = self._pack_metrics(host, count)
+            packed = dist.global_batch(self.mesh, host.arrays)
+            self._pack_cache = (tokens, num_slices, packed)
+        out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
+        out.update(packed)
+        return out
+
+    def _budget_rows(self, pack_length: int) -> tuple[int, int]:
+        """(packed rows of one token-budget micro-batch on this process, processes)."""
+        _, count = dist.row_block(self.mesh)
+        shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
+        rows = max(self.tokens_per_micro_batch // pack_length, 1)
+        if rows * pack_length > self.tokens_per_micro_batch:
+            raise ValueError(f"train.tokens_per_micro_batch={self.tokens_per_micro_batch} is less "
+                             f"than one packed row of train.pack_length={pack_length} tokens")
+        return -(-rows // shards) * shards, count
+
+    def pack_budget_batch(self, batch: Batch) -> Batch:
+        """The padded batch packed into token-budget micro-batches (`packing.pack_budget`): the
+        packed rows, `resp_index` and `seq_index` of each micro-batch, and the per-sequence
+        arrays as they are (the update gathers them by `seq_index`). The micro-batch count and
+        the sequences per micro-batch are agreed over processes (the largest, bucketed)."""
+        tokens = dist.local_rows(batch["tokens"])
+        mask = dist.local_rows(batch["attn_mask"])
+        resp_mask = dist.local_rows(batch["resp_mask"])
+        length = self.pack_length or packing_lib.default_pack_length(tokens.shape[1])
+        rows, count = self._budget_rows(length)
+        index, _ = dist.row_block(self.mesh)
+        m = packing_lib.bucket_rows(dist.agree_max(
+            packing_lib.budget_micro_batches(mask, length, rows)))
+        most = packing_lib.budget_assignment(mask, length, m)[3]
+        shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
+        seqs = packing_lib.bucket_rows(dist.agree_max(most), shards)
+        host = packing_lib.pack_budget(tokens, mask, batch["resp_mask"].shape[1], length,
+                                       num_micro=m, rows_per_micro=rows, seqs_per_micro=seqs,
+                                       resp_mask=resp_mask, row_offset=index * rows,
+                                       seq_offset=index * tokens.shape[0])
+        self.last_pack = {**self._pack_metrics(host, count), "learner/micro_batches": float(m)}
+        out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
+        out.update(dist.global_batch(self.mesh, host.arrays))
+        return out
+
+    @staticmethod
+    def _pack_metrics(host: packing_lib.Packed, count: int) -> dict[str, float]:
+        """Packed rows and real-token share over every process's rows (a small collective)."""
+        sums = dist.host_sums({"real": float(host.real_tokens),
+                               "computed": float(host.arrays["tokens"].size)})
+        return {"learner/packed_rows": float(host.rows * count),
+                "learner/real_token_share": sums["real"] / max(sums["computed"], 1.0)}
+
+    def _maybe_pack(self, batch: Batch, num_slices: int) -> Batch:
+        if not self.packing or "segment_ids" in batch:
+            return batch
+        return self.pack_batch(batch, num_slices)
+
     # ---------------------------------------------------------------------------------- log-probs
     def logprobs(self, params: Any, batch: Batch) -> jax.Array:
         """f32[B, G] response log-probs under `params` (the proximal or reference policy)."""
+        b = batch["resp_mask"].shape[0]
+        lbs = self.logprob_batch_size
+        batch = self._maybe_pack(batch, b // lbs if lbs and lbs < b else 1)
+        batch = {k: batch[k] for k in (packing_lib.PACKED_KEYS if "segment_ids" in batch
+                                       else batch.keys())}
         return self.logprobs_fn(params, batch)(params, batch)
 
     def logprobs_fn(self, params: Any, batch: Batch) -> Callable:
         """The jitted `logprobs` for arrays shaped and placed like these (arrays or
         `jax.ShapeDtypeStruct`s with shardings); `.lower(params, batch)` compiles without data."""
-        response_len = batch["resp_mask"].shape[1]
+        response_len = batch["resp_index" if "resp_index" in batch else "resp_mask"].shape[1]
         key = (response_len, jax.tree.structure(batch),
                tuple((k, v.shape) for k, v in sorted(batch.items())))
         if key not in self._logprob_fns:
@@ -313,6 +471,9 @@ class Learner:
         return self._logprob_fns[key]
 
     def _logprobs(self, params: Any, batch: Batch, response_len: int) -> jax.Array:
+        if "segment_ids" in batch:
+            return self._packed_logprobs(params, batch)
+
         def forward(rows: Batch) -> jax.Array:
             rows = self._constrain_rows(rows)
             logp, _ = response_logprobs(self.model, params, rows["tokens"], rows["positions"],
@@ -329,15 +490,38 @@ class Learner:
                              f"batch size {b}")
         return merge_rows(jax.lax.map(forward, split_rows(rows, b // self.logprob_batch_size)))
 
+    def _packed_logprobs(self, params: Any, batch: Batch) -> jax.Array:
+        """`_logprobs` of a packed batch, one micro-batch slice at a time as packed."""
+        def forward(part: Batch) -> jax.Array:
+            part = self._constrain_rows(part)
+            rows = {k: part[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
+            logp, _ = packed_response_logprobs(self.model, params, rows, part["resp_index"],
+                                               self.temperature, chunk=self.logprob_chunk,
+                                               precision=self.precision)
+            return logp
+
+        part = {k: batch[k] for k in packing_lib.PACKED_KEYS}
+        b = part["resp_index"].shape[0]
+        lbs = self.logprob_batch_size
+        if not lbs or lbs >= b:
+            return forward(part)
+        return merge_rows(jax.lax.map(forward, split_rows(part, b // lbs)))
+
     # ------------------------------------------------------------------------------------- update
     def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The objective on one (micro-)batch; differentiable in `params`."""
         response_len = batch["resp_mask"].shape[1]
         need_entropy = self.objective.entropy_coef != 0.0
-        logp, entropy = response_logprobs(self.model, params, batch["tokens"],
-                                          batch["positions"], batch["attn_mask"], response_len,
-                                          self.temperature, chunk=self.logprob_chunk,
-                                          with_entropy=need_entropy, precision=self.precision)
+        if "segment_ids" in batch:
+            rows = {k: batch[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
+            logp, entropy = packed_response_logprobs(
+                self.model, params, rows, batch["resp_index"], self.temperature,
+                chunk=self.logprob_chunk, with_entropy=need_entropy, precision=self.precision)
+        else:
+            logp, entropy = response_logprobs(
+                self.model, params, batch["tokens"], batch["positions"], batch["attn_mask"],
+                response_len, self.temperature, chunk=self.logprob_chunk,
+                with_entropy=need_entropy, precision=self.precision)
         return policy_loss(
             logp, batch["logp_prox"], batch["logp_behav"], batch["advantages"],
             batch["resp_mask"], self.objective,
@@ -351,6 +535,10 @@ class Learner:
 
         Donates `params` and `opt_state`; returns the new ones and scalar metrics.
         """
+        if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
+            batch = self.pack_budget_batch(batch)
+        else:
+            batch = self._maybe_pack(batch, self.num_micro_batches)
         return self.update_fn(params, opt_state, batch)(params, opt_state, batch)
 
     def update_fn(self, params: Any, opt_state: Any, batch: Batch) -> Callable:
@@ -369,6 +557,10 @@ class Learner:
 
     def _update(self, params: Any, opt_state: Any, batch: Batch):
         n = self.num_micro_batches
+        if "seq_index" in batch:  # token-budget micro-batches: their sequences, gathered
+            rows, count = self._budget_rows(batch["tokens"].shape[1])
+            n = batch["tokens"].shape[0] // (rows * count)
+            batch = _gather_sequences(batch)
         b = batch["tokens"].shape[0]
         if b % n:
             raise ValueError(f"batch size {b} is not divisible by num_micro_batches={n}")

@@ -36,7 +36,8 @@ RESUMABLE = (
     "reward.timeout_s", "rollout.max_concurrent_rows", "rollout.refill", "rollout.kv_pages",
     "rollout.kv_page_size", "rollout.kv_watermark_pages", "model.attention",
     "model.path", "train.loggers", "train.wandb_project", "train.stall_timeout_s",
-    "train.check_collectives")
+    "train.check_collectives", "train.packing", "train.pack_length",
+    "train.tokens_per_micro_batch", "rollout.tensor")
 
 
 def flatten(c: ml_collections.ConfigDict | dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -190,6 +190,9 @@ class TrainSettings:
     scan_layers: bool = False
     logprob_chunk: int = 512
     precision: str = "fp"
+    packing: bool = True
+    pack_length: int = 0
+    tokens_per_micro_batch: int = 0
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
@@ -197,7 +200,9 @@ class TrainSettings:
         return cls(objective=objective_from_config(c.rl), optim=optim_from_config(c.optim),
                    num_minibatches=c.rl.num_minibatches, num_micro_batches=c.rl.num_micro_batches,
                    remat=c.train.remat, scan_layers=c.train.scan_layers,
-                   logprob_chunk=c.train.logprob_chunk, precision=c.train.precision)
+                   logprob_chunk=c.train.logprob_chunk, precision=c.train.precision,
+                   packing=c.train.packing, pack_length=c.train.pack_length,
+                   tokens_per_micro_batch=c.train.tokens_per_micro_batch)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
@@ -211,7 +216,9 @@ class TrainSettings:
                        num_micro_batches=self.num_micro_batches, remat=self.remat,
                        scan_layers=self.scan_layers, logprob_chunk=self.logprob_chunk,
                        logprob_batch_size=self.micro_batch_rows(rollout_rows),
-                       precision=self.precision)
+                       precision=self.precision, packing=self.packing,
+                       pack_length=self.pack_length,
+                       tokens_per_micro_batch=self.tokens_per_micro_batch)
 
 
 @dataclasses.dataclass(frozen=True)

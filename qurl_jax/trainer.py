@@ -365,6 +365,7 @@ class Trainer:
             capture = quant.update_capture(old_params, self.params, self.recipe)
             metrics.update({f"quant/{k}": float(v) for k, v in capture.items()})
         metrics.update(self._step_metrics(r, timer, metrics))
+        metrics.update(self.learner.last_pack)  # packed rows and real-token share, if packing
         # Programs compiled (or loaded from the persistent cache) in this step: after the first
         # step, a new one means a shape or setting changed.
         metrics.update(compilation.compile_stats().since(compiled_before).metrics())

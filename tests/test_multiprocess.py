@@ -108,7 +108,9 @@ def _comparable(workdir: str) -> dict[tuple[int, str], float]:
     for row in read_metrics(workdir):
         kind = "eval" if any(k.startswith("eval/") for k in row) else "train"
         for k, v in row.items():
-            if k == "step" or k.startswith(("time/", "compile/")) or k == "rollout/tokens_per_s":
+            # learner/: each process packs its own rows, so the packed rows depend on the split.
+            if (k == "step" or k.startswith(("time/", "compile/", "learner/"))
+                    or k == "rollout/tokens_per_s"):
                 continue
             out[(row["step"], kind, k)] = float(v)
     return out

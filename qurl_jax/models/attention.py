@@ -19,6 +19,15 @@ This one rule covers a left-padded learner sequence (pads are invalid keys; real
 increasing positions), a prefill, a one-token decode step against a KV cache (every valid cached
 key is in the past), and a compressed KV cache whose slots hold an arbitrary subset of the past.
 
+Packed rows (several sequences one after another in one row, `qurl_jax.packing`) add segment ids
+i32[B, T] to self-attention (S == T): a query sees only keys of its own segment,
+
+    allowed[b, t, s] &= segment_ids[b, s] == segment_ids[b, t]
+
+and positions restart at 0 in every segment (RoPE sees each sequence as if it were alone). Every
+implementation takes them: dense and cuDNN in their mask, blockwise in its score blocks (and skips
+blocks whose segments do not meet), splash as its own segment ids.
+
 Layouts: queries [B, T, H, D] (the projection's natural layout), keys and values [B, Hkv, S, D]
 (the KV cache's layout: per (row, kv head), slots next to head_dim). Scores and softmax are
 float32; the products run in the compute dtype of the inputs.
@@ -84,17 +93,24 @@ def ungroup_queries(out: jax.Array, t: int) -> jax.Array:
     return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d)
 
 
-def allowed_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
-    """bool[B, T, S]: key s is visible to query t (valid and not in the query's future)."""
-    return k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+def allowed_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+    """bool[B, T, S]: key s is visible to query t (valid, not in the query's future and, with
+    segment ids i32[B, T] (self-attention, S == T), in the query's segment)."""
+    allowed = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if segment_ids is not None:
+        allowed &= segment_ids[:, None, :] == segment_ids[:, :, None]
+    return allowed
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                          k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+                          k_pos: jax.Array, k_valid: jax.Array,
+                          segment_ids: jax.Array | None = None) -> jax.Array:
     """Dense grouped-query attention; materialises the f32 [B, Hkv, G*T, S] scores.
 
     q: f[B, T, H, D]; k, v: f[B, Hkv, S, D]; q_pos: i32[B, T]; k_pos: i32[B, S];
-    k_valid: bool[B, S]. Returns f[B, T, H, D] in q's dtype.
+    k_valid: bool[B, S]; segment_ids: optional i32[B, T] of packed self-attention (S == T).
+    Returns f[B, T, H, D] in q's dtype.
     """
     b, t, h, d = q.shape
     hkv = k.shape[1]
@@ -103,7 +119,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.A
     batch_dims = ((0, 1), (0, 1))
     scores = jax.lax.dot_general(qg, k.astype(q.dtype), (((3,), (3,)), batch_dims))
     scores = scores.astype(jnp.float32).reshape(b, hkv, g, t, -1) / math.sqrt(d)
-    allowed = allowed_mask(q_pos, k_pos, k_valid)  # [B, T, S]
+    allowed = allowed_mask(q_pos, k_pos, k_valid, segment_ids)  # [B, T, S]
     scores = jnp.where(allowed[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, hkv, g * t, -1)
     out = jax.lax.dot_general(probs, v.astype(q.dtype), (((3,), (2,)), batch_dims))
@@ -138,39 +154,58 @@ def _loop(n: int, body: Callable[[jax.Array, Any], Any], init: Any) -> Any:
 
 
 def _needed_blocks(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, bq: int,
-                   bk: int) -> jax.Array:
+                   bk: int, q_seg: jax.Array | None = None,
+                   k_seg: jax.Array | None = None) -> jax.Array:
     """bool[nq, nk]: some row of the batch has an allowed (query, key) pair in block (i, j).
 
-    Skipping the other blocks halves the work of causal attention and skips empty cache slots."""
+    Skipping the other blocks halves the work of causal attention and skips empty cache slots.
+    With segment ids (packed self-attention: each segment contiguous and in order, so causal by
+    index) a block pair is needed only if it is on or below the diagonal and some row's query and
+    key segment ranges meet: the blocks between two sequences of a packed row are skipped."""
     b, t = q_pos.shape
     s = k_pos.shape[1]
     q_max = q_pos.reshape(b, t // bq, bq).max(-1)  # [B, nq]
     k_min = jnp.where(k_valid, k_pos, _INT_MAX).reshape(b, s // bk, bk).min(-1)  # [B, nk]
-    return jnp.any(k_min[:, None, :] <= q_max[:, :, None], axis=0)
+    if q_seg is None:
+        return jnp.any(k_min[:, None, :] <= q_max[:, :, None], axis=0)
+    qs = q_seg.reshape(b, t // bq, bq)
+    ks_lo = jnp.where(k_valid, k_seg, _INT_MAX).reshape(b, s // bk, bk).min(-1)
+    ks_hi = jnp.where(k_valid, k_seg, _INT_MIN).reshape(b, s // bk, bk).max(-1)
+    meet = (ks_lo[:, None, :] <= qs.max(-1)[:, :, None]) & (
+        ks_hi[:, None, :] >= qs.min(-1)[:, :, None])
+    causal = (jnp.arange(s // bk) * bk)[None, :] <= (jnp.arange(t // bq) * bq + bq - 1)[:, None]
+    return jnp.any(meet, axis=0) & causal
 
 
-def _scores(q_i, k_j, q_pos_i, k_pos_j, k_valid_j, scale):
+def _scores(q_i, k_j, q_pos_i, k_pos_j, k_valid_j, scale, q_seg_i=None, k_seg_j=None):
     """f32[B, Hkv, G, bq, bk] scaled scores of one block, -inf where not allowed."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
     allowed = k_valid_j[:, None, :] & (k_pos_j[:, None, :] <= q_pos_i[:, :, None])  # [B, bq, bk]
+    if q_seg_i is not None:
+        allowed &= k_seg_j[:, None, :] == q_seg_i[:, :, None]
     return jnp.where(allowed[:, None, None], s, -jnp.inf)
 
 
-def _flash_forward(q, k, v, q_pos, k_pos, k_valid, bq, bk):
+def _seg_block(seg, i, size):
+    return None if seg is None else _block(seg, i, size, 1)
+
+
+def _flash_forward(q, k, v, q_pos, k_pos, k_valid, q_seg, k_seg, bq, bk):
     """(out f[B, Hkv, G, T, D], lse f32[B, Hkv, G, T]); lse = +inf on rows with no allowed key."""
     b, hkv, g, t, d = q.shape
     nq, nk = t // bq, k.shape[2] // bk
     scale = 1.0 / math.sqrt(d)
-    needed = _needed_blocks(q_pos, k_pos, k_valid, bq, bk)
+    needed = _needed_blocks(q_pos, k_pos, k_valid, bq, bk, q_seg, k_seg)
 
     def query_block(i, outputs):
         q_i, q_pos_i = _block(q, i, bq, 3), _block(q_pos, i, bq, 1)
+        q_seg_i = _seg_block(q_seg, i, bq)
 
         def key_block(j, carry):
             def compute(carry):
                 m, denom, acc = carry
                 s = _scores(q_i, _block(k, j, bk, 2), q_pos_i, _block(k_pos, j, bk, 1),
-                            _block(k_valid, j, bk, 1), scale)
+                            _block(k_valid, j, bk, 1), scale, q_seg_i, _seg_block(k_seg, j, bk))
                 m_new = jnp.maximum(m, s.max(-1))
                 # Rows that have seen no allowed key yet keep m = -inf; exponentiate against 0.
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -197,24 +232,24 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_valid, bq, bk):
                                    jnp.zeros(q.shape[:-1], jnp.float32)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, q_pos, k_pos, k_valid, bq, bk):
-    return _flash_forward(q, k, v, q_pos, k_pos, k_valid, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _flash(q, k, v, q_pos, k_pos, k_valid, q_seg, k_seg, bq, bk):
+    return _flash_forward(q, k, v, q_pos, k_pos, k_valid, q_seg, k_seg, bq, bk)[0]
 
 
-def _flash_fwd(q, k, v, q_pos, k_pos, k_valid, bq, bk):
-    out, lse = _flash_forward(q, k, v, q_pos, k_pos, k_valid, bq, bk)
-    return out, (q, k, v, q_pos, k_pos, k_valid, out, lse)
+def _flash_fwd(q, k, v, q_pos, k_pos, k_valid, q_seg, k_seg, bq, bk):
+    out, lse = _flash_forward(q, k, v, q_pos, k_pos, k_valid, q_seg, k_seg, bq, bk)
+    return out, (q, k, v, q_pos, k_pos, k_valid, q_seg, k_seg, out, lse)
 
 
 def _flash_bwd(bq, bk, residuals, d_out):
     """FlashAttention-2's backward: key blocks outside (dk, dv of one block accumulate over the
     query blocks), query blocks inside (dq, kept whole in f32, accumulates over key blocks)."""
-    q, k, v, q_pos, k_pos, k_valid, out, lse = residuals
+    q, k, v, q_pos, k_pos, k_valid, q_seg, k_seg, out, lse = residuals
     d = q.shape[-1]
     nq, nk = q.shape[3] // bq, k.shape[2] // bk
     scale = 1.0 / math.sqrt(d)
-    needed = _needed_blocks(q_pos, k_pos, k_valid, bq, bk)
+    needed = _needed_blocks(q_pos, k_pos, k_valid, bq, bk, q_seg, k_seg)
     # delta = rowsum(dO * O) = sum_k P dP, the softmax backward's per-row term.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     d_out = d_out.astype(q.dtype)
@@ -222,12 +257,14 @@ def _flash_bwd(bq, bk, residuals, d_out):
     def key_block(j, grads):
         k_j, v_j = _block(k, j, bk, 2), _block(v, j, bk, 2)
         k_pos_j, k_valid_j = _block(k_pos, j, bk, 1), _block(k_valid, j, bk, 1)
+        k_seg_j = _seg_block(k_seg, j, bk)
 
         def query_block(i, carry):
             def compute(carry):
                 dq, dk_j, dv_j = carry
                 q_i, do_i = _block(q, i, bq, 3), _block(d_out, i, bq, 3)
-                s = _scores(q_i, k_j, _block(q_pos, i, bq, 1), k_pos_j, k_valid_j, scale)
+                s = _scores(q_i, k_j, _block(q_pos, i, bq, 1), k_pos_j, k_valid_j, scale,
+                            _seg_block(q_seg, i, bq), k_seg_j)
                 p = jnp.exp(s - _block(lse, i, bq, 3)[..., None])  # 0 where masked or row empty
                 dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(q.dtype), do_i,
                                          preferred_element_type=jnp.float32)
@@ -250,7 +287,8 @@ def _flash_bwd(bq, bk, residuals, d_out):
     dq, dk, dv = _loop(nk, key_block, (jnp.zeros(q.shape, jnp.float32),
                                        jnp.zeros(k.shape, jnp.float32),
                                        jnp.zeros(v.shape, jnp.float32)))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
+            None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -263,12 +301,14 @@ def _pad_to(x: jax.Array, size: int, axis: int, value) -> jax.Array:
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                        k_pos: jax.Array, k_valid: jax.Array, *, block_q: int = BLOCK_Q,
+                        k_pos: jax.Array, k_valid: jax.Array,
+                        segment_ids: jax.Array | None = None, *, block_q: int = BLOCK_Q,
                         block_k: int = BLOCK_K) -> jax.Array:
     """Flash-style grouped-query attention; O(T) memory in the forward and the backward.
 
     Same arguments and result as `dot_product_attention` (q: f[B, T, H, D]; k, v: f[B, Hkv, S, D];
-    q_pos: i32[B, T]; k_pos: i32[B, S]; k_valid: bool[B, S]; returns f[B, T, H, D]). Per step it
+    q_pos: i32[B, T]; k_pos: i32[B, S]; k_valid: bool[B, S]; segment_ids: optional i32[B, T] of
+    packed self-attention; returns f[B, T, H, D]). Per step it
     holds one f32 [B, Hkv, G, block_q, block_k] score block; blocks in which no row of the batch
     has an allowed (query, key) pair are skipped. T and S need not be multiples of the blocks.
     """
@@ -277,25 +317,31 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
     bq, bk = min(block_q, t), min(block_k, s)
     tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
     qg = q.reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    q_seg = k_seg = None
+    if segment_ids is not None:  # the padding's keys are invalid anyway
+        q_seg, k_seg = _pad_to(segment_ids, tp, 1, -1), _pad_to(segment_ids, sp, 1, -1)
     out = _flash(_pad_to(qg, tp, 3, 0), _pad_to(k.astype(q.dtype), sp, 2, 0),
                  _pad_to(v.astype(q.dtype), sp, 2, 0), _pad_to(q_pos, tp, 1, _INT_MIN),
-                 _pad_to(k_pos, sp, 1, _INT_MAX), _pad_to(k_valid, sp, 1, False), bq, bk)
+                 _pad_to(k_pos, sp, 1, _INT_MAX), _pad_to(k_valid, sp, 1, False), q_seg, k_seg,
+                 bq, bk)
     return out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 # ---------------------------------------------------------------------------------------- cuDNN
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                    k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+                    k_pos: jax.Array, k_valid: jax.Array,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
     """`jax.nn.dot_product_attention` on cuDNN (flash attention; GPU, bf16/fp16 inputs only).
 
     Same contract as `dot_product_attention`. The position rule is passed as a boolean mask
     bool[B, 1, T, S] (1 byte per (query, key) pair, shared by all heads): cuDNN's sequence-length
-    arguments describe right padding only, and our sequences are left-padded.
+    arguments describe right padding only, and our sequences are left-padded. Packed rows' segment
+    ids go into the same mask.
     """
     if not targets.compiler_installed("gpu"):
         raise ValueError("ModelConfig.attention='cudnn' needs a GPU: JAX's CUDA plugin is not "
                          "installed (use 'auto', 'dense' or 'blockwise')")
-    mask = allowed_mask(q_pos, k_pos, k_valid)[:, None]
+    mask = allowed_mask(q_pos, k_pos, k_valid, segment_ids)[:, None]
 
     def on_gpu(q, k, v, mask):
         return jax.nn.dot_product_attention(
@@ -319,7 +365,7 @@ PALLAS_TPU_BLOCK = 128
 
 
 def _pallas_tpu_kernel(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.Array,
-                       block: int, interpret: bool) -> jax.Array:
+                       segment_ids: jax.Array | None, block: int, interpret: bool) -> jax.Array:
     """Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) on our layouts (see
     `pallas_tpu_attention`); lowers for a TPU, or runs anywhere with interpret=True."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -337,8 +383,12 @@ def _pallas_tpu_kernel(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.Ar
                           block_q_dq=block, block_kv_dq=block)
     kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
     # Segment 1 = real token, 0 = pad (and the tail padding to a block multiple): a real query
-    # sees only real keys; a pad query sees the pads up to itself, so no row is empty.
-    seg = _pad_to(k_valid.astype(jnp.int32), tp, 1, 0)
+    # sees only real keys; a pad query sees the pads up to itself, so no row is empty. Packed
+    # rows: segment s + 1 for the real tokens of segment s.
+    seg = k_valid.astype(jnp.int32)
+    if segment_ids is not None:
+        seg = jnp.where(k_valid, segment_ids + 1, 0)
+    seg = _pad_to(seg, tp, 1, 0)
     qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4) * (1.0 / math.sqrt(d))
     qg = _pad_to(qg.astype(q.dtype), tp, 3, 0)  # [B, Hkv, G, Tp, D]
     k, v = _pad_to(k.astype(q.dtype), tp, 2, 0), _pad_to(v.astype(q.dtype), tp, 2, 0)
@@ -352,7 +402,8 @@ def _pallas_tpu_kernel(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.Ar
 
 
 def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                         k_pos: jax.Array, k_valid: jax.Array, *, interpret: bool = False,
+                         k_pos: jax.Array, k_valid: jax.Array,
+                         segment_ids: jax.Array | None = None, *, interpret: bool = False,
                          block: int = PALLAS_TPU_BLOCK) -> jax.Array:
     """JAX's Pallas TPU splash attention (O(T) memory forward and backward); TPU only.
 
@@ -362,7 +413,9 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Ar
     Then `k_pos[s] <= q_pos[t]` equals `s <= t` for valid tokens, and the kernel's causal-by-index
     mask with padding as segment ids is exactly the position rule. The learner's sequences meet it
     (`positions_from_mask`: positions are the count of real tokens before, for any pad pattern);
-    a KV cache or packed sequences do not. q_pos and k_pos are not read.
+    a KV cache does not. Packed rows (segment ids i32[B, T] >= 0, each segment contiguous and in
+    order) meet it per segment: the kernel's segment ids are those + 1 (0 for pads). q_pos and
+    k_pos are not read.
 
     With bf16 inputs, lower it under jax_default_matmul_precision 'default' (not 'highest'):
     Mosaic rejects fp32-pass matmuls on bf16 operands ("Bad lhs type").
@@ -377,8 +430,8 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Ar
                          f"{q.shape[1]} queries and S = {k.shape[2]} keys")
     kernel = functools.partial(_pallas_tpu_kernel, block=block, interpret=interpret)
     if interpret:
-        return kernel(q, k, v, k_valid)
-    return jax.lax.platform_dependent(q, k, v, k_valid, tpu=kernel)
+        return kernel(q, k, v, k_valid, segment_ids)
+    return jax.lax.platform_dependent(q, k, v, k_valid, segment_ids, tpu=kernel)
 
 
 # ----------------------------------------------------------------------------------- dispatcher
@@ -396,7 +449,7 @@ def resolve_implementation(implementation: Implementation | str, num_queries: in
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
               k_valid: jax.Array, implementation: Implementation | str = "auto", *,
-              causal_by_index: bool = False) -> jax.Array:
+              causal_by_index: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention by the chosen implementation (see `Implementation`).
 
     q: f[B, T, H, D]; k, v: f[B, Hkv, S, D]; q_pos: i32[B, T]; k_pos: i32[B, S];
@@ -406,6 +459,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     self-attention); without it `pallas_tpu` runs as `auto`. `auto` never picks the TPU
     kernel: on a sharded learner XLA refuses to partition it ("Mosaic kernels cannot be
     automatically partitioned"), so it waits for a shard_map wrapper over the batch axes.
+
+    segment_ids: optional i32[B, T] of packed rows (self-attention, S == T; see the module doc).
     """
     impl = resolve_implementation(implementation, q.shape[1], k.shape[2])
     if impl is Implementation.PALLAS_TPU and not causal_by_index:
@@ -415,4 +470,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
           Implementation.BLOCKWISE: blockwise_attention,
           Implementation.CUDNN: cudnn_attention,
           Implementation.PALLAS_TPU: pallas_tpu_attention}[impl]
-    return fn(q, k, v, q_pos, k_pos, k_valid)
+    if segment_ids is None:
+        return fn(q, k, v, q_pos, k_pos, k_valid)
+    if q.shape[1] != k.shape[2]:
+        raise ValueError(f"attention: segment ids need self-attention (T == S); got T = "
+                         f"{q.shape[1]} queries and S = {k.shape[2]} keys")
+    return fn(q, k, v, q_pos, k_pos, k_valid, segment_ids)

@@ -342,6 +342,7 @@ class Attention(nn.Module):
         cache: tuple[jax.Array, jax.Array] | PagedLayer | None,
         cache_pos: jax.Array | None,
         write_slots: jax.Array | None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | PagedLayer | None]:
         """`cache` is this layer's (k, v) f[B, Hkv, S, D], or its `PagedLayer` (one token per
         row); returns it with this call's tokens.
@@ -406,7 +407,7 @@ class Attention(nn.Module):
             out = attn_lib.ungroup_queries(out, t)
         else:
             out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
-                                     causal_by_index=cache is None)
+                                     causal_by_index=cache is None, segment_ids=segment_ids)
         out = out.reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache
@@ -433,13 +434,13 @@ class DecoderLayer(nn.Module):
     paged_attention: PagedAttention | None = None
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, cache_pos, write_slots):
+    def __call__(self, x, positions, mask, cache, cache_pos, write_slots, segment_ids=None):
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
         attn, new_cache = Attention(cfg, self.dot_general, self.decode_attention,
                                     self.paged_attention, name="self_attn")(
-            h, positions, mask, cache, cache_pos, write_slots
+            h, positions, mask, cache, cache_pos, write_slots, segment_ids
         )
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
@@ -461,6 +462,9 @@ class Transformer(nn.Module):
         sequence in order, as `positions_from_mask` gives): attention may then run causal by index
         (`attention.pallas_tpu_attention` on a TPU).
       mask: bool[B, T] real tokens; None means all real. Padded keys are never attended to.
+      segment_ids: optional i32[B, T] (no cache): packed rows, several sequences one after another
+        in a row (`qurl_jax.packing`); a token attends only to its own segment, and `positions`
+        restart at 0 in every segment, so each sequence computes what it would alone.
       cache: optional KVCache; row r's T new keys/values go to slots [n_used[r], n_used[r] + T)
         (the caller leaves room), recorded at their `positions` (pads as empty slots); next_pos
         moves one past the last real position. The queries attend to every cached key at or
@@ -504,6 +508,7 @@ class Transformer(nn.Module):
         cache: KVCache | PagedKVCache | None = None,
         last_only: bool = False,
         return_hidden: bool = False,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
@@ -519,9 +524,11 @@ class Transformer(nn.Module):
         if cache is not None and not paged:
             write_slots = cache.n_used
             cache_pos = write_rows(cache.pos, jnp.where(mask, positions, -1), write_slots, 0)
+        if segment_ids is not None and cache is not None:
+            raise ValueError("Transformer: segment_ids (packed rows) take no KV cache")
         new_kv = []
         if self.scan_layers and cache is None and not self.is_initializing():
-            x = self._scanned_layers(x, positions, mask, pin)
+            x = self._scanned_layers(x, positions, mask, pin, segment_ids)
         else:
             remat = Remat(self.remat)
             layer = DecoderLayer if remat is Remat.NONE else nn.remat(
@@ -533,7 +540,8 @@ class Transformer(nn.Module):
                 else:
                     kv = None if cache is None else (cache.k[i], cache.v[i])
                 x, kv = layer(cfg, self.dot_general, self.decode_attention, self.paged_attention,
-                              name=f"layers_{i}")(x, positions, mask, kv, cache_pos, write_slots)
+                              name=f"layers_{i}")(x, positions, mask, kv, cache_pos, write_slots,
+                                                  segment_ids)
                 x = pin(x, RESIDUAL_AXES)
                 new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
@@ -559,7 +567,8 @@ class Transformer(nn.Module):
         return out, new_cache
 
     def _scanned_layers(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
-                        pin: ShardActivation) -> jax.Array:
+                        pin: ShardActivation, segment_ids: jax.Array | None = None
+                        ) -> jax.Array:
         """The decoder layers as one `lax.scan` over their parameters stacked along a new leading
         axis (in the compute dtype: the layers cast them to it anyway, so values and gradients are
         those of the unrolled loop). x: f[B, T, E] -> f[B, T, E]."""
@@ -571,7 +580,8 @@ class Transformer(nn.Module):
                              parent=None)
 
         def body(x: jax.Array, params: Any) -> tuple[jax.Array, None]:
-            x, _ = layer.apply({"params": params}, x, positions, mask, None, None, None)
+            x, _ = layer.apply({"params": params}, x, positions, mask, None, None, None,
+                               segment_ids)
             return pin(x, RESIDUAL_AXES), None
 
         remat = Remat(self.remat)

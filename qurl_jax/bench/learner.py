@@ -1,0 +1,128 @@
+"""Benchmark: the learner's log-prob recomputation and update, packed vs padded, in one run.
+
+`python -m qurl_jax.bench.learner [--rows=32 --max_prompt_len=128 --max_new_tokens=512 ...]`
+
+One long-tailed batch at the paper configs' length distribution, scaled to a CPU-sized model:
+responses log-normal with median max_new_tokens / 4 (`bench.sampler.tail_limits`, as
+`bench.sampler` and `bench.paged` draw them; mean about 0.35 x the limit), prompts of about
+120 / 1024 of `max_prompt_len` (MATH prompts against the configs' 1024 slots: uniform in
+[0.06, 0.18] x max_prompt_len). The same batch goes through two `Learner`s that differ only in
+`packing`: `logprobs` (pi_prox) then `update` (`--micro_batches` accumulated micro-batches), the
+host-side packing included in the packed side's time. Rounds alternate between the two (after one
+warm-up round each, which compiles), so load from other processes hits both alike; the table
+reports each side's median seconds, real tokens per second (the batch's prompt + response tokens
+over the time: the same numerator for both) and the real-token share of what the programs
+compute (real tokens / rows x row length). Prints one JSON line with every figure at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qurl_jax import sharding as shd
+from qurl_jax.bench.sampler import tail_limits
+from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.models import ModelConfig, init_params, positions_from_mask
+from qurl_jax.rl.objectives import ObjectiveConfig
+
+
+def long_tailed_batch(rows: int, max_prompt_len: int, max_new_tokens: int, vocab: int,
+                      seed: int = 0) -> dict[str, np.ndarray]:
+    """A padded learner batch (numpy) at the configs' length distribution (module doc)."""
+    rng = np.random.default_rng(seed)
+    resp = tail_limits(rows, max_new_tokens, seed)
+    prompt = np.clip(np.round(rng.uniform(0.06, 0.18, rows) * max_prompt_len), 1,
+                     max_prompt_len).astype(np.int32)
+    p, g = max_prompt_len, max_new_tokens
+    mask = np.concatenate([np.arange(p)[None] >= (p - prompt)[:, None],
+                           np.arange(g)[None] < resp[:, None]], axis=1)
+    return {"tokens": rng.integers(0, vocab, (rows, p + g)).astype(np.int32),
+            "positions": positions_from_mask(mask).astype(np.int32), "attn_mask": mask,
+            "resp_mask": mask[:, p:].astype(np.float32),
+            "logp_behav": -rng.uniform(0.5, 4.0, (rows, g)).astype(np.float32),
+            "advantages": rng.normal(size=rows).astype(np.float32)}
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    cfg = ModelConfig(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.hidden * 3, num_layers=args.layers,
+                      num_heads=args.heads, num_kv_heads=max(args.heads // 2, 1),
+                      head_dim=args.hidden // args.heads, attention=args.attention)
+    host = long_tailed_batch(args.rows, args.max_prompt_len, args.max_new_tokens, args.vocab,
+                             args.seed)
+    real = int(host["attn_mask"].sum())
+    mesh = shd.make_mesh()
+    params0 = init_params(cfg, jax.random.key(args.seed))
+    sides = {}
+    for name, packed in (("padded", False), ("packed", True)):
+        learner = Learner(cfg, ObjectiveConfig(), OptimConfig(learning_rate=1e-6), mesh,
+                          num_micro_batches=args.micro_batches, packing=packed,
+                          logprob_batch_size=args.rows // args.micro_batches)
+        params = learner.shard_params(params0)
+        sides[name] = {"learner": learner, "params": params,
+                       "opt": learner.init_opt_state(params), "times": []}
+
+    def one_round(side: dict) -> float:
+        learner = side["learner"]
+        # A fresh batch object per round (as the trainer's): the packing is redone and timed.
+        batch = learner.shard_batch({k: jnp.asarray(v) for k, v in host.items()})
+        jax.block_until_ready(batch)
+        start = time.perf_counter()
+        batch["logp_prox"] = learner.logprobs(side["params"], batch)
+        side["params"], side["opt"], metrics = learner.update(side["params"], side["opt"], batch)
+        jax.block_until_ready((side["params"], metrics))
+        return time.perf_counter() - start
+
+    for side in sides.values():  # warm-up: compiles
+        one_round(side)
+    for _ in range(args.rounds):
+        for side in sides.values():
+            side["times"].append(one_round(side))
+    out: dict[str, float] = {"real_tokens": float(real)}
+    padded_tokens = args.rows * (args.max_prompt_len + args.max_new_tokens)
+    for name, side in sides.items():
+        t = statistics.median(side["times"])
+        if name == "packed":  # rows x pack length of the last packing (the update's)
+            share = side["learner"].last_pack["learner/real_token_share"]
+        else:
+            share = real / padded_tokens
+        computed = real / share
+        out.update({f"{name}/seconds": t, f"{name}/real_tokens_per_s": real / t,
+                    f"{name}/computed_tokens": float(computed),
+                    f"{name}/real_token_share": share})
+    out["speedup"] = out["padded/seconds"] / out["packed/seconds"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--max_prompt_len", type=int, default=128)
+    ap.add_argument("--max_new_tokens", type=int, default=512)
+    ap.add_argument("--micro_batches", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    out = run(args)
+    print(f"{'layout':<8}{'median s':>10}{'real tok/s':>12}{'computed tok':>14}{'real share':>12}")
+    for name in ("padded", "packed"):
+        print(f"{name:<8}{out[f'{name}/seconds']:>10.3f}{out[f'{name}/real_tokens_per_s']:>12.0f}"
+              f"{out[f'{name}/computed_tokens']:>14.0f}{out[f'{name}/real_token_share']:>12.3f}")
+    print(f"packed speedup (log-probs + update, same run): {out['speedup']:.2f}x")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

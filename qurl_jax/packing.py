@@ -1,0 +1,244 @@
+"""Packed learner batches: the step's sequences without their padding, several to a row.
+
+The rollout hands the learner sequences laid out as `[prompt (left-padded to P) | response (G
+slots)]`: at the configs' length distribution about a third of those tokens are real. Packing puts
+each sequence's real tokens (prompt, then response) one after another into rows of `pack_length`
+tokens, first-fit decreasing, every token carrying its segment (its sequence's slot in the row)
+and its position within its own sequence. The model runs on the packed rows with segment ids
+(`Transformer(..., segment_ids=...)`: attention never crosses a segment, RoPE restarts at 0 per
+sequence), the LM head gives every packed position the log-prob of the next token in its row, and
+`resp_index` gathers the response tokens' log-probs back to the `[B, G]` layout, so objectives,
+advantages, masks and metrics do not change.
+
+Micro-batches stay sets of sequences (the strided `learner.split_rows` slices): `pack` packs each
+slice on its own into `num_rows` rows and interleaves them like `split_rows` expects (packed row
+j * n + i belongs to slice i), and `resp_index` indexes a slice's own rows. The number of rows is
+rounded up to a bucket (`bucket_rows`: 8 steps per doubling, so at most 1/8 of the rows are empty
+padding and a run compiles few shapes); the padding rows are empty (no real token, no loss).
+
+Everything here is host-side numpy on this process's own rows: in a multi-process run every
+process packs its block and the row counts are agreed on (`qurl_jax.learner.Learner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# Keys of a packed learner batch beside the per-sequence ones (resp_mask, logp_*, advantages):
+#   tokens, positions, segment_ids i32[n * R, L]; attn_mask bool[n * R, L] (real tokens);
+#   resp_index i32[B, G]: flat index r * L + c, within its micro-batch slice's R rows, of the
+#   position whose next-token log-prob is response token t's (0 for slots with no real token).
+PACKED_KEYS = ("tokens", "positions", "segment_ids", "attn_mask", "resp_index")
+# Segment id of padding: never equal to a real sequence's (0, 1, ... within a row).
+PAD_SEGMENT = -1
+
+
+def default_pack_length(sequence_length: int, block: int = 512) -> int:
+    """The longest sequence a layout of `sequence_length` (P + G) slots allows, rounded up to the
+    attention block (`attention.BLOCK_Q`; a multiple of splash's 128) when longer than one."""
+    if sequence_length <= block:
+        return sequence_length
+    return -(-sequence_length // block) * block
+
+
+def bucket_rows(rows: int, multiple: int = 1) -> int:
+    """`rows` rounded up to the next of 1, 2, ..., 8, 9, 10, ..., 15, 16, 18, ..., 30, 32, 36, ...
+    (8 sizes per doubling above 8), then to a multiple of `multiple` (the devices the rows are
+    split over)."""
+    rows = max(int(rows), 1)
+    if rows > 8:
+        step = 2 ** (math.ceil(math.log2(rows)) - 4)  # 8 steps between 2^(k-1) and 2^k
+        rows = -(-rows // step) * step
+    return -(-rows // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A packed batch (numpy) and what it cost: `arrays` has the `PACKED_KEYS`."""
+
+    arrays: dict[str, np.ndarray]
+    rows_used: int  # the most rows one slice needed (before the bucket)
+    real_tokens: int
+
+    @property
+    def rows(self) -> int:
+        return self.arrays["tokens"].shape[0]
+
+    @property
+    def real_share(self) -> float:
+        return self.real_tokens / max(self.arrays["tokens"].size, 1)
+
+
+def sequence_lengths(attn_mask: np.ndarray) -> np.ndarray:
+    """i32[B] real tokens per row of the padded layout."""
+    return np.asarray(attn_mask, bool).sum(axis=1).astype(np.int32)
+
+
+def first_fit_decreasing(lengths: np.ndarray, pack_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row i32[B], offset i32[B]) of each sequence: longest first, each into the first row with
+    room. Sequences of length 0 get row -1."""
+    order = np.argsort(-lengths, kind="stable")
+    row = np.full(lengths.shape, -1, np.int32)
+    offset = np.zeros(lengths.shape, np.int32)
+    fill: list[int] = []
+    for b in order:
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        if n > pack_length:
+            raise ValueError(f"train.pack_length={pack_length} is shorter than a sequence of {n} "
+                             f"tokens (prompt + response); raise it or leave it 0 (the longest "
+                             f"sequence the config allows)")
+        r = next((i for i, used in enumerate(fill) if used + n <= pack_length), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        row[b], offset[b] = r, fill[r]
+        fill[r] += n
+    return row, offset
+
+
+def rows_needed(attn_mask: np.ndarray, pack_length: int, num_slices: int = 1) -> int:
+    """The most packed rows one of `num_slices` strided slices of these sequences needs."""
+    lengths = sequence_lengths(attn_mask)
+    return max(int(first_fit_decreasing(lengths[i::num_slices], pack_length)[0].max(initial=-1))
+               + 1 for i in range(num_slices))
+
+
+def pack(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pack_length: int, *,
+         num_slices: int = 1, num_rows: int | None = None, resp_mask: np.ndarray | None = None,
+         row_offset: int = 0) -> Packed:
+    """Packs the padded sequences tokens i32[B, P + G] (real where attn_mask) into rows.
+
+    The B sequences are cut into `num_slices` strided slices (`learner.split_rows`: slice i holds
+    sequences i, i + n, ...); each slice is packed first-fit decreasing into `num_rows` rows of
+    `pack_length` tokens (default: the most any slice needs), and packed row j * n + i is row j of
+    slice i. A sequence's real tokens must be contiguous from its first real one (a left-padded
+    prompt and its response, as the rollout lays them out). `resp_mask` f32[B, G], if given, is
+    checked to mark only real response tokens that have a real token before them. `row_offset`
+    shifts every `resp_index` by that many rows (a process's block of a slice's global rows).
+    """
+    tokens = np.asarray(tokens)
+    mask = np.asarray(attn_mask, bool)
+    b, t = tokens.shape
+    g, n = response_len, num_slices
+    if b % n:
+        raise ValueError(f"packing: {b} sequences do not split into {n} micro-batches")
+    lengths = sequence_lengths(mask)
+    first = np.where(lengths > 0, np.argmax(mask, axis=1), 0)
+    if not np.array_equal(mask, (np.arange(t)[None] >= first[:, None])
+                          & (np.arange(t)[None] < (first + lengths)[:, None])):
+        raise ValueError("packing: attn_mask has a gap inside a sequence (expected a left-padded "
+                         "prompt followed by its response and right padding)")
+    if resp_mask is not None:
+        real_resp = mask[:, t - g:] & (np.arange(t - g, t)[None] > first[:, None])
+        if np.any((np.asarray(resp_mask) != 0) & ~real_resp):
+            raise ValueError("packing: resp_mask marks a response slot that is padding or has no "
+                             "real token before it")
+    places = [first_fit_decreasing(lengths[i::n], pack_length) for i in range(n)]
+    used = max(int(row.max(initial=-1)) + 1 for row, _ in places)
+    rows = used if num_rows is None else num_rows
+    if used > rows:
+        raise ValueError(f"packing: a micro-batch needs {used} rows of {pack_length} tokens, "
+                         f"more than the {rows} planned")
+    length = pack_length
+    out_tokens = np.zeros((n * rows, length), np.int32)
+    out_pos = np.zeros((n * rows, length), np.int32)
+    out_seg = np.full((n * rows, length), PAD_SEGMENT, np.int32)
+    out_mask = np.zeros((n * rows, length), bool)
+    resp_index = np.zeros((b, g), np.int32)
+    for i, (row, offset) in enumerate(places):
+        seg_count = np.zeros(rows, np.int32)
+        for k, seq in enumerate(range(i, b, n)):
+            m = int(lengths[seq])
+            if m == 0:
+                continue
+            r, o = int(row[k]), int(offset[k])
+            dst = r * n + i
+            f = int(first[seq])
+            out_tokens[dst, o:o + m] = tokens[seq, f:f + m]
+            out_pos[dst, o:o + m] = np.arange(m)
+            out_seg[dst, o:o + m] = seg_count[r]
+            seg_count[r] += 1
+            out_mask[dst, o:o + m] = True
+            # Response slot s sits at column t - g + s; its token is at packed column
+            # o + (t - g + s - f), predicted by the column before.
+            s = np.arange(g)
+            col = o + (t - g + s - f) - 1
+            ok = (t - g + s >= f + 1) & (t - g + s < f + m)
+            resp_index[seq] = np.where(ok, (row_offset + r) * length + col, 0)
+    return Packed({"tokens": out_tokens, "positions": out_pos, "segment_ids": out_seg,
+                   "attn_mask": out_mask, "resp_index": resp_index},
+                  rows_used=used, real_tokens=int(lengths.sum()))
+
+
+
+# ------------------------------------------------------------------ token-budget micro-batches
+def budget_micro_batches(attn_mask: np.ndarray, pack_length: int, rows_per_micro: int) -> int:
+    """Micro-batches of `rows_per_micro` packed rows these sequences need (first-fit decreasing
+    over all of them), before the bucket."""
+    row, _ = first_fit_decreasing(sequence_lengths(attn_mask), pack_length)
+    return max(-(-(int(row.max(initial=-1)) + 1) // rows_per_micro), 1)
+
+
+def budget_assignment(attn_mask: np.ndarray, pack_length: int, num_micro: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(micro i32[B], row_in_micro i32[B], offset i32[B], most sequences in one micro-batch):
+    first-fit decreasing row r goes to micro-batch r % num_micro as its row r // num_micro, so
+    the fullest rows spread over the micro-batches. Empty sequences get micro -1."""
+    row, offset = first_fit_decreasing(sequence_lengths(attn_mask), pack_length)
+    micro = np.where(row >= 0, row % num_micro, -1).astype(np.int32)
+    counts = np.bincount(micro[micro >= 0], minlength=num_micro)
+    return micro, (row // num_micro).astype(np.int32), offset, int(counts.max(initial=0))
+
+
+def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pack_length: int,
+                *, num_micro: int, rows_per_micro: int, seqs_per_micro: int,
+                resp_mask: np.ndarray | None = None, row_offset: int = 0,
+                seq_offset: int = 0) -> Packed:
+    """Packs the sequences into `num_micro` token-budget micro-batches of `rows_per_micro` rows
+    (`budget_assignment`), laid out for `learner.split_rows(x, num_micro)` (row j of micro-batch
+    k at j * num_micro + k). Beside `PACKED_KEYS`, `seq_index` i32[num_micro * seqs_per_micro]
+    names the sequence (+ `seq_offset`, a process's first global sequence; -1 for an empty slot)
+    at slot s * num_micro + k: the learner gathers the per-sequence arrays with it, so a
+    micro-batch's loss sees exactly the sequences its rows hold, and `resp_index` is laid out the
+    same way (slot, not sequence). `row_offset`: see `pack`."""
+    tokens = np.asarray(tokens)
+    mask = np.asarray(attn_mask, bool)
+    m = num_micro
+    base = pack(tokens, mask, response_len, pack_length, resp_mask=resp_mask)  # checks the input
+    micro, row_in, offset, most = budget_assignment(mask, pack_length, m)
+    if int(row_in.max(initial=-1)) + 1 > rows_per_micro or most > seqs_per_micro:
+        raise ValueError(f"packing: the sequences need more than {m} micro-batches of "
+                         f"{rows_per_micro} rows and {seqs_per_micro} sequences")
+    length = pack_length
+    lengths = sequence_lengths(mask)
+    first = np.where(lengths > 0, np.argmax(mask, axis=1), 0)
+    out = {k: np.zeros((m * rows_per_micro, length), np.int32)
+           for k in ("tokens", "positions")}
+    out["segment_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
+    out["attn_mask"] = np.zeros((m * rows_per_micro, length), bool)
+    out["resp_index"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
+    out["seq_index"] = np.full((m * seqs_per_micro,), -1, np.int32)
+    seg_count = np.zeros(m * rows_per_micro, np.int32)
+    slot_count = np.zeros(m, np.int32)
+    t, g = tokens.shape[1], response_len
+    for seq in np.flatnonzero(lengths > 0):
+        k, j, o, n, f = int(micro[seq]), int(row_in[seq]), int(offset[seq]), int(lengths[seq]), \
+            int(first[seq])
+        dst = j * m + k
+        out["tokens"][dst, o:o + n] = tokens[seq, f:f + n]
+        out["positions"][dst, o:o + n] = np.arange(n)
+        out["segment_ids"][dst, o:o + n] = seg_count[dst]
+        out["attn_mask"][dst, o:o + n] = True
+        seg_count[dst] += 1
+        slot = int(slot_count[k]) * m + k
+        slot_count[k] += 1
+        out["seq_index"][slot] = seq + seq_offset
+        s = np.arange(g)
+        col = o + (t - g + s - f) - 1
+        ok = (t - g + s >= f + 1) & (t - g + s < f + n)
+        out["resp_index"][slot] = np.where(ok, (row_offset + j) * length + col, 0)
+    return Packed(out, rows_used=int(row_in.max(initial=-1)) + 1, real_tokens=base.real_tokens)
