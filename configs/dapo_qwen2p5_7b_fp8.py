@@ -5,9 +5,9 @@ reward shaping (L_max = max_new_tokens, buffer 4096), no KL; C = 5 as in FlashRL
 Point `model.path` at the local model and `data.train_files` at DAPO-Math-17k (parquet, verl
 layout);
 the MATH train split is the default so the config validates from a fresh checkout.
-Evaluation: AIME 2024 Avg@32. Qwen2.5-Math-7B's config.json declares 4096 positions, less than
-2048 + 20480: raise its `max_position_embeddings` (and `rope_theta`, as long-context RL recipes on
-this model do) or validation stops the run, naming the fields.
+Evaluation: AIME 2024 Avg@32. Qwen2.5-Math-7B's config.json declares 4096 positions, fewer than
+2048 + 20480: `model.max_positions` says this config runs past them on purpose (RoPE as the
+checkpoint describes it); without it validation stops the run, naming the fields.
 
 Learner memory targets two nodes of 8 x H100-80GB (mesh fsdp=8 x tensor=2): each optimizer step's
 512 sequences of 2048 + 20480 tokens run as 64 micro-batches of one sequence per FSDP group, layers
@@ -28,6 +28,7 @@ def get_config():
     c.model.source = "hf"
     c.model.path = "checkpoints/Qwen2.5-Math-7B"
     c.model.dtype = "bfloat16"
+    c.model.max_positions = 2048 + 20480  # past the checkpoint's 4096, on purpose (docstring)
     c.data.task = "math"
     c.data.train_files = (MATH + "train_math.json",)
     c.data.prompts_per_step = 512

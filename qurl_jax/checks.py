@@ -2,8 +2,9 @@
 learn, and the data itself.
 
 - `check_context(c)`: the longest row the rollout and the evaluation sample (data.max_prompt_len +
-  rollout.max_new_tokens, and + eval.max_new_tokens) must fit the model's positions (`model.tiny.
-  max_position_embeddings`, or `model.path`'s config.json).
+  rollout.max_new_tokens, and + eval.max_new_tokens) must fit the model's positions (`model.
+  max_positions` where set, else `model.tiny.max_position_embeddings` or `model.path`'s
+  config.json).
 - `check_learnable(c)`: settings under which nothing learns are errors: one sample per prompt
   (every group advantage is 0), greedy sampling (`top_k=1`: the samples of a prompt are the same,
   so again every advantage is 0), an importance-weight cap below 1 (every on-policy token is
@@ -35,7 +36,10 @@ from qurl_jax.settings import RunSettings
 
 def model_positions(c: ml_collections.ConfigDict) -> tuple[int, str] | None:
     """(positions the model was built for, where that number comes from), or None when
-    `model.path`'s config.json cannot be read as a supported model (loading it reports why)."""
+    `model.path`'s config.json cannot be read as a supported model (loading it reports why);
+    `model.max_positions` where it is set."""
+    if c.model.max_positions:
+        return c.model.max_positions, "model.max_positions"
     if c.model.source != "hf":
         return c.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
     from qurl_jax.models.hf import config_from_hf

@@ -140,6 +140,14 @@ def test_the_context_of_a_hugging_face_config(tmp_path):
                    "data.max_prompt_len": 32, "rollout.max_new_tokens": 32,
                    "eval.max_new_tokens": 1024, "eval.files": ()})
     validate(c)
+    # model.max_positions runs past the checkpoint's positions knowingly (the 7B DAPO config), and
+    # is then the limit the check names.
+    c = _config(**{"model.source": "hf", "model.path": str(tmp_path), "model.max_positions": 96})
+    c.data.max_prompt_len = 60
+    validate(c)
+    c.rollout.max_new_tokens = 40
+    with pytest.raises(ConfigError, match=r"96 positions \(model\.max_positions\)"):
+        validate(c)
 
 
 @pytest.mark.parametrize("fields, match", [
