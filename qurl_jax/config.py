@@ -61,7 +61,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # compute dtype; master weights are always float32
     # Positions a row (prompt + response) may use; 0 = the checkpoint's max_position_embeddings
     # (model.tiny's for the tiny model). RoPE is computed at any position: set it to run past a
-    # checkpoint's declared context knowingly, as long-response RL recipes on short-context models do.
+    # checkpoint's declared context knowingly, as long-response RL recipes on short-context
+    # models do.
     c.model.max_positions = 0
     c.model.attention = "auto"  # auto (blockwise above 1024 keys) | dense | blockwise | cudnn
     # How rollout decode steps read the KV cache (docs/paged_kv.md): auto | xla | pallas. auto:
