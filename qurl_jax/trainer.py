@@ -1,9 +1,10 @@
 """The RL trainer: one step reads like QuRL's algorithm.
 
-    params --requantize--> rollout_params --sample(n per prompt)--> tokens, logp_behav
+    params --requantize--> codes on the learner's FSDP layout --reshard--> rollout_params on the
+           rollout's replicas (rollout_layout.py) --sample(n per prompt)--> tokens, logp_behav
            --verify--> rewards, accuracy --group--> advantages
            (DAPO: drop groups whose accuracy is all equal, regenerate from more rounds)
-           --learner forward (fp32)--> logp_prox (and logp_ref for the KL)
+           --learner forward (fp32, packed rows)--> logp_prox (and logp_ref for the KL)
            --policy_loss(acr | tis | ...) x minibatches--> AdamW update of params
 
 Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters before the first step;
