@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.cli import assert_one_line
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "--config=configs/arith_tiny.py"
 
@@ -20,17 +22,6 @@ def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _assert_one_line(out: subprocess.CompletedProcess, *words: str) -> str:
-    text = out.stdout + out.stderr
-    assert out.returncode == 2, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    lines = [line for line in text.splitlines() if line.startswith("qurl_jax: ")]
-    assert len(lines) == 1, text[-3000:]
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
-
-
 def _assert_nothing_written(workdir) -> None:
     assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
     checkpoints = os.path.join(workdir, "checkpoints")
@@ -39,33 +30,33 @@ def _assert_nothing_written(workdir) -> None:
 
 
 def test_missing_config_file(tmp_path):
-    _assert_one_line(_run("--config=configs/nope.py", f"--workdir={tmp_path}"),
+    assert_one_line(_run("--config=configs/nope.py", f"--workdir={tmp_path}"),
                      "bad config", "configs/nope.py", "no such file")
 
 
 def test_config_file_with_a_syntax_error(tmp_path):
     config = tmp_path / "broken.py"
     config.write_text("def get_config(:\n    pass\n")
-    _assert_one_line(_run(f"--config={config}", f"--workdir={tmp_path / 'w'}"),
+    assert_one_line(_run(f"--config={config}", f"--workdir={tmp_path / 'w'}"),
                      "bad config file", "broken.py:1", "syntax")
 
 
 def test_config_file_whose_get_config_raises(tmp_path):
     config = tmp_path / "raises.py"
     config.write_text("def get_config():\n    return undefined_name\n")
-    _assert_one_line(_run(f"--config={config}", f"--workdir={tmp_path / 'w'}"),
+    assert_one_line(_run(f"--config={config}", f"--workdir={tmp_path / 'w'}"),
                      "bad config file", "undefined_name")
 
 
 def test_workdir_that_is_a_file(tmp_path):
     path = tmp_path / "a_file"
     path.write_text("x")
-    _assert_one_line(_run(TINY, f"--workdir={path}"), "bad workdir", str(path), "is a file")
+    assert_one_line(_run(TINY, f"--workdir={path}"), "bad workdir", str(path), "is a file")
 
 
 def test_workdir_that_cannot_be_written(tmp_path):
     # /proc/self is a directory nobody, root included, can create files in.
-    _assert_one_line(_run(TINY, "--workdir=/proc/self"), "bad workdir", "/proc/self",
+    assert_one_line(_run(TINY, "--workdir=/proc/self"), "bad workdir", "/proc/self",
                      "not writable")
 
 
@@ -75,13 +66,13 @@ def test_read_only_workdir(tmp_path):
     workdir.mkdir()
     workdir.chmod(0o555)
     try:
-        _assert_one_line(_run(TINY, f"--workdir={workdir}"), "bad workdir", "not writable")
+        assert_one_line(_run(TINY, f"--workdir={workdir}"), "bad workdir", "not writable")
     finally:
         workdir.chmod(0o755)
 
 
 def test_mesh_larger_than_the_devices(tmp_path):
-    _assert_one_line(_run(TINY, f"--workdir={tmp_path}", "--config.mesh.fsdp=4"),
+    assert_one_line(_run(TINY, f"--workdir={tmp_path}", "--config.mesh.fsdp=4"),
                      "bad mesh", "'fsdp': 4", "needs 4 devices", "has 1 device")
     assert not os.listdir(tmp_path)
 
@@ -95,7 +86,7 @@ def test_data_file_without_usable_rows(tmp_path, content, words):
     data = tmp_path / "train.json"
     data.write_text(content)
     workdir = tmp_path / "w"
-    line = _assert_one_line(_run(TINY, f"--workdir={workdir}", "--config.data.task=math",
+    line = assert_one_line(_run(TINY, f"--workdir={workdir}", "--config.data.task=math",
                                  f"--config.data.train_files=('{data}',)"),
                             "bad data", "config.data.train_files", str(data), *words)
     assert "max_prompt_len" not in line
@@ -113,7 +104,7 @@ def test_data_file_without_usable_rows(tmp_path, content, words):
     ("--config.mesh.dcn.data=0", "config.mesh.dcn.data"),
 ])
 def test_out_of_range_numbers(tmp_path, override, field):
-    _assert_one_line(_run(TINY, f"--workdir={tmp_path}", override), "bad config", field)
+    assert_one_line(_run(TINY, f"--workdir={tmp_path}", override), "bad config", field)
     assert not os.listdir(tmp_path)
 
 

@@ -20,6 +20,7 @@ from qurl_jax.errors import ConfigError
 from qurl_jax.metrics import read_metrics
 from qurl_jax.overrides import expand_lists
 from qurl_jax.settings import RunSettings
+from tests.cli import assert_one_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "own_task")
@@ -59,17 +60,6 @@ def _cli(module: str, *args: str, cwd: str = REPO, timeout: int = 600
          ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def _one_line(out: subprocess.CompletedProcess, *words: str) -> str:
-    text = out.stdout + out.stderr
-    assert out.returncode == 2, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    lines = [line for line in text.splitlines() if line.startswith("qurl_jax: ")]
-    assert len(lines) == 1, text[-3000:]
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture
@@ -112,7 +102,7 @@ def test_a_bad_reward_function_is_named_by_validate(hooks, spec, words):
 
 def test_a_bad_reward_function_stops_main_in_one_line_before_writing(tmp_path):
     workdir = tmp_path / "w"
-    _one_line(_cli("qurl_jax.main", TINY, f"--workdir={workdir}",
+    assert_one_line(_cli("qurl_jax.main", TINY, f"--workdir={workdir}",
                    "--config.reward.function=qurl_jax.data.rewards:no_such_name"),
               "bad config", "config.reward.function", "no_such_name")
     assert not workdir.exists()
@@ -278,10 +268,10 @@ def test_warm_start_is_rebuilt_when_the_training_data_changes(tmp_path, monkeypa
 
 
 # ------------------------------------------------------------------------------- evaluate
-def test_evaluate_names_a_missing_checkpoint_step_or_workdir_in_one_line(tmp_path):
-    _one_line(_cli("qurl_jax.evaluate", TINY, f"--workdir={tmp_path}", "--step=7"),
+def test_evaluate_names_a_missing_checkpoint_step_or_workdir_inassert_one_line(tmp_path):
+    assert_one_line(_cli("qurl_jax.evaluate", TINY, f"--workdir={tmp_path}", "--step=7"),
               "--step=7", "holds no checkpoint")
-    _one_line(_cli("qurl_jax.evaluate", TINY, f"--workdir={tmp_path}/none"),
+    assert_one_line(_cli("qurl_jax.evaluate", TINY, f"--workdir={tmp_path}/none"),
               "bad workdir", "does not exist")
     assert not os.listdir(tmp_path)
 
