@@ -20,8 +20,8 @@ def _printed_docs(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     name = None
     for line in text.splitlines():
-        if line.startswith("    # ") and name:
-            out[name] += " " + line[6:]
+        if line.startswith("    # ") and name:  # the doc goes on (or starts below a long value)
+            out[name] = f"{out[name]} {line[6:]}" if out[name] else line[6:]
         else:
             name = line.split(" = ", 1)[0]
             out[name] = line.split("  # ", 1)[1] if "  # " in line else ""
