@@ -130,14 +130,14 @@ class Trainer:
                                          keep=c.train.keep_checkpoints)
         # A changed field that changes the math, or a checkpoint of another model or optimizer,
         # stops the run here, before the warm-start cache, metrics or a checkpoint are written.
-        self.checkpointer.check_compatible(self._abstract_state())
+        abstract = self._abstract_state()  # also sizes the rollout layout below
+        self.checkpointer.check_compatible(abstract)
         if self.checkpointer.steps():
             run_config.check(c, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         # The rollout's own layout: replicas of the quantized actor over the same devices
         # (`qurl_jax.rollout_layout`); the learner, its log-probs and the optimizer stay on
         # `self.mesh`.
-        abstract = self._abstract_state()
         memory = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
         self.rollout_mesh = rollout_layout.rollout_mesh(self.mesh, rollout_layout.plan_tensor(
             self.settings, self.model_config, self.mesh, abstract["params"],
