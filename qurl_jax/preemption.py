@@ -26,9 +26,9 @@ import threading
 from types import FrameType
 
 import jax
-import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
+
+from qurl_jax import distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -79,8 +79,7 @@ class PreemptionGuard:
         after every step on every process)."""
         if _multi_process():
             # Every process's request (its signal number, 0 for none), agreed at this step.
-            agreed = int(np.max(multihost_utils.process_allgather(
-                np.array(self.signum or 0, np.int64))))
+            agreed = dist.agree_max(self.signum or 0)
             if agreed:
                 self.request(agreed)
             return bool(agreed)
