@@ -93,7 +93,7 @@ class _Recorded:
         functools.update_wrapper(self, jitted, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _LOG is not None:
+        if _LOG is not None and not _traced(args, kwargs):
             _LOG.record(self._name, args, kwargs)
         return self._jitted(*args, **kwargs)
 
@@ -102,6 +102,13 @@ class _Recorded:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)
+
+
+def _traced(args: tuple, kwargs: dict) -> bool:
+    """Whether the call is inside a trace (another jit, `eval_shape`, ...): it is then inlined
+    into the traced program, not dispatched as a program of its own, and its arguments are
+    tracers, which have no sharding to record."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
 
 
 def _recording_jit(fun: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -172,6 +172,24 @@ def test_program_log_records_jitted_calls_with_shapes_and_shardings():
     assert jax.jit is program_check._ORIGINAL_JIT
 
 
+def test_program_log_leaves_out_jitted_calls_inside_a_trace():
+    # A jitted function called inside another trace (eval_shape, as the rollout layout's sizing
+    # does with requantize, or an outer jit) is inlined there, not dispatched: not a program of
+    # its own, and its arguments are tracers without a sharding.
+    log = program_check.install()
+    try:
+        inner = jax.jit(lambda x: 2 * x)
+        outer = jax.jit(lambda x: inner(x) + 1)
+        log.take()
+        assert jax.eval_shape(inner, jnp.ones(3)).shape == (3,)
+        assert log.take() == []
+        outer(jnp.ones(3))
+        (record,) = log.take()
+        assert "<lambda>@test_watchdog.py:" in record and "float32[3]" in record
+    finally:
+        program_check.uninstall()
+
+
 def test_program_hook_parses_or_names_the_variable():
     assert program_check._parse_hook("") is None
     assert program_check._parse_hook("hang:1:2") == ("hang", 1, 2)
