@@ -50,7 +50,10 @@ TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
         "--config.train.progress=False", "--config.train.report_speed=False",
         "--config.rl.entropy_coef=0.05", "--config.optim.learning_rate=3e-3",
         "--config.optim.warmup_steps=0", "--config.train.checkpoint_every=1",
-        "--config.rollout.max_concurrent_rows=16", "--config.train.check_collectives=True")
+        # Two chunks of 16 rows: 4 rollout replicas of 2 devices (8 one-device replicas would
+        # need n x 8 = 32 rows in a chunk, the whole step).
+        "--config.rollout.max_concurrent_rows=16", "--config.rollout.tensor=2",
+        "--config.train.check_collectives=True")
 MESH = ("--config.mesh.fsdp=4", "--config.mesh.tensor=2")
 
 
