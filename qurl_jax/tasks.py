@@ -235,6 +235,35 @@ def model_config_for(model: ModelSettings) -> ModelConfig:
     return config.replace(attention=model.attention)
 
 
+def _file_version(path: str) -> tuple[int, int] | None:
+    """(size, mtime in ns) of a local file; None for a URL or a missing file."""
+    if "://" in path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+_READ_CACHE: dict[tuple[Any, ...], tuple[list[MathExample], Any]] = {}
+
+
+def _read_math_file(path: str, keys: tuple[str, str] | None) -> tuple[list[MathExample], Any]:
+    """`load_math_file`, remembered for the latest few unchanged local files: the up-front data
+    check (`checks.check_task_data`) and the task then read a large file once, not twice."""
+    version = _file_version(path)
+    if version is None:
+        return load_math_file(path, keys=keys)
+    key = (path, keys, version)
+    if key not in _READ_CACHE:
+        if len(_READ_CACHE) >= 8:
+            _READ_CACHE.pop(next(iter(_READ_CACHE)))
+        _READ_CACHE[key] = load_math_file(path, keys=keys)
+    examples, stats = _READ_CACHE[key]
+    return list(examples), stats
+
+
 def _load_examples(path: str, field: str, data: DataSettings, log: bool = True
                    ) -> list[MathExample]:
     """The examples of one math data file (rows read through `data.prompt_key` / `answer_key`
@@ -242,7 +271,7 @@ def _load_examples(path: str, field: str, data: DataSettings, log: bool = True
     no usable row (before any line is logged)."""
     keys = (data.prompt_key, data.answer_key) if data.prompt_key else None
     try:
-        examples, stats = load_math_file(path, keys=keys)
+        examples, stats = _read_math_file(path, keys)
     except (OSError, ValueError) as e:
         raise DataError(f"config.{field}: {path}: {e}") from e
     if not examples:

@@ -189,3 +189,22 @@ def test_a_rollout_of_one_row_at_a_time_is_a_warning():
                            "tokens holds one row") and "at least 6 pages" in line
     c = validate(_config(**{"rollout.kv_pages": 6, "rollout.max_concurrent_rows": 16}))
     assert checks.slow_settings(c) == []
+
+
+def test_the_check_and_the_task_read_a_file_once_and_a_changed_file_again(tmp_path, monkeypatch):
+    from qurl_jax import tasks
+
+    reads = []
+    real = tasks.load_math_file
+    monkeypatch.setattr(tasks, "load_math_file",
+                        lambda path, **kw: reads.append(path) or real(path, **kw))
+    data = _user_file(tmp_path, ROWS)
+    s = RunSettings.from_config(_config(**{"data.task": "math", "data.train_files": (data,),
+                                           "data.max_prompt_len": 256}))
+    checks.check_task_data(s)
+    train, _, _ = tasks.task_examples(s)
+    assert reads == [data] and [ex.answer for ex in train] == ["7", "12"]
+    train.clear()  # a caller's list is its own
+    assert len(tasks.task_examples(s)[0]) == 2 and reads == [data]
+    _user_file(tmp_path, ROWS[:1])  # rewritten: another size, so read again
+    assert len(tasks.task_examples(s)[0]) == 1 and reads == [data, data]
