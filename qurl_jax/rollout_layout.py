@@ -237,18 +237,24 @@ def kv_bytes_per_device(settings: Any, model_config: Any, devices: int) -> int:
 def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_params: Any,
                 abstract_opt_state: Any, device_bytes: int | None) -> int:
     """`resolve_tensor` of a run (`settings.rollout.tensor`): the replica from the requantized
-    abstract parameters, the learner's parameters and optimizer state as what stays resident,
+    abstract parameters (the larger of the rollout's actor and the evaluation's full-precision
+    one), the learner's parameters and optimizer state as what stays resident,
     the KV by `kv_bytes_per_device`, `device_bytes` the usable memory of one device (None:
     unknown)."""
     from qurl_jax import quant
 
-    recipe = quant.get_recipe(settings.rollout.precision)
-    actor = jax.eval_shape(lambda p: quant.requantize(p, recipe,
-                                                      compute_dtype=model_config.compute_dtype),
-                           jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                        abstract_params))
-    replica = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-                  for x in jax.tree.leaves(actor))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
+
+    def replica_bytes(recipe: Any) -> int:
+        actor = jax.eval_shape(lambda p: quant.requantize(
+            p, recipe, compute_dtype=model_config.compute_dtype), params)
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(actor))
+
+    # The rollout's quantized actor, or the evaluation's full-precision one in the compute dtype
+    # (`Trainer.evaluate` samples it on the same replicas), whichever is larger.
+    replica = max(replica_bytes(quant.get_recipe(settings.rollout.precision)),
+                  replica_bytes("fp"))
     devices = learner_mesh.size
     local = len([d for d in learner_mesh.devices.flat
                  if d.process_index == learner_mesh.devices.flat[0].process_index])

@@ -217,6 +217,32 @@ def test_resolve_tensor_auto_and_errors() -> None:
         rl.parse_tensor("x")
 
 
+def test_plan_tensor_sizes_the_larger_of_the_rollout_and_evaluation_replicas(monkeypatch) -> None:
+    # The evaluation samples the full-precision policy (compute dtype) on the same replicas, so
+    # 'auto' must leave room for that replica too, not only for the int8 actor's.
+    import os
+
+    from qurl_jax.config import load_config_file
+    from qurl_jax.models import init_params
+    from qurl_jax.settings import RunSettings
+    from qurl_jax.tasks import model_config_for
+
+    seen = {}
+    monkeypatch.setattr(rl, "resolve_tensor", lambda setting, **kw: seen.update(kw) or 1)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    settings = RunSettings.from_config(load_config_file(os.path.join(repo,
+                                                                     "configs/arith_tiny.py")))
+    cfg = model_config_for(settings.model)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    rl.plan_tensor(settings, cfg, make_mesh(fsdp=8), params, {}, None)
+    size = jnp.dtype(cfg.compute_dtype).itemsize
+    full = sum(int(np.prod(x.shape)) * size for x in jax.tree.leaves(params))
+    int8 = jax.eval_shape(lambda p: quant.requantize(p, settings.rollout.precision,
+                                                     compute_dtype=cfg.compute_dtype), params)
+    assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(int8)) < full
+    assert seen["replica_bytes"] == full
+
+
 def test_tpu_decode_loop_moves_no_vocabulary_or_hidden_sized_operand(tmp_path) -> None:
     # Compiled by libtpu for a v5e-4 slice (no device): the learner's 2 x 2 (data x FSDP) mesh,
     # the rollout on 4 one-chip replicas. One iteration of the decode loop (a generated token)
