@@ -89,15 +89,16 @@ def _start(children: _Children, workdir: str, args: tuple[str, ...], log: str
                                 "--config.train.checkpoint_every=100", *args, num=2, logs=log)
 
 
-def run_once(config: str, index: int, root: str, timeout_s: float) -> Run:
+def run_once(config: str, index: int, root: str, timeout_s: float,
+             extra: tuple[str, ...] = ()) -> Run:
     workdir = os.path.join(root, f"{config}-{index}")
     shutil.rmtree(workdir, ignore_errors=True)
     children = _Children()
     start = time.time()
     try:
-        procs = _start(children, workdir, CONFIGS[config], workdir + ".log")
+        procs = _start(children, workdir, CONFIGS[config] + extra, workdir + ".log")
         if config == "sigterm":
-            outcome = _sigterm_then_resume(children, procs, workdir, start + timeout_s)
+            outcome = _sigterm_then_resume(children, procs, workdir, start + timeout_s, extra)
         else:
             codes = _wait(procs, start + timeout_s)
             outcome = _outcome(codes, procs, workdir)
@@ -119,7 +120,7 @@ def _outcome(codes: list[int] | None, procs: list[subprocess.Popen], workdir: st
 
 
 def _sigterm_then_resume(children: _Children, procs: list[subprocess.Popen], workdir: str,
-                         deadline: float) -> str:
+                         deadline: float, extra: tuple[str, ...] = ()) -> str:
     while not any(r.get("step", 0) >= 2 and "rollout/reward_mean" in r
                   for r in read_metrics(workdir)):
         if time.time() > deadline:
@@ -133,7 +134,7 @@ def _sigterm_then_resume(children: _Children, procs: list[subprocess.Popen], wor
     outcome = _outcome(_wait(procs, deadline), procs, workdir, expected=143)
     if outcome != "ok":
         return outcome
-    resumed = _start(children, workdir, (), workdir + ".log.resumed")
+    resumed = _start(children, workdir, extra, workdir + ".log.resumed")
     outcome = _outcome(_wait(resumed, deadline), resumed, workdir)
     if outcome != "ok":
         return outcome
@@ -141,7 +142,12 @@ def _sigterm_then_resume(children: _Children, procs: list[subprocess.Popen], wor
     return "ok" if steps == list(range(1, STEPS + 1)) else f"fail: steps {steps}"
 
 
-def soak(configs: list[str], runs: int, load: int, root: str, timeout_s: float) -> list[Run]:
+def soak(configs: list[str], runs: int, load: int, root: str, timeout_s: float,
+         cache_dir: str = "") -> list[Run]:
+    """`runs` rounds of every configuration in `configs` (module docstring); with `cache_dir`,
+    every run's processes share that persistent compilation cache (after a configuration's first
+    run they load its programs instead of compiling them: shorter runs, the same dispatches)."""
+    extra = (f"--config.train.compilation_cache_dir={cache_dir}",) if cache_dir else ()
     os.makedirs(root, exist_ok=True)
     # Under load a 5 s heartbeat lapses while both processes compile (an abort, not a hang).
     heartbeat, test_multiprocess.HEARTBEAT_S = test_multiprocess.HEARTBEAT_S, 60
@@ -152,7 +158,7 @@ def soak(configs: list[str], runs: int, load: int, root: str, timeout_s: float) 
     try:
         for index in range(runs):
             for config in configs:
-                run = run_once(config, index, root, timeout_s)
+                run = run_once(config, index, root, timeout_s, extra)
                 results.append(run)
                 print(json.dumps(dataclasses.asdict(run)), flush=True)
     finally:
@@ -183,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", default="/tmp/qurl_jax_soak")
     parser.add_argument("--timeout_s", type=float, default=900.0)
+    parser.add_argument("--cache_dir", default="",
+                        help="a persistent compilation cache every run shares (default: each "
+                             "run's own, in its workdir)")
     a = parser.parse_args(argv)
     configs = a.configs.split(",")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"--configs: unknown {unknown}; known: {sorted(CONFIGS)}")
-    results = soak(configs, a.runs, a.load, a.out, a.timeout_s)
+    results = soak(configs, a.runs, a.load, a.out, a.timeout_s, a.cache_dir)
     print(table(results), flush=True)
     return 0 if all(r.outcome == "ok" for r in results) else 1
 
