@@ -92,3 +92,21 @@ def test_cli_rejects_a_chip_without_link_figures() -> None:
     with pytest.raises(SystemExit, match="bad flag --layouts=config"):
         interconnect.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
                            "--layouts=config"])
+
+
+def test_reshard_prediction_is_the_received_bytes_over_the_ring(tmp_path) -> None:
+    # The tiny model's int8 actor on a 4-chip v5e slice (fsdp 4): each one-chip replica receives
+    # 3/4 of every array the learner's layout splits, over one port's ring bandwidth, plus a
+    # ring latency per moved array. Only the requantize program compiles (its shardings).
+    target = compiler_or_skip("tpu:v5e-4")
+    r = interconnect.reshard(_settings(tmp_path, 4), str(tmp_path), target)
+    assert r["rollout_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    quantized = 2 * 128 * (3 * 512 + 128 + 128 + 64 + 64)  # 2 layers' q, k, v, o, MLP kernels
+    assert r["quantized_parameters"] == quantized
+    assert r["codes_bytes_per_quantized_param"] == pytest.approx(0.75, abs=0.03)  # + scales
+    assert r["bytes_per_quantized_param"] > r["codes_bytes_per_quantized_param"]  # embedding
+    link = interconnect.LINKS["v5e"]
+    assert r["latency_ms"] == pytest.approx(r["arrays_moved"] * 2 * link.hop_s * 1e3)
+    assert r["reshard_ms"] == pytest.approx(
+        r["reshard_bytes_per_device"] / link.ring_bytes_per_s * 1e3 + r["latency_ms"])
+    assert "reshard_ms_cross_node" not in r and "a prediction" in interconnect.describe_reshard(r)

@@ -289,6 +289,64 @@ def _all_ports(r: dict[str, Any]) -> float:
     return r["slice_rows"] / step_ms * 1e3
 
 
+# A GPU's share of its node's scale-out network: one 400 Gb/s ConnectX-7 per H100 (NVIDIA DGX
+# H100 datasheet: 8 x 400 Gb/s compute ports for 8 GPUs), 50 GB/s each way.
+NODE_NIC_BYTES_PER_S = 50e9
+GPUS_PER_NODE = 8
+
+
+def reshard(settings: RunSettings, shapes_dir: str, target: targets.Target) -> dict[str, Any]:
+    """The once-per-step reshard (`rollout_layout.Reshard`) predicted on `target`'s slice: what
+    each device receives (`Reshard.bytes`: from shapes and shardings, nothing runs) over the
+    chip's ring bandwidth, plus a latency per moved array (each an all-gather over the learner's
+    fsdp group: hops on a TPU ring, one fixed latency over NVSwitch). A GPU slice of several
+    nodes also gets `reshard_ms_cross_node`: a flat ring crosses the nodes' network, so it runs
+    at one NIC's bandwidth per GPU instead of NVLink's."""
+    if target.chip is None or target.chip.name not in LINKS:
+        raise targets.TargetError(f"{target.name}: link figures known for {', '.join(LINKS)} "
+                                  "only")
+    devices = target.devices()
+    model = memory_plan.model_shape(settings.model, shapes_dir)
+    setup = memory_plan.build_setup(settings, model, devices)
+    src = setup.learner_actor
+    moved = setup.reshard.bytes(src)
+    after = setup.actor
+    share = lambda x: int(np.prod(x.sharding.shard_shape(x.shape)))  # noqa: E731
+    grown = sum(share(b) > share(a)
+                for a, b in zip(jax.tree.leaves(src), jax.tree.leaves(after), strict=True))
+    link = LINKS[target.chip.name]
+    group = int(setup.mesh.shape["fsdp"])
+    latency = grown * (link.collective_s + link.hop_s * math.ceil(group / 2))
+    record = {
+        "target": target.name, "chip": target.chip.name, "devices": len(devices),
+        "config_model": os.path.basename(os.path.normpath(settings.model.path)),
+        "precision": settings.rollout.precision,
+        "rollout_mesh": dict(setup.rollout_mesh.shape),
+        "reshard_bytes_per_device": moved.received,
+        "reshard_codes_bytes_per_device": moved.codes,
+        "quantized_parameters": moved.quantized_parameters,
+        "bytes_per_quantized_param": round(moved.per_quantized_parameter, 3),
+        "codes_bytes_per_quantized_param": round(
+            moved.codes / max(moved.quantized_parameters, 1), 3),
+        "arrays_moved": grown, "latency_ms": latency * 1e3,
+        "reshard_ms": (moved.received / link.ring_bytes_per_s + latency) * 1e3,
+        "note": PREDICTION}
+    if target.chip.platform == "gpu" and len(devices) > GPUS_PER_NODE:
+        record["reshard_ms_cross_node"] = (moved.received / NODE_NIC_BYTES_PER_S + latency) * 1e3
+    return record
+
+
+def describe_reshard(r: dict[str, Any]) -> str:
+    """One line of a `reshard` record."""
+    cross = (f", {r['reshard_ms_cross_node']:.1f} ms if the ring crosses the nodes' network"
+             if "reshard_ms_cross_node" in r else "")
+    return (f"{r['target']} {r['config_model']} {r['precision']}: reshard to "
+            f"{r['rollout_mesh']} receives {r['reshard_bytes_per_device'] / 2**20:,.1f} MiB per "
+            f"device ({r['bytes_per_quantized_param']:.3f} bytes per quantized parameter; codes "
+            f"and scales {r['codes_bytes_per_quantized_param']:.3f}) in {r['arrays_moved']} "
+            f"arrays: predicted {r['reshard_ms']:.1f} ms per RL step{cross} - a prediction")
+
+
 def markdown_table(records: list[dict[str, Any]]) -> str:
     """Per config, target and layout: the collectives per token and the predicted step and
     tokens/s, and each layout's tokens/s over the first layout's of the same config and target."""
@@ -329,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
                                         "--config")
     p.add_argument("--json", help="write the records here (after each layout)")
     p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these files")
+    p.add_argument("--reshard", action="store_true",
+                   help="predict the once-per-step reshard instead (no decode compile)")
     args = p.parse_args(argv)
     if args.table:
         print(markdown_table([r for path in args.table for r in json.load(open(path))]))
@@ -353,6 +413,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"qurl_jax: bad flag --config={args.config}: {e}")
     shapes_dir = args.shapes_dir or os.path.join(os.path.dirname(os.path.abspath(args.config)),
                                                  "shapes")
+    if args.reshard:
+        try:
+            record = reshard(RunSettings.from_config(config), shapes_dir, target)
+        except (targets.TargetError, memory_plan.PlanError, shd.MeshError) as e:
+            sys.exit(f"qurl_jax: {e}")
+        print(describe_reshard(record))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([record], f, indent=1)
+        return
     records = []
     for layout in layouts:
         try:
