@@ -267,7 +267,9 @@ class Learner:
       instead of `num_micro_batches`: rows of tokens_per_micro_batch // pack_length (per process,
       rounded up to its devices), as many micro-batches as the (mini)batch's sequences need,
       rounded up to a bucket (`packing.bucket_rows`); empty padding micro-batches, rows and
-      sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences.
+      sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences. The
+      log-prob recomputation runs in slices of the same packed rows (`logprob_batch_size` is
+      then unused), its log-probs scattered back to [B, G].
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
@@ -451,9 +453,18 @@ class Learner:
         """f32[B, G] response log-probs under `params` (the proximal or reference policy)."""
         b = batch["resp_mask"].shape[0]
         lbs = self.logprob_batch_size
-        batch = self._maybe_pack(batch, b // lbs if lbs and lbs < b else 1)
-        batch = {k: batch[k] for k in (packing_lib.PACKED_KEYS if "segment_ids" in batch
-                                       else batch.keys())}
+        if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
+            # Token-budget slices, as the update's micro-batches: rows of the whole batch's
+            # sequences, not each slice of lbs sequences packed on its own (one sequence per
+            # device packs into one row per device: no saving).
+            batch = self.pack_budget_batch(batch)
+        else:
+            batch = self._maybe_pack(batch, b // lbs if lbs and lbs < b else 1)
+        if "seq_index" in batch:
+            keys = packing_lib.PACKED_KEYS + ("seq_index", "resp_mask")
+        else:
+            keys = packing_lib.PACKED_KEYS if "segment_ids" in batch else batch.keys()
+        batch = {k: batch[k] for k in keys}
         return self.logprobs_fn(params, batch)(params, batch)
 
     def logprobs_fn(self, params: Any, batch: Batch) -> Callable:
@@ -471,6 +482,8 @@ class Learner:
         return self._logprob_fns[key]
 
     def _logprobs(self, params: Any, batch: Batch, response_len: int) -> jax.Array:
+        if "seq_index" in batch:
+            return self._budget_logprobs(params, batch)
         if "segment_ids" in batch:
             return self._packed_logprobs(params, batch)
 
@@ -506,6 +519,27 @@ class Learner:
         if not lbs or lbs >= b:
             return forward(part)
         return merge_rows(jax.lax.map(forward, split_rows(part, b // lbs)))
+
+    def _budget_logprobs(self, params: Any, batch: Batch) -> jax.Array:
+        """`_logprobs` of a token-budget packed batch (`pack_budget_batch`): one micro-batch of
+        rows at a time (a `lax.map`), each slot's log-probs scattered back to its sequence's row
+        of f32[B, G] (`seq_index`; sequences with no real token stay 0, as no loss reads them)."""
+        def forward(part: Batch) -> jax.Array:
+            part = self._constrain_rows(part)
+            rows = {k: part[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
+            logp, _ = packed_response_logprobs(self.model, params, rows, part["resp_index"],
+                                               self.temperature, chunk=self.logprob_chunk,
+                                               precision=self.precision)
+            return logp
+
+        rows, count = self._budget_rows(batch["tokens"].shape[1])
+        m = batch["tokens"].shape[0] // (rows * count)
+        part = {k: batch[k] for k in packing_lib.PACKED_KEYS}
+        logp = forward(part) if m == 1 else merge_rows(jax.lax.map(forward, split_rows(part, m)))
+        b = batch["resp_mask"].shape[0]
+        index = batch["seq_index"]
+        out = jnp.zeros((b, logp.shape[1]), logp.dtype)
+        return out.at[jnp.where(index >= 0, index, b)].set(logp, mode="drop")
 
     # ------------------------------------------------------------------------------------- update
     def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

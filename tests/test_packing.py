@@ -387,3 +387,20 @@ def test_fp8_block_training_on_packed_rows():
     _rel_close(got[1], want[1], "loss", rel=1e-5)
     for path, g in jax.tree_util.tree_leaves_with_path(got[3]):
         _rel_close(g, _leaf(want[3], path), f"grad {jax.tree_util.keystr(path)}", rel=2e-2)
+
+
+def test_token_budget_logprobs_match_padded():
+    """`logprobs` under train.tokens_per_micro_batch: the whole batch's sequences packed into
+    slices of 2 rows of 16 (a lax.map), scattered back to [B, G] by sequence."""
+    objective = ObjectiveConfig()
+    params = init_params(CFG, jax.random.key(2))
+    batch = _padded(PROMPTS * 2, RESPONSES * 2, seed=5)
+    mesh = shd.make_mesh()
+    padded = _learner(mesh, objective)
+    want = np.asarray(padded.logprobs(padded.shard_params(params), padded.shard_batch(batch)))
+    budget = Learner(CFG, objective, OptimConfig(learning_rate=1e-2), mesh, temperature=0.9,
+                     packing=True, pack_length=16, tokens_per_micro_batch=32)
+    got = np.asarray(budget.logprobs(budget.shard_params(params), budget.shard_batch(batch)))
+    assert budget.last_pack["learner/micro_batches"] >= 2
+    real = batch["resp_mask"] > 0
+    _rel_close(got[real], want[real], "logp_prox", atol=1e-7)
