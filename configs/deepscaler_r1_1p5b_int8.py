@@ -48,6 +48,12 @@ def get_config():
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 4
     c.rl.num_micro_batches = 32  # 8 sequences: one per device
+    # Packed learner rows (train.packing, on by default): micro-batches and log-prob slices of
+    # one 9216-token row per device (the budget is per process, rounded up to its devices), as
+    # many as the step's sequences fill: per-slice packing of one sequence per device saves
+    # nothing. `python -m qurl_jax.bench.learner --flops --config=<this file>`: see
+    # docs/performance.md.
+    c.train.tokens_per_micro_batch = 9216
     c.train.remat = "dots"
     c.train.scan_layers = True
     c.optim.learning_rate = 1e-6

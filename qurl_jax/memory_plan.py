@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from qurl_jax import distributed as dist
 from qurl_jax import native_pick, packed_plan, quant, rollout_layout, targets
 from qurl_jax import sharding as shd
 from qurl_jax.bench import collectives
@@ -197,7 +198,8 @@ def _packed_shapes(setup: Setup, program: str) -> packed_plan.PackedShapes | Non
             sequences, lbs = setup.rollout_rows, learner.logprob_batch_size
             slices = sequences // lbs if lbs and lbs < sequences else 1
         return packed_plan.worst_case(sequences, slices, length, devices,
-                                      learner.tokens_per_micro_batch)
+                                      learner.tokens_per_micro_batch,
+                                      processes=dist.row_block(setup.mesh)[1])
     except ValueError as e:
         raise PlanError(str(e)) from None
 

@@ -11,9 +11,14 @@ sequence longer than half a row, one sequence per row. Then
   rounded up to the attention block, so at most (P + G + 511) / (P + G)), and the row bucket's
   rounding on top;
 - a token-budget micro-batch (`train.tokens_per_micro_batch`) has its fixed rows,
-  tokens_per_micro_batch // pack_length (rounded up to the devices), and the worst case is in
-  their number: one row per sequence, `bucket_rows(ceil(sequences / rows))` micro-batches, each
-  holding up to every sequence's slot.
+  tokens_per_micro_batch // pack_length on each process (rounded up to its devices), and the
+  worst case is in their number: one row per sequence, `bucket_rows(ceil(sequences / rows))`
+  micro-batches. Each is given a slot for every sequence of its process (a micro-batch of short
+  sequences can hold them all): the [slots, G] index arrays are charged that many times over,
+  at the 1.5B config's log-prob recomputation about 0.5 GiB per device more than any step uses.
+
+In a multi-process run (a TPU target of more than one host) every process packs its own block of
+sequences into its own rows, as the learner does.
 
 A micro-batch's memory is its rows' (the scan runs one at a time), so a plan of the worst case is
 an upper bound of every step's. At the configs' lengths the packer needs far fewer rows or
@@ -62,7 +67,8 @@ def pack_length(pack_length_field: int, sequence_length: int) -> int:
 
 
 def budget_rows(tokens_per_micro_batch: int, length: int, devices: int) -> int:
-    """Packed rows of one token-budget micro-batch (`Learner._budget_rows` on one process);
+    """Packed rows of one token-budget micro-batch on a process of `devices` devices
+    (`Learner._budget_rows`: the budget is each process's);
     ValueError naming both fields when the budget is less than one row."""
     rows = tokens_per_micro_batch // length
     if rows < 1:
@@ -73,16 +79,20 @@ def budget_rows(tokens_per_micro_batch: int, length: int, devices: int) -> int:
 
 
 def worst_case(sequences: int, slices: int, length: int, devices: int,
-               tokens_per_micro_batch: int = 0) -> PackedShapes:
+               tokens_per_micro_batch: int = 0, processes: int = 1) -> PackedShapes:
     """The largest packed program the learner can run on `sequences` sequences cut into `slices`
     micro-batch slices of sequences (or, with `tokens_per_micro_batch`, into token-budget
-    micro-batches), its rows split over `devices` (data x fsdp): one sequence per row."""
+    micro-batches), its rows split over `devices` (data x fsdp) of `processes` processes, each
+    packing its own block of sequences (`Learner.pack_batch`, `Learner.pack_budget_batch`): one
+    sequence per row."""
+    local = devices // processes  # a process's devices: its rows are a multiple of them
+    own = sequences // processes
     if tokens_per_micro_batch:
-        rows = budget_rows(tokens_per_micro_batch, length, devices)
-        num = packing.bucket_rows(math.ceil(sequences / rows))
-        slots = packing.bucket_rows(sequences, devices)
-        return PackedShapes(rows=num * rows, length=length, slices=num, sequences=num * slots,
-                            seq_index=True)
-    rows = packing.bucket_rows(sequences // slices, devices)
-    return PackedShapes(rows=slices * rows, length=length, slices=slices, sequences=sequences,
-                        seq_index=False)
+        rows = budget_rows(tokens_per_micro_batch, length, local)
+        num = packing.bucket_rows(math.ceil(own / rows))
+        slots = packing.bucket_rows(own, local)
+        return PackedShapes(rows=num * rows * processes, length=length, slices=num,
+                            sequences=num * slots * processes, seq_index=True)
+    rows = packing.bucket_rows(own // slices, local)
+    return PackedShapes(rows=slices * rows * processes, length=length, slices=slices,
+                        sequences=sequences, seq_index=False)
