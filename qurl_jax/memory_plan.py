@@ -18,6 +18,9 @@ output, temp and peak bytes:
   rows), gradients accumulated over `rl.num_micro_batches` micro-batches in a scan;
 - `learner_logprobs`: the log-prob recomputation of the whole rollout batch, in slices of one
   micro-batch;
+  with `train.packing` (the default) both run on packed rows at the worst case the packer can
+  give them (`qurl_jax.packed_plan`: one sequence per row of `train.pack_length`; with
+  `train.tokens_per_micro_batch`, the most token-budget micro-batches);
 - `requantize`: the rollout actor made from the learner's sharded parameters (`rollout.precision`);
 - `rollout_prefill` / `rollout_decode`: the sampler's programs for one rollout chunk
   (`rollout.max_concurrent_rows` rows, sharded over data x fsdp), built for the platform of the

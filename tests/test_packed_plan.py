@@ -96,3 +96,34 @@ def test_plan_and_preflight_errors_name_the_packing_fields(monkeypatch):
     assert "\n" not in line
     assert "learner_update needs" in line and "change train.tokens_per_micro_batch" in line
     assert "train.pack_length" in line
+
+
+def test_chain_task_lengths_compile_few_learner_programs():
+    """20 steps at the chain task's shape (`configs/chain_tiny.py`: 16 prompts x 8 of 11 tokens in
+    16 slots, replies of 50-107 tokens in 120, 2 minibatches, log-probs in slices of a
+    minibatch): the packed learner's programs are keyed by their batch shapes, so the distinct
+    shapes its packing gives are the programs it compiles. Host-side packing only."""
+    from qurl_jax import sharding as shd
+    from qurl_jax.learner import Learner, OptimConfig
+    from qurl_jax.rl.objectives import ObjectiveConfig
+
+    learner = Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), packing=True)
+    rng = np.random.default_rng(0)
+    p, g, rows = 16, 120, 128
+    shapes = {"logprobs": set(), "update": set()}
+    for _ in range(20):
+        replies = rng.integers(50, 108, rows)
+        mask = np.concatenate([np.broadcast_to(np.arange(p) >= p - 11, (rows, p)),
+                               np.arange(g)[None] < replies[:, None]], axis=1)
+        batch = {"tokens": np.ones((rows, p + g), np.int32), "attn_mask": mask,
+                 "resp_mask": mask[:, p:].astype(np.float32)}
+        packed = learner.pack_batch(learner.shard_batch(batch), 2)  # log-prob slices of 64
+        shapes["logprobs"].add(packed["tokens"].shape)
+        for half in (slice(0, 64), slice(64, 128)):  # the minibatches, one micro-batch each
+            mini = learner.shard_batch({k: v[half] for k, v in batch.items()})
+            packed = learner.pack_batch(mini, 1)
+            shapes["update"].add(packed["tokens"].shape)
+    # Replies uniform in [50, 107] give 5 shapes (log-probs 112 / 120 / 128 rows, update 56 /
+    # 60): the buckets' 8 sizes per doubling. The chain run itself compiled 3 learner programs
+    # in 20 steps (docs/performance.md); its replies are not uniform.
+    assert len(shapes["logprobs"]) + len(shapes["update"]) <= 5, shapes
