@@ -314,6 +314,7 @@ class Learner:
         self.tokens_per_micro_batch = int(tokens_per_micro_batch)
         self.last_pack: dict[str, float] = {}
         self._pack_cache: tuple[Any, int, Batch] | None = None
+        self._budget_cache: tuple[Any, Batch, dict[str, float]] | None = None
 
     # ----------------------------------------------------------------------------------- placement
     def param_shardings(self, params: Any) -> Any:
@@ -414,7 +415,15 @@ class Learner:
         """The padded batch packed into token-budget micro-batches (`packing.pack_budget`): the
         packed rows, `resp_index` and `seq_index` of each micro-batch, and the per-sequence
         arrays as they are (the update gathers them by `seq_index`). The micro-batch count and
-        the sequences per micro-batch are agreed over processes (the largest, bucketed)."""
+        the sequences per micro-batch are agreed over processes (the largest, bucketed). The
+        same batch again (the reference log-probs after pi_prox's) reuses the packing."""
+        cached = self._budget_cache
+        if cached is not None and cached[0] is batch["tokens"]:
+            self.last_pack = cached[2]
+            out = {k: v for k, v in batch.items() if k not in ("tokens", "positions",
+                                                               "attn_mask")}
+            out.update(cached[1])
+            return out
         tokens = dist.local_rows(batch["tokens"])
         mask = dist.local_rows(batch["attn_mask"])
         resp_mask = dist.local_rows(batch["resp_mask"])
@@ -431,8 +440,10 @@ class Learner:
                                        resp_mask=resp_mask, row_offset=index * rows,
                                        seq_offset=index * tokens.shape[0])
         self.last_pack = {**self._pack_metrics(host, count), "learner/micro_batches": float(m)}
+        packed = dist.global_batch(self.mesh, host.arrays)
+        self._budget_cache = (batch["tokens"], packed, self.last_pack)
         out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
-        out.update(dist.global_batch(self.mesh, host.arrays))
+        out.update(packed)
         return out
 
     @staticmethod
