@@ -545,12 +545,20 @@ class Learner:
 
         rows, count = self._budget_rows(batch["tokens"].shape[1])
         m = batch["tokens"].shape[0] // (rows * count)
-        part = {k: batch[k] for k in packing_lib.PACKED_KEYS}
-        logp = forward(part) if m == 1 else merge_rows(jax.lax.map(forward, split_rows(part, m)))
-        b = batch["resp_mask"].shape[0]
-        index = batch["seq_index"]
-        out = jnp.zeros((b, logp.shape[1]), logp.dtype)
-        return out.at[jnp.where(index >= 0, index, b)].set(logp, mode="drop")
+        b, g = batch["resp_mask"].shape
+
+        def scatter(out: jax.Array, part: Batch) -> jax.Array:
+            index = part["seq_index"]
+            return out.at[jnp.where(index >= 0, index, b)].set(forward(part), mode="drop")
+
+        part = {k: batch[k] for k in packing_lib.PACKED_KEYS + ("seq_index",)}
+        out = self._shard_activation(jnp.zeros((b, g), jnp.float32), ("batch", None))
+        if m == 1:
+            return scatter(out, part)
+        # Each slice's log-probs go straight into [B, G] (the scan's carry): a stacked
+        # [slices, slots, G] output would be as large as the worst case's slots.
+        out, _ = jax.lax.scan(lambda acc, p: (scatter(acc, p), None), out, split_rows(part, m))
+        return out
 
     # ------------------------------------------------------------------------------------- update
     def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
