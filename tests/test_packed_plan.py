@@ -127,3 +127,40 @@ def test_chain_task_lengths_compile_few_learner_programs():
     # 60): the buckets' 8 sizes per doubling. The chain run itself compiled 3 learner programs
     # in 20 steps (docs/performance.md); its replies are not uniform.
     assert len(shapes["logprobs"]) + len(shapes["update"]) <= 5, shapes
+
+
+@pytest.mark.slow  # 8 TPU compiles of a tiny learner (~1.5 min here)
+@pytest.mark.skipif(not __import__("qurl_jax.targets").targets.compiler_installed("tpu"),
+                    reason="libtpu not installed (pip install -e .[tpu-compile])")
+def test_bench_learner_flops_counts_a_step(tmp_path):
+    """`bench.learner --flops` on a tiny config for tpu:v5p-16: per-step totals are the
+    per-program counts times the programs the step runs, and packing computes a larger share
+    of real tokens."""
+    import json
+
+    from qurl_jax.bench import learner_flops
+    from qurl_jax.models import hf
+
+    (tmp_path / "shapes").mkdir()
+    with open(tmp_path / "shapes" / "tiny.json", "w") as f:
+        json.dump(hf.config_to_hf(CFG), f)
+    (tmp_path / "cfg.py").write_text(
+        "from qurl_jax.config import base_config\n"
+        "def get_config():\n"
+        "    c = base_config()\n"
+        "    c.model.source, c.model.path, c.model.dtype = 'hf', 'checkpoints/tiny', 'bfloat16'\n"
+        "    c.data.prompts_per_step, c.rollout.n = 16, 8\n"
+        "    c.data.max_prompt_len, c.rollout.max_new_tokens = 64, 512\n"
+        "    c.rl.num_minibatches, c.rl.num_micro_batches, c.rl.kl_coef = 4, 4, 1e-3\n"
+        "    c.train.tokens_per_micro_batch = 1024\n"
+        "    c.mesh.fsdp = -1\n"
+        "    return c\n")
+    out = learner_flops.count(str(tmp_path / "cfg.py"), "tpu:v5p-16", log=lambda _: None)
+    padded, packed = out["padded"], out["packed"]
+    assert out["logprob_passes"] == 2 and padded["update_programs"] == 128 // 8
+    assert padded["logprob_programs"] == 2 * 128 // 8
+    for side in (padded, packed):
+        assert side["step_flops"] == side["update_flops"] + side["logprob_flops"] > 0
+    assert packed["rows_per_micro_batch"] == 8  # one 1024-token row per device, 2 hosts
+    assert packed["real_token_share"] > padded["real_token_share"]
+    assert out["fewer_flops"] == padded["step_flops"] / packed["step_flops"]
