@@ -647,6 +647,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     check_context(c)
     check_learnable(c)
+    from qurl_jax.checks import check_packing
+
+    check_packing(c)
     try:
         objective_from_config(c.rl)
     except ValueError as e:

@@ -164,3 +164,22 @@ def test_bench_learner_flops_counts_a_step(tmp_path):
     assert packed["rows_per_micro_batch"] == 8  # one 1024-token row per device, 2 hosts
     assert packed["real_token_share"] > padded["real_token_share"]
     assert out["fewer_flops"] == padded["step_flops"] / packed["step_flops"]
+
+
+def test_config_validation_names_the_packing_fields():
+    from qurl_jax.config import validate
+    from qurl_jax.errors import ConfigError
+
+    c = base_config()
+    c.model.source, c.data.task = "tiny", "arithmetic"
+    c.data.max_prompt_len, c.rollout.max_new_tokens, c.eval.max_new_tokens = 32, 32, 32
+    c.train.pack_length = 48
+    with pytest.raises(ConfigError, match=r"^config\.train\.pack_length=48 is shorter than the "
+                                          r"longest sequence .* = 64"):
+        validate(c)
+    c.train.pack_length, c.train.tokens_per_micro_batch = 64, 32
+    with pytest.raises(ConfigError, match=r"^config\.train\.tokens_per_micro_batch=32 is less "
+                                          r"than one packed row of train\.pack_length=64"):
+        validate(c)
+    c.train.packing = False  # the padded layout reads neither
+    validate(c)
