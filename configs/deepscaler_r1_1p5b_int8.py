@@ -6,12 +6,14 @@ DeepScaleR JSON/parquet file with problem/answer fields works the same: override
 Evaluation: Avg@k on AIME24, AMC, MATH-500, Minerva and OlympiadBench (the QuRL table).
 
 Learner memory targets one node of 8 x H100-80GB (mesh fsdp=8): each optimizer step's 256 sequences
-of 1024 + 8192 tokens run as 32 micro-batches of one sequence per device, decoder layers
+of 1024 + 8192 tokens are packed into micro-batches of one 9216-token row per device (at most 32,
+one sequence a row; about 11 at the configs' lengths: `train.tokens_per_micro_batch`), layers
 rematerialised with the 'dots' policy, blockwise attention ('auto' at this length), log-probs in
 chunks of 512 positions. `python -m qurl_jax.bench.memory --config=<this file>` compiles both
 learner programs on 8 host devices: update 34.2 GiB, log-prob recomputation 3.2 GiB peak per
 device (XLA:CPU's buffer assignment, which keeps the saved bf16 matmul outputs in f32; with
-`train.remat='full'` the update takes 11.5 GiB).
+`train.remat='full'` the update takes 11.5 GiB). Those are the padded programs; the packed ones
+(their worst case) on tpu:v5p-16: docs/targets.md.
 """
 
 from qurl_jax.config import base_config
@@ -48,6 +50,12 @@ def get_config():
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 4
     c.rl.num_micro_batches = 32  # 8 sequences: one per device
+    # Packed learner rows (train.packing, on by default): micro-batches and log-prob slices of
+    # one 9216-token row per device (the budget is per process, rounded up to its devices), as
+    # many as the step's sequences fill: per-slice packing of one sequence per device saves
+    # nothing. `python -m qurl_jax.bench.learner --flops --config=<this file>`: see
+    # docs/performance.md.
+    c.train.tokens_per_micro_batch = 9216
     c.train.remat = "dots"
     c.train.scan_layers = True
     c.optim.learning_rate = 1e-6

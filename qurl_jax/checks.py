@@ -11,6 +11,8 @@ learn, and the data itself.
   truncated: the cap no longer corrects a mismatch, it scales every gradient by C), a MIS or
   Sparse-RL band without the on-policy weight 1, a Sparse-RL veto threshold >= 1 (both drop
   nearly every token or sequence).
+- `check_packing(c)`: with `train.packing`, a `train.pack_length` shorter than the longest
+  sequence, or a `train.tokens_per_micro_batch` under one packed row, is an error.
 - `slow_settings(c)`: settings that only make a run slow, as warnings: a rollout that decodes one
   row at a time (`max_concurrent_rows=1`, or a paged KV pool that holds one row).
   `config.validate` runs the first two; the trainer logs the third.
@@ -165,3 +167,21 @@ def check_task_data(s: RunSettings) -> None:
                 f"{max(long)} tokens), and the sampler takes none longer; raise "
                 "data.max_prompt_len or limit eval.max_examples")
 
+
+
+def check_packing(c: ml_collections.ConfigDict) -> None:
+    """`ConfigError` naming `train.pack_length` when packed rows cannot hold the longest sequence
+    the config allows (data.max_prompt_len + rollout.max_new_tokens), or
+    `train.tokens_per_micro_batch` when it is less than one packed row; only with
+    `train.packing`."""
+    if not c.train.packing:
+        return
+    from qurl_jax import packed_plan
+
+    longest = c.data.max_prompt_len + c.rollout.max_new_tokens
+    try:
+        length = packed_plan.pack_length(c.train.pack_length, longest)
+        if c.train.tokens_per_micro_batch:
+            packed_plan.budget_rows(c.train.tokens_per_micro_batch, length, 1)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None

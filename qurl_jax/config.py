@@ -224,7 +224,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.packing = True
     c.train.pack_length = 0
     # With packing: update micro-batches of this many packed tokens (rows of pack_length), as many
-    # as a minibatch needs (bucketed), instead of rl.num_micro_batches; 0 = off.
+    # as a minibatch needs (bucketed), instead of rl.num_micro_batches; the log-prob passes run
+    # in slices of the same rows. Per process, rounded up to its devices; 0 = off.
     c.train.tokens_per_micro_batch = 0
     # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
@@ -646,6 +647,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     check_context(c)
     check_learnable(c)
+    from qurl_jax.checks import check_packing
+
+    check_packing(c)
     try:
         objective_from_config(c.rl)
     except ValueError as e:

@@ -267,7 +267,9 @@ class Learner:
       instead of `num_micro_batches`: rows of tokens_per_micro_batch // pack_length (per process,
       rounded up to its devices), as many micro-batches as the (mini)batch's sequences need,
       rounded up to a bucket (`packing.bucket_rows`); empty padding micro-batches, rows and
-      sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences.
+      sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences. The
+      log-prob recomputation runs in slices of the same packed rows (`logprob_batch_size` is
+      then unused), its log-probs scattered back to [B, G].
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
@@ -312,6 +314,7 @@ class Learner:
         self.tokens_per_micro_batch = int(tokens_per_micro_batch)
         self.last_pack: dict[str, float] = {}
         self._pack_cache: tuple[Any, int, Batch] | None = None
+        self._budget_cache: tuple[Any, Batch, dict[str, float]] | None = None
 
     # ----------------------------------------------------------------------------------- placement
     def param_shardings(self, params: Any) -> Any:
@@ -412,7 +415,15 @@ class Learner:
         """The padded batch packed into token-budget micro-batches (`packing.pack_budget`): the
         packed rows, `resp_index` and `seq_index` of each micro-batch, and the per-sequence
         arrays as they are (the update gathers them by `seq_index`). The micro-batch count and
-        the sequences per micro-batch are agreed over processes (the largest, bucketed)."""
+        the sequences per micro-batch are agreed over processes (the largest, bucketed). The
+        same batch again (the reference log-probs after pi_prox's) reuses the packing."""
+        cached = self._budget_cache
+        if cached is not None and cached[0] is batch["tokens"]:
+            self.last_pack = cached[2]
+            out = {k: v for k, v in batch.items() if k not in ("tokens", "positions",
+                                                               "attn_mask")}
+            out.update(cached[1])
+            return out
         tokens = dist.local_rows(batch["tokens"])
         mask = dist.local_rows(batch["attn_mask"])
         resp_mask = dist.local_rows(batch["resp_mask"])
@@ -429,8 +440,10 @@ class Learner:
                                        resp_mask=resp_mask, row_offset=index * rows,
                                        seq_offset=index * tokens.shape[0])
         self.last_pack = {**self._pack_metrics(host, count), "learner/micro_batches": float(m)}
+        packed = dist.global_batch(self.mesh, host.arrays)
+        self._budget_cache = (batch["tokens"], packed, self.last_pack)
         out = {k: v for k, v in batch.items() if k not in ("tokens", "positions", "attn_mask")}
-        out.update(dist.global_batch(self.mesh, host.arrays))
+        out.update(packed)
         return out
 
     @staticmethod
@@ -451,9 +464,18 @@ class Learner:
         """f32[B, G] response log-probs under `params` (the proximal or reference policy)."""
         b = batch["resp_mask"].shape[0]
         lbs = self.logprob_batch_size
-        batch = self._maybe_pack(batch, b // lbs if lbs and lbs < b else 1)
-        batch = {k: batch[k] for k in (packing_lib.PACKED_KEYS if "segment_ids" in batch
-                                       else batch.keys())}
+        if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
+            # Token-budget slices, as the update's micro-batches: rows of the whole batch's
+            # sequences, not each slice of lbs sequences packed on its own (one sequence per
+            # device packs into one row per device: no saving).
+            batch = self.pack_budget_batch(batch)
+        else:
+            batch = self._maybe_pack(batch, b // lbs if lbs and lbs < b else 1)
+        if "seq_index" in batch:
+            keys = packing_lib.PACKED_KEYS + ("seq_index", "resp_mask")
+        else:
+            keys = packing_lib.PACKED_KEYS if "segment_ids" in batch else batch.keys()
+        batch = {k: batch[k] for k in keys}
         return self.logprobs_fn(params, batch)(params, batch)
 
     def logprobs_fn(self, params: Any, batch: Batch) -> Callable:
@@ -471,6 +493,8 @@ class Learner:
         return self._logprob_fns[key]
 
     def _logprobs(self, params: Any, batch: Batch, response_len: int) -> jax.Array:
+        if "seq_index" in batch:
+            return self._budget_logprobs(params, batch)
         if "segment_ids" in batch:
             return self._packed_logprobs(params, batch)
 
@@ -506,6 +530,35 @@ class Learner:
         if not lbs or lbs >= b:
             return forward(part)
         return merge_rows(jax.lax.map(forward, split_rows(part, b // lbs)))
+
+    def _budget_logprobs(self, params: Any, batch: Batch) -> jax.Array:
+        """`_logprobs` of a token-budget packed batch (`pack_budget_batch`): one micro-batch of
+        rows at a time (a `lax.map`), each slot's log-probs scattered back to its sequence's row
+        of f32[B, G] (`seq_index`; sequences with no real token stay 0, as no loss reads them)."""
+        def forward(part: Batch) -> jax.Array:
+            part = self._constrain_rows(part)
+            rows = {k: part[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
+            logp, _ = packed_response_logprobs(self.model, params, rows, part["resp_index"],
+                                               self.temperature, chunk=self.logprob_chunk,
+                                               precision=self.precision)
+            return logp
+
+        rows, count = self._budget_rows(batch["tokens"].shape[1])
+        m = batch["tokens"].shape[0] // (rows * count)
+        b, g = batch["resp_mask"].shape
+
+        def scatter(out: jax.Array, part: Batch) -> jax.Array:
+            index = part["seq_index"]
+            return out.at[jnp.where(index >= 0, index, b)].set(forward(part), mode="drop")
+
+        part = {k: batch[k] for k in packing_lib.PACKED_KEYS + ("seq_index",)}
+        out = self._shard_activation(jnp.zeros((b, g), jnp.float32), ("batch", None))
+        if m == 1:
+            return scatter(out, part)
+        # Each slice's log-probs go straight into [B, G] (the scan's carry): a stacked
+        # [slices, slots, G] output would be as large as the worst case's slots.
+        out, _ = jax.lax.scan(lambda acc, p: (scatter(acc, p), None), out, split_rows(part, m))
+        return out
 
     # ------------------------------------------------------------------------------------- update
     def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -18,6 +18,9 @@ output, temp and peak bytes:
   rows), gradients accumulated over `rl.num_micro_batches` micro-batches in a scan;
 - `learner_logprobs`: the log-prob recomputation of the whole rollout batch, in slices of one
   micro-batch;
+  with `train.packing` (the default) both run on packed rows at the worst case the packer can
+  give them (`qurl_jax.packed_plan`: one sequence per row of `train.pack_length`; with
+  `train.tokens_per_micro_batch`, the most token-budget micro-batches);
 - `requantize`: the rollout actor made from the learner's sharded parameters (`rollout.precision`);
 - `rollout_prefill` / `rollout_decode`: the sampler's programs for one rollout chunk
   (`rollout.max_concurrent_rows` rows, sharded over data x fsdp), built for the platform of the
@@ -64,7 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qurl_jax import native_pick, quant, rollout_layout, targets
+from qurl_jax import distributed as dist
+from qurl_jax import native_pick, packed_plan, quant, rollout_layout, targets
 from qurl_jax import sharding as shd
 from qurl_jax.bench import collectives
 from qurl_jax.errors import UserError
@@ -181,6 +185,50 @@ def _abstract_batch(setup: Setup, rows: int, keys: tuple[str, ...]) -> dict[str,
             for k in keys}
 
 
+def _packed_shapes(setup: Setup, program: str) -> packed_plan.PackedShapes | None:
+    """The worst-case packed shapes (`qurl_jax.packed_plan`) of the learner's `program`
+    ('update': one minibatch; 'logprobs': the whole rollout), None without `train.packing`."""
+    learner = setup.learner
+    if not learner.packing:
+        return None
+    devices = setup.settings.mesh.data * setup.settings.mesh.fsdp
+    try:
+        length = packed_plan.pack_length(learner.pack_length,
+                                         setup.prompt_len + setup.response_len)
+        if program == "update":
+            sequences, slices = setup.minibatch_rows, learner.num_micro_batches
+        else:
+            sequences, lbs = setup.rollout_rows, learner.logprob_batch_size
+            slices = sequences // lbs if lbs and lbs < sequences else 1
+        return packed_plan.worst_case(sequences, slices, length, devices,
+                                      learner.tokens_per_micro_batch,
+                                      processes=dist.row_block(setup.mesh)[1])
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
+def _abstract_packed(setup: Setup, shapes: packed_plan.PackedShapes) -> dict[str, Any]:
+    """The packed keys of a learner batch (`packing.PACKED_KEYS`, and `seq_index` with a token
+    budget) at `shapes`."""
+    r, n, g = shapes.rows, shapes.length, setup.response_len
+    spec = {"tokens": ((r, n), jnp.int32), "positions": ((r, n), jnp.int32),
+            "segment_ids": ((r, n), jnp.int32), "attn_mask": ((r, n), jnp.bool_),
+            "resp_index": ((shapes.sequences, g), jnp.int32)}
+    if shapes.seq_index:
+        spec["seq_index"] = ((shapes.sequences,), jnp.int32)
+    return {k: jax.ShapeDtypeStruct(shape, dtype,
+                                    sharding=shd.batch_sharding(setup.mesh, len(shape)))
+            for k, (shape, dtype) in spec.items()}
+
+
+def _packed_symbols(setup: Setup, shapes: packed_plan.PackedShapes) -> dict[str, int]:
+    """`_symbols` of one packed micro-batch or slice: b its rows per device, T the pack length,
+    C the LM head's chunk (it runs on every packed position)."""
+    s = _symbols(setup, shapes.rows_per_slice)
+    return {**s, "T": shapes.length, "C": min(setup.settings.train.logprob_chunk, shapes.length),
+            "packed rows": shapes.rows, "slices": shapes.slices}
+
+
 def _bytes_per_device(tree: Any) -> int:
     """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s."""
     return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
@@ -220,10 +268,16 @@ def learner_update(setup: Setup) -> Program:
     """One optimizer step on one minibatch, micro-batches scanned inside."""
     keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
             "advantages") + (("logp_ref",) if setup.settings.train.objective.kl_coef else ())
-    batch = _abstract_batch(setup, setup.minibatch_rows, keys)
+    shapes = _packed_shapes(setup, "update")
+    if shapes is None:
+        batch = _abstract_batch(setup, setup.minibatch_rows, keys)
+        s = _symbols(setup, setup.micro_batch_rows)
+    else:  # the per-sequence arrays beside the worst case's packed rows
+        batch = {**_abstract_batch(setup, setup.minibatch_rows, keys[3:]),
+                 **_abstract_packed(setup, shapes)}
+        s = _packed_symbols(setup, shapes)
     fn = setup.learner.update_fn(setup.params, setup.opt_state, batch)
     lowered = fn.lower(setup.params, setup.opt_state, batch)
-    s = _symbols(setup, setup.micro_batch_rows)
     b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
     accumulate = setup.learner.num_micro_batches > 1
     remat = str(setup.learner.model.remat)
@@ -249,9 +303,16 @@ def learner_update(setup: Setup) -> Program:
 def learner_logprobs(setup: Setup) -> Program:
     """Log-probs of the whole rollout batch under the learner's parameters (no gradient)."""
     keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav")
-    batch = _abstract_batch(setup, setup.rollout_rows, keys)
+    shapes = _packed_shapes(setup, "logprobs")
+    if shapes is None:
+        batch = _abstract_batch(setup, setup.rollout_rows, keys)
+        s = _symbols(setup, setup.learner.logprob_batch_size or setup.rollout_rows)
+    else:  # `Learner.logprobs` passes only these keys of a packed batch
+        batch = _abstract_packed(setup, shapes)
+        if shapes.seq_index:
+            batch.update(_abstract_batch(setup, setup.rollout_rows, ("resp_mask",)))
+        s = _packed_symbols(setup, shapes)
     lowered = setup.learner.logprobs_fn(setup.params, batch).lower(setup.params, batch)
-    s = _symbols(setup, setup.learner.logprob_batch_size or setup.rollout_rows)
     b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
     rows_per_device = setup.rollout_rows // (setup.settings.mesh.data * setup.settings.mesh.fsdp)
     parts = (
@@ -554,6 +615,23 @@ KNOBS = {
 }
 
 
+# With train.packing the learner programs run on packed rows: these come first.
+PACKED_KNOBS = {
+    "learner_update": "train.tokens_per_micro_batch (fewer packed tokens per micro-batch), "
+                      "train.pack_length (shorter packed rows, at least the longest sequence)",
+    "learner_logprobs": "train.tokens_per_micro_batch (fewer packed tokens per slice), "
+                        "train.pack_length (shorter packed rows, at least the longest sequence)",
+}
+
+
+def knobs(name: str, setup: Setup) -> str:
+    """The config fields that shrink program `name` of this run (`KNOBS`, with `PACKED_KNOBS`
+    first when the learner packs)."""
+    if setup.learner.packing and name in PACKED_KNOBS:
+        return f"{PACKED_KNOBS[name]}, {KNOBS[name]}"
+    return KNOBS[name]
+
+
 class MemoryPlanError(UserError):
     """A program of the run needs more memory per device than the device has."""
 
@@ -577,7 +655,7 @@ def preflight(setup: Setup, limit_bytes: int,
             f"{limit_bytes / GIB:.2f}")
         if peak > limit_bytes:
             over.append(f"{name} needs {peak / GIB:.2f} GiB per device, more than the "
-                        f"{limit_bytes / GIB:.2f} GiB limit; change {KNOBS[name]}")
+                        f"{limit_bytes / GIB:.2f} GiB limit; change {knobs(name, setup)}")
     if over:
         raise MemoryPlanError("memory preflight: " + "; ".join(over))
     return figures

@@ -387,3 +387,51 @@ def test_fp8_block_training_on_packed_rows():
     _rel_close(got[1], want[1], "loss", rel=1e-5)
     for path, g in jax.tree_util.tree_leaves_with_path(got[3]):
         _rel_close(g, _leaf(want[3], path), f"grad {jax.tree_util.keystr(path)}", rel=2e-2)
+
+
+def test_token_budget_logprobs_match_padded():
+    """`logprobs` under train.tokens_per_micro_batch: the whole batch's sequences packed into
+    slices of 2 rows of 16 (a lax.map), scattered back to [B, G] by sequence."""
+    objective = ObjectiveConfig()
+    params = init_params(CFG, jax.random.key(2))
+    batch = _padded(PROMPTS * 2, RESPONSES * 2, seed=5)
+    mesh = shd.make_mesh()
+    padded = _learner(mesh, objective)
+    want = np.asarray(padded.logprobs(padded.shard_params(params), padded.shard_batch(batch)))
+    budget = Learner(CFG, objective, OptimConfig(learning_rate=1e-2), mesh, temperature=0.9,
+                     packing=True, pack_length=16, tokens_per_micro_batch=32)
+    got = np.asarray(budget.logprobs(budget.shard_params(params), budget.shard_batch(batch)))
+    assert budget.last_pack["learner/micro_batches"] >= 2
+    real = batch["resp_mask"] > 0
+    _rel_close(got[real], want[real], "logp_prox", atol=1e-7)
+
+
+@pytest.mark.slow  # four learners' compiles (~25 s of CPU)
+def test_bf16_packed_differs_from_padded_by_bf16_rounding():
+    """In bfloat16 packed and padded differ by rounding (docs/performance.md, "Numerics"): no
+    further apart than the padded layout is from float32 (x2 margin)."""
+    objective = ObjectiveConfig(mode="acr", agg="token_mean", kl_coef=0.1)
+    params = init_params(CFG, jax.random.key(1))
+    batch = _padded(PROMPTS, RESPONSES, seed=3, dapo_empty=(4, 5))
+    real = batch["resp_mask"] > 0
+    mesh = shd.make_mesh()
+    res = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(CFG, dtype=dtype)
+        for packed in (False, True):
+            learner = Learner(cfg, objective, OptimConfig(learning_rate=1e-2), mesh,
+                              temperature=0.9, packing=packed, pack_length=16 if packed else 0)
+            res[dtype, packed] = _run(learner, params, batch, update=False)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.abs(a - b).max() / np.abs(b).max())
+
+    def diffs(a, b):
+        grads = max(rel(x, y) for x, y in zip(jax.tree.leaves(a[3]), jax.tree.leaves(b[3])))
+        return np.array([rel(a[0][real], b[0][real]), rel(a[1], b[1]), grads])
+
+    layouts = diffs(res["bfloat16", True], res["bfloat16", False])
+    rounding = diffs(res["bfloat16", False], res["float32", False])
+    assert np.all(layouts <= 2 * rounding), (layouts, rounding)
+    assert np.all(layouts > 0)  # bf16 did run: the layouts are not bit-identical

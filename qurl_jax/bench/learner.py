@@ -114,7 +114,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flops", action="store_true",
+                    help="instead: compiled FLOPs per RL step of --config's learner on "
+                         "--target, packed vs padded (bench/learner_flops.py)")
+    ap.add_argument("--config", help="with --flops: a config file (configs/)")
+    ap.add_argument("--target", default="tpu:v5p-16", help="with --flops: a compile target")
     args = ap.parse_args(argv)
+    if args.flops:
+        if not args.config:
+            ap.error("--flops needs --config")
+        from qurl_jax import targets
+        from qurl_jax.bench import learner_flops
+
+        targets.use_cpu_unless_accelerator_attached()
+        counted = learner_flops.count(args.config, args.target, args.seed)
+        print("\n".join(learner_flops.describe(counted)))
+        print(json.dumps(counted))
+        return
     out = run(args)
     print(f"{'layout':<8}{'median s':>10}{'real tok/s':>12}{'computed tok':>14}{'real share':>12}")
     for name in ("padded", "packed"):

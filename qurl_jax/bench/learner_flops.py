@@ -1,0 +1,204 @@
+"""Compiled FLOPs of a config's learner per RL step, packed vs padded (`bench.learner --flops`).
+
+`python -m qurl_jax.bench.learner --flops --config=configs/deepscaler_r1_1p5b_int8.py
+--target=tpu:v5p-16`
+
+One RL step's learner work is the log-prob recomputation (pi_prox, and pi_ref when
+`rl.kl_coef` > 0) of the whole rollout and the update of each of `rl.num_minibatches`
+minibatches. Its lengths are drawn from the configs' distribution (`bench.learner.
+long_tailed_batch`: responses log-normal with median a quarter of `rollout.max_new_tokens`,
+prompts about 120 / 1024 of `data.max_prompt_len`), `prompts_per_step x n` sequences; the
+padded layout's shapes do not depend on them, the packed layout's come from packing these
+sequences with the learner's own packer (`train.tokens_per_micro_batch` micro-batches and
+log-prob slices, or `rl.num_micro_batches` slices of sequences).
+
+The count is the target compiler's: `compiled.cost_analysis()['flops']` of one micro-batch's
+update (forward, backward and the optimizer step) and one log-prob slice, each compiled on the
+config's mesh over the target's devices (per device: the partitioned program), times how many
+the step runs. XLA's cost analysis counts a while loop's body once, whatever its trip count, so
+the counted programs have none: the decoder layers unrolled (`scan_layers` off), the LM head in
+one chunk of the whole row (`logprob_chunk` = row length), dense attention (blockwise and splash
+loop over key blocks; dense computes every query x key score of a row, causal and segment masks
+included, which bounds what a blockwise kernel that skips masked blocks computes), and one
+micro-batch or slice per program. Each is compiled at 1 and 2 decoder layers and extrapolated
+linearly to the model's depth (the layers are identical programs; the full depth unrolled takes
+the TPU compiler many minutes per program on a small CPU). Remat, precision, mesh and the
+objective are the config's. Nothing runs: these are compiler counts, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qurl_jax import memory_plan, packing, targets
+from qurl_jax import sharding as shd
+from qurl_jax.config import load_config_file
+from qurl_jax.models import init_params
+from qurl_jax.settings import RunSettings
+
+
+def _spec(mesh: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(mesh, len(shape)))
+
+
+def _flops(compiled: jax.stages.Compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+def count(config_path: str, target_name: str, seed: int = 0,
+          log: Any = print) -> dict[str, Any]:
+    """The per-step compiled FLOPs (per device) of the config's learner, padded and packed, and
+    the real-token share of what each computes; JSON-able."""
+    from qurl_jax.bench.learner import long_tailed_batch
+
+    config = load_config_file(config_path)
+    settings = RunSettings.from_config(config)
+    shapes_dir = os.path.join(os.path.dirname(os.path.abspath(config_path)), "shapes")
+    target = targets.parse(target_name)
+    model_config = memory_plan.model_shape(settings.model, shapes_dir).replace(attention="dense")
+    p, g = settings.data.max_prompt_len, settings.rollout.max_new_tokens
+    t = p + g
+    train = dataclasses.replace(settings.train, scan_layers=False,
+                                logprob_chunk=max(t, 1 << 20))
+    rows = settings.rollout_rows
+    minibatches = train.num_minibatches
+    epochs = int(config.rl.ppo_epochs)
+    host = long_tailed_batch(rows, p, g, model_config.vocab_size, seed)
+    mask = host["attn_mask"]
+    real = int(mask.sum())
+    mesh = shd.make_mesh(settings.mesh.data, settings.mesh.fsdp, settings.mesh.tensor,
+                         devices=target.devices())
+    devices = int(mesh.shape["data"] * mesh.shape["fsdp"])
+    ref = 2 if train.objective.kl_coef else 1  # log-prob passes: pi_prox (+ pi_ref)
+    f32, i32 = jnp.float32, jnp.int32
+    per_seq = ("resp_mask", "logp_behav", "logp_prox", "advantages") + (
+        ("logp_ref",) if train.objective.kl_coef else ())
+
+    def learner(packing_on: bool, budget: int, layers: int):
+        tr = dataclasses.replace(train, packing=packing_on, tokens_per_micro_batch=budget,
+                                 num_micro_batches=1)
+        shape = model_config.replace(num_layers=layers)
+        ln = tr.learner(shape, mesh, temperature=settings.rollout.temperature,
+                        rollout_rows=rows)
+        ln.logprob_batch_size = 0
+        params, opt = ln.abstract_state(
+            jax.eval_shape(lambda: init_params(shape, jax.random.key(0))))
+        return ln, params, opt
+
+    def compile_pair(packing_on: bool, budget: int, update_batch: dict[str, Any],
+                     logprob_batch: dict[str, Any]) -> tuple[float, float]:
+        """FLOPs per device of one update micro-batch and one log-prob slice at the model's
+        depth: compiled at 1 and 2 decoder layers, extrapolated linearly (every layer is the
+        same program; an unrolled 28-layer compile takes far longer)."""
+        counted = {}
+        for layers in (1, 2):
+            ln, params, opt = learner(packing_on, budget, layers)
+            upd = ln.update_fn(params, opt, update_batch).lower(params, opt,
+                                                                update_batch).compile()
+            lp = ln.logprobs_fn(params, logprob_batch).lower(params, logprob_batch).compile()
+            counted[layers] = (_flops(upd), _flops(lp))
+            log(f"  {layers} layer(s): update micro-batch {counted[layers][0]:.4g}, log-prob "
+                f"slice {counted[layers][1]:.4g} FLOPs per device")
+        depth = model_config.num_layers
+        return tuple(counted[1][i] + (depth - 1) * (counted[2][i] - counted[1][i])
+                     for i in range(2))
+
+    out: dict[str, Any] = {"config": config_path, "target": target.name, "rows": rows,
+                           "prompt_len": p, "max_new_tokens": g, "real_tokens": real,
+                           "minibatches": minibatches, "ppo_epochs": epochs,
+                           "logprob_passes": ref}
+
+    # Padded: micro-batches of micro_batch_rows sequences of P + G; log-prob slices the same.
+    micro = settings.train.micro_batch_rows(rows)
+    log(f"padded: micro-batches and log-prob slices of {micro} rows x {t}")
+    ub = {"tokens": _spec(mesh, (micro, t), i32), "positions": _spec(mesh, (micro, t), i32),
+          "attn_mask": _spec(mesh, (micro, t), jnp.bool_),
+          **{k: _spec(mesh, (micro, g) if k != "advantages" else (micro,), f32) for k in per_seq}}
+    lb = {k: ub[k] for k in ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav")}
+    upd, lp = compile_pair(False, 0, ub, lb)
+    n_upd = rows // micro * epochs
+    n_lp = rows // micro
+    out["padded"] = {"update_programs": n_upd, "logprob_programs": n_lp * ref,
+                     "update_flops": upd * n_upd, "logprob_flops": lp * n_lp * ref,
+                     "computed_tokens": rows * t * epochs, "real_token_share": real / (rows * t)}
+
+    # Packed, as the config's learner packs (its pack length and token budget).
+    length = settings.train.pack_length or packing.default_pack_length(t)
+    budget = settings.train.tokens_per_micro_batch
+    if not budget:
+        raise SystemExit("qurl_jax: --flops needs config.train.tokens_per_micro_batch (packed "
+                         "slices of micro_batch_rows sequences are as many rows as padded ones "
+                         "when a micro-batch is one sequence per device)")
+    # each process's rows of a micro-batch, and the processes
+    local, count = learner(True, budget, 1)[0]._budget_rows(length)
+    shards = devices // count
+    per = local * count
+
+    def plan(m: np.ndarray) -> tuple[int, int]:
+        """(micro-batches, global sequence slots of one) of these sequences, as
+        `Learner.pack_budget_batch` packs them: each process its contiguous block."""
+        blocks = np.split(m, count)
+        num = packing.bucket_rows(max(packing.budget_micro_batches(b, length, local)
+                                      for b in blocks))
+        most = max(packing.budget_assignment(b, length, num)[3] for b in blocks)
+        return num, packing.bucket_rows(most, shards) * count
+
+    rng = np.random.default_rng(seed)
+    mb = rows // minibatches
+    update_micro, update_seqs = 0, 0
+    for _ in range(epochs):  # the trainer's minibatches: a random permutation each epoch
+        order = rng.permutation(rows)
+        for i in range(minibatches):
+            num, slots = plan(mask[np.sort(order[i * mb:(i + 1) * mb])])
+            update_micro += num
+            update_seqs = max(update_seqs, slots)
+    lp_m, lp_seqs = plan(mask)
+    log(f"packed: rows of {length}, {per} a micro-batch; update {update_micro} micro-batches "
+        f"over {minibatches} minibatches x {epochs} epochs, log-probs {lp_m} slices")
+
+    def packed_batch(slots: int, seq_rows: int, keys: tuple[str, ...]) -> dict[str, Any]:
+        b = {"tokens": _spec(mesh, (per, length), i32),
+             "positions": _spec(mesh, (per, length), i32),
+             "segment_ids": _spec(mesh, (per, length), i32),
+             "attn_mask": _spec(mesh, (per, length), jnp.bool_),
+             "resp_index": _spec(mesh, (slots, g), i32), "seq_index": _spec(mesh, (slots,), i32)}
+        b.update({k: _spec(mesh, (seq_rows, g) if k != "advantages" else (seq_rows,), f32)
+                  for k in keys})
+        return b
+
+    upd, lp = compile_pair(True, budget, packed_batch(update_seqs, mb, per_seq),
+                           packed_batch(lp_seqs, rows, ("resp_mask",)))
+    out["packed"] = {"pack_length": length, "rows_per_micro_batch": per,
+                     "update_programs": update_micro, "logprob_programs": lp_m * ref,
+                     "update_flops": upd * update_micro, "logprob_flops": lp * lp_m * ref,
+                     "computed_tokens": update_micro * per * length,
+                     "real_token_share": real * epochs / (update_micro * per * length),
+                     "logprob_real_token_share": real / (lp_m * per * length)}
+    for side in ("padded", "packed"):
+        out[side]["step_flops"] = out[side]["update_flops"] + out[side]["logprob_flops"]
+    out["fewer_flops"] = out["padded"]["step_flops"] / out["packed"]["step_flops"]
+    return out
+
+
+def describe(out: dict[str, Any]) -> list[str]:
+    lines = [f"{out['config']} on {out['target']}: {out['rows']} sequences of "
+             f"{out['prompt_len']} + {out['max_new_tokens']} slots, {out['real_tokens']} real "
+             f"tokens; compiler FLOPs per device per RL step (cost_analysis, not measured)",
+             f"{'layout':<8}{'update':>12}{'log-probs':>12}{'step':>12}{'programs':>10}"
+             f"{'real share':>12}"]
+    for side in ("padded", "packed"):
+        o = out[side]
+        lines.append(f"{side:<8}{o['update_flops']:>12.4g}{o['logprob_flops']:>12.4g}"
+                     f"{o['step_flops']:>12.4g}"
+                     f"{o['update_programs'] + o['logprob_programs']:>10}"
+                     f"{o['real_token_share']:>12.3f}")
+    lines.append(f"packed: {out['fewer_flops']:.2f}x fewer compiled FLOPs per step")
+    return lines
