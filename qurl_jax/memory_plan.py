@@ -115,12 +115,11 @@ class Setup:
 
     @functools.cached_property
     def requantize_fn(self) -> Callable:
-        """The jitted requantize of the rollout precision (unquantized leaves in the compute
-        dtype, as the trainer makes them): one function per Setup, so the `learner_actor`
-        shardings and the `requantize` program share one compile."""
-        recipe = quant.get_recipe(self.settings.rollout.precision)
-        dtype = self.model_config.compute_dtype
-        return jax.jit(lambda params: quant.requantize(params, recipe, compute_dtype=dtype))
+        """The jitted requantize of the rollout precision as the trainer runs it (unquantized
+        leaves in the compute dtype, codes on each kernel's sharding): one function per Setup,
+        so the `learner_actor` shardings and the `requantize` program share one compile."""
+        return quant.requantize_program(self.params, self.settings.rollout.precision,
+                                        self.model_config.compute_dtype)
 
     @functools.cached_property
     def learner_actor(self) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -420,10 +421,15 @@ def test_requantize_sharded_keeps_each_leaf_sharding(recipe: str) -> None:
         "fsdp", "tensor")
     q = rollout["layers_0"]["self_attn"]["q_proj"]["kernel"].qvalue
     assert {s.data.shape for s in q.addressable_shards} == {(256, 128)}
-    # nothing is gathered: per-channel scales need only an all-reduce of max|w| over fsdp
+    # no weight or code is gathered: per-channel scales need only an all-reduce of max|w| over
+    # fsdp; 128 x 128 blocks may gather partial maxima or scales of 8 x 8 groups, f32 of at most
+    # 1/64 of the largest kernel's (512 x 1024) elements.
     r = get_recipe(recipe)
     hlo = _requantize_jit.lower(sharded, r, None, _out_shardings(sharded, r)).compile().as_text()
-    assert "all-gather" not in hlo
+    gathered = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", hlo)
+    assert all(dtype == "f32" and math.prod(int(d) for d in dims.split(",")) <= 512 * 1024 // 64
+               for dtype, dims in gathered), gathered
+    assert bool(gathered) == (recipe == "fp8_block")
     # same values as the unsharded computation, and the sharded rollout model runs
     unsharded = requantize(params, recipe)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(rollout),
@@ -630,3 +636,29 @@ def test_bench_functions_run_on_tiny_config() -> None:
     assert "int8+lm_head" in bench.format_table(decode)
     t = bench.time_requantize_vs_learner_step(config, "int8", batch=2, seq_len=8, repeats=1)
     assert t["requantize_s"] > 0 and t["learner_step_s"] > 0
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.INT8, QuantFormat.FP8_E4M3])
+def test_blocks_straddling_fsdp_shards_move_scales_not_weights(fmt: QuantFormat) -> None:
+    # 1536 rows over 8 devices is 192 a device: 128-row blocks straddle the shards (the 1.5B
+    # models' kernels under fsdp 8). Quantized as sharded, the codes and scales equal the tiled
+    # path's, the codes keep the kernel's sharding, and what the program gathers is small float
+    # partial maxima or group scales, never weights (tiling gathered |w| or w in float32).
+    from jax.sharding import NamedSharding
+
+    mesh = make_mesh(data=1, fsdp=8, tensor=1)
+    w = jax.random.normal(jax.random.key(3), (1536, 256)) * 0.02
+    w = w.at[:128, :128].set(0.0).at[190, 7].set(1.0)  # a zero block; a maximum by a boundary
+    sharding = NamedSharding(mesh, PartitionSpec("fsdp", None))
+    fn = jax.jit(lambda x: quantize_kernel(x, fmt, (128, 128), None, sharded=True),
+                 in_shardings=sharding)
+    got = fn(jax.device_put(w, sharding))
+    want = quantize_kernel(w, fmt, (128, 128), None)
+    np.testing.assert_array_equal(np.asarray(got.qvalue.astype(jnp.float32)),
+                                  np.asarray(want.qvalue.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+    assert got.qvalue.sharding.is_equivalent_to(sharding, 2)
+    hlo = fn.lower(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)).compile().as_text()
+    gathered = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", hlo)
+    assert all(dtype == "f32" and math.prod(int(d) for d in dims.split(",")) <= w.size // 64
+               for dtype, dims in gathered), gathered

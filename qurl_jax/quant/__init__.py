@@ -28,7 +28,7 @@ from qurl_jax.quant._fp8_train import (
 from qurl_jax.quant._invariant_scaling import invariant_scaling
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel
 from qurl_jax.quant._recipes import LINEAR_LAYERS, RECIPES, QuantFormat, Recipe, get_recipe
-from qurl_jax.quant._requantize import quantized_kernel_paths, requantize
+from qurl_jax.quant._requantize import quantized_kernel_paths, requantize, requantize_program
 
 __all__ = [
     # Recipes
@@ -48,6 +48,7 @@ __all__ = [
     "invariant_scaling",
     "quantized_kernel_paths",
     "requantize",
+    "requantize_program",
     # FP8 training (Jet-RL's unified precision flow, learner side)
     "TrainKernel",
     "bind_train_precision",

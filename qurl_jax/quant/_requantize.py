@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -57,13 +57,15 @@ def quantized_kernel_paths(params: Params, recipe: Recipe) -> list[Path]:
     return paths
 
 
-def quantize_params(params: Params, recipe: Recipe) -> Iterator[tuple[Path, QuantizedTensor]]:
-    """(path, QuantizedTensor) for every kernel `recipe` quantizes (traceable; not jitted)."""
+def quantize_params(params: Params, recipe: Recipe, sharded: frozenset[Path] = frozenset()
+                    ) -> Iterator[tuple[Path, QuantizedTensor]]:
+    """(path, QuantizedTensor) for every kernel `recipe` quantizes (traceable; not jitted);
+    the kernels at `sharded` paths are split over devices (`quantize_kernel`'s `sharded`)."""
     flat = traverse_util.flatten_dict(params)
     for path in quantized_kernel_paths(params, recipe):
         w = flat[path]
         yield path, quantize_kernel(w, recipe.weight_format, kernel_block(recipe, w.shape),
-                                    recipe.act_format)
+                                    recipe.act_format, sharded=path in sharded)
 
 
 def _axis_size(mesh: Any, axes: Any) -> int:
@@ -103,7 +105,9 @@ def _requantize(params: Params, recipe: Recipe, compute_dtype: Any,
         flat = {p: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
                 for p, x in flat.items()}
     targets = {path: (codes, scale) for path, codes, scale in shardings or ()}
-    for path, q in quantize_params(params, recipe):
+    split = frozenset(path for path, (codes, _) in targets.items()
+                      if not codes.is_fully_replicated)
+    for path, q in quantize_params(params, recipe, split):
         if path in targets:
             codes_sharding, scale_sharding = targets[path]
             q = q.replace(qvalue=jax.lax.with_sharding_constraint(q.qvalue, codes_sharding),
@@ -128,3 +132,14 @@ def requantize(params: Params, recipe: str | Recipe, compute_dtype: Any = None) 
     recipe = get_recipe(recipe)
     cd = None if compute_dtype is None else jnp.dtype(compute_dtype)
     return _requantize(params, recipe, cd, _out_shardings(params, recipe))
+
+
+def requantize_program(params: Params, recipe: str | Recipe, compute_dtype: Any = None
+                       ) -> Callable[[Params], Params]:
+    """The jitted program `requantize` runs for parameters of `params`' structure and shardings
+    (arrays, or `jax.ShapeDtypeStruct`s carrying shardings): its `.lower(params)` compiles what
+    the trainer runs, codes kept on each kernel's sharding, without running it."""
+    recipe = get_recipe(recipe)
+    cd = None if compute_dtype is None else jnp.dtype(compute_dtype)
+    shardings = _out_shardings(params, recipe)
+    return jax.jit(lambda p: _requantize(p, recipe, cd, shardings))
