@@ -43,11 +43,11 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qurl_jax import sharding as shd
-from qurl_jax.errors import MeshError
+from qurl_jax.errors import ConfigError, MeshError
 from qurl_jax.quant._qtensor import QuantizedTensor
 
-__all__ = ["Reshard", "actor_shardings", "parse_tensor", "resolve_tensor", "rollout_mesh",
-           "tree_bytes_per_device"]
+__all__ = ["Reshard", "actor_shardings", "check_concurrent_rows", "parse_tensor",
+           "resolve_tensor", "rollout_mesh", "tree_bytes_per_device"]
 
 AUTO = "auto"
 
@@ -257,3 +257,52 @@ def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_p
         kv_bytes=lambda t: kv_bytes_per_device(settings, model_config, devices),
         resident_bytes=tree_bytes_per_device((abstract_params, abstract_opt_state)),
         device_bytes=device_bytes, local_devices=local, num_kv_heads=model_config.num_kv_heads)
+
+
+def _local_devices(mesh: Mesh) -> int:
+    """Devices of `mesh` in the process of its first device."""
+    first = mesh.devices.flat[0].process_index
+    return sum(1 for d in mesh.devices.flat if d.process_index == first)
+
+
+def check_concurrent_rows(settings: Any, rollout_mesh: Mesh, num_kv_heads: int) -> None:
+    """`ConfigError` (one line naming `rollout.max_concurrent_rows`, `rollout.tensor` and the
+    group size) when `rollout.max_concurrent_rows` cannot run on the rollout's replicas, which
+    `rollout.tensor` ('auto' included) decides only once the mesh is known: a static sampler's
+    chunk holds whole groups on every replica (`rollout.n` rows of a prompt, and for the
+    evaluation sampler, static always, `eval.k` sampled or 1 greedy), so it needs at least
+    n x replicas rows; a refilling sampler's slots are split evenly over the replicas. Without it
+    the first rollout or evaluation stops with a traceback from inside the sampler."""
+    r = settings.rollout
+    rows = r.sampler.max_concurrent_rows
+    if rows == 0:  # every row of a call at once: batch padding makes whole groups
+        return
+    replicas = rollout_mesh.shape["data"] * rollout_mesh.shape["fsdp"]
+    tensor = f"rollout.tensor={r.tensor}" + (
+        f" -> {rollout_mesh.shape['tensor']}" if parse_tensor(r.tensor) is None else "")
+    where = f"on the rollout's {replicas} replicas ({tensor})"
+    if r.sampler.refills:
+        if rows % replicas:
+            raise ConfigError(f"config.rollout.max_concurrent_rows={rows} must be a multiple of "
+                              f"the {replicas} rollout replicas ({tensor}): the refilling "
+                              "sampler splits its slots evenly over them")
+    groups = [] if r.sampler.refills else [(r.n, f"rollout.n={r.n}")]
+    # Synthetic tasks always hold out an evaluation set; math tasks evaluate `eval.files`.
+    if settings.data.task in ("arithmetic", "chain") or settings.eval.files:
+        groups.append((1, "eval.greedy: 1") if settings.eval.greedy
+                      else (settings.eval.k, f"eval.k={settings.eval.k}"))
+    n, group = max(groups, default=(0, ""))
+    if n * replicas <= rows:
+        return
+    local = _local_devices(rollout_mesh)
+    fits = [t for t in (2 ** i for i in range(int(math.log2(local)) + 1))
+            if local % t == 0 and num_kv_heads % t == 0 and rollout_mesh.size // t * n <= rows]
+    other = (f", or set rollout.tensor={fits[0]} ({rollout_mesh.size // fits[0]} replicas)"
+             if fits else "")
+    if group.startswith("rollout.n"):
+        other += ", or rollout.refill=on"
+    raise ConfigError(
+        f"config.rollout.max_concurrent_rows={rows} holds no whole group {where}: the static "
+        f"sampler decodes whole groups ({group}) on every replica, at least {n} x {replicas} = "
+        f"{n * replicas} rows at once; raise rollout.max_concurrent_rows to {n * replicas}"
+        f"{other}")

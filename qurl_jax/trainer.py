@@ -142,6 +142,8 @@ class Trainer:
         self.rollout_mesh = rollout_layout.rollout_mesh(self.mesh, rollout_layout.plan_tensor(
             self.settings, self.model_config, self.mesh, abstract["params"],
             abstract["opt_state"], memory and int(memory * memory_plan.FIT_FRACTION)))
+        rollout_layout.check_concurrent_rows(self.settings, self.rollout_mesh,
+                                             self.model_config.num_kv_heads)
         self._reshard = rollout_layout.Reshard(param_logical_axes(self.model_config),
                                                self.rollout_mesh)
         logging.info("rollout layout: %d replicas x rollout.tensor=%d over the learner's %s",

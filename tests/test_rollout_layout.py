@@ -286,3 +286,54 @@ def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path) -> None:
     _assert_close_metrics(a, b)
     assert "rollout layout: 4 replicas x rollout.tensor=2" in open(two + ".log.0").read()
     assert a[(1, "train", "reshard/bytes_per_quantized_param")] > 0
+
+
+def _tiny_run(**fields):
+    import os
+
+    from qurl_jax.config import load_config_file
+
+    c = load_config_file(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                      "arith_tiny.py"))
+    c.update_from_flattened_dict({"mesh.fsdp": 8, "train.preflight": "off", **fields})
+    return c
+
+
+@pytest.mark.parametrize("fields, match", [
+    # rollout.n=8 on 8 one-device replicas: a static chunk needs 64 rows; at tensor 2 (4
+    # replicas) 32 would do.
+    ({"rollout.refill": "off", "rollout.max_concurrent_rows": 32},
+     r"^config\.rollout\.max_concurrent_rows=32 holds no whole group on the rollout's 8 "
+     r"replicas \(rollout\.tensor=auto -> 1\): the static sampler decodes whole groups "
+     r"\(rollout\.n=8\) on every replica, at least 8 x 8 = 64 rows at once; raise "
+     r"rollout\.max_concurrent_rows to 64, or set rollout\.tensor=2 \(4 replicas\), or "
+     r"rollout\.refill=on$"),
+    # Refilling rollouts, but the evaluation sampler (static) needs eval.k=4 x 8 rows.
+    ({"rollout.max_concurrent_rows": 16},
+     r"max_concurrent_rows=16 holds no whole group .* \(eval\.k=4\) .* 4 x 8 = 32 rows at once; "
+     r"raise rollout\.max_concurrent_rows to 32, or set rollout\.tensor=2 \(4 replicas\)$"),
+    ({"rollout.max_concurrent_rows": 34, "rollout.tensor": "2"},
+     r"max_concurrent_rows=34 must be a multiple of the 4 rollout replicas \(rollout\.tensor=2\)"),
+])
+def test_concurrent_rows_the_replicas_cannot_run_stop_the_trainer_up_front(tmp_path, fields,
+                                                                            match) -> None:
+    # Before the check, the static sampler stopped the first rollout (or evaluation) with a
+    # traceback from inside `Sampler._prompts_per_chunk`.
+    from qurl_jax.errors import ConfigError
+    from qurl_jax.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=match):
+        Trainer(_tiny_run(**fields), str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_concurrent_rows_that_hold_a_group_pass() -> None:
+    from qurl_jax.config import validate
+    from qurl_jax.settings import RunSettings
+
+    mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 2)  # 4 replicas
+    for fields in ({"rollout.refill": "off", "rollout.max_concurrent_rows": 32},  # 8 x 4
+                   {"rollout.max_concurrent_rows": 16},  # refilling: 4 a replica; eval.k 4 x 4
+                   {"rollout.max_concurrent_rows": 0}):
+        settings = RunSettings.from_config(validate(_tiny_run(**fields)))
+        rl.check_concurrent_rows(settings, mesh, num_kv_heads=2)
