@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from qurl_jax import quant
 from qurl_jax import rollout_layout as rl
@@ -337,3 +338,43 @@ def test_concurrent_rows_that_hold_a_group_pass() -> None:
                    {"rollout.max_concurrent_rows": 0}):
         settings = RunSettings.from_config(validate(_tiny_run(**fields)))
         rl.check_concurrent_rows(settings, mesh, num_kv_heads=2)
+
+
+def test_reshard_in_buckets_gives_the_whole_reshard_with_smaller_programs(qwen) -> None:
+    from qurl_jax.memory_plan import compiled_memory
+
+    cfg, params = qwen
+    learner = _learner_mesh(1)
+    actor = quant.requantize(shard_params(params, param_logical_axes(cfg), learner), "int8",
+                             compute_dtype=jnp.bfloat16)
+    mesh = rl.rollout_mesh(learner, 1)
+    whole = rl.Reshard(param_logical_axes(cfg), mesh, bucket_bytes=0)
+    (one,) = whole.buckets(actor)
+    whole_mem = compiled_memory(whole.fn(one).lower(one).compile())
+    # 16 KiB of the replica per program: the 32 KiB bf16 embedding alone, the layers' codes,
+    # scales, norms and biases in several buckets.
+    bucketed = rl.Reshard(param_logical_axes(cfg), mesh, bucket_bytes=16 << 10)
+    buckets = bucketed.buckets(actor)
+    assert len(buckets) >= 4
+    flat = [p for b in buckets for p in traverse_util.flatten_dict(b)]
+    assert flat == list(traverse_util.flatten_dict(actor))  # each leaf once, in order
+    mems = []
+    for b in buckets:
+        mem = compiled_memory(bucketed.fn(b).lower(b).compile())
+        mems.append(mem)
+        out_share = rl.tree_bytes_per_device(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), b,
+            bucketed.shardings(b)))
+        assert out_share <= 16 << 10 or len(jax.tree.leaves(b)) == 1, out_share
+        hlo = bucketed.fn(b).lower(b).compile().as_text()
+        for _, result in _collective_dtypes(hlo):  # codes, scales and compute-dtype leaves only
+            assert result.split("[")[0].lstrip("(") in ("s8", "f32", "bf16"), result
+    # Each program's outputs and temporaries are a bucket's, not the replica's.
+    assert max(m["output_bytes"] for m in mems) <= whole_mem["output_bytes"] / 3
+    assert max(m["temp_bytes"] for m in mems) < whole_mem["temp_bytes"]
+    assert max(m["peak_bytes"] for m in mems) < whole_mem["peak_bytes"] / 2
+    out, ref = bucketed(actor), whole(actor)
+    jax.tree.map(np.testing.assert_array_equal, out, ref)
+    assert jax.tree.map(lambda x: x.sharding, out) == jax.tree.map(lambda x: x.sharding, ref)
+    with pytest.raises(ValueError, match="bucket_bytes=-1"):
+        rl.Reshard(param_logical_axes(cfg), mesh, bucket_bytes=-1)
