@@ -378,3 +378,15 @@ def test_reshard_in_buckets_gives_the_whole_reshard_with_smaller_programs(qwen) 
     assert jax.tree.map(lambda x: x.sharding, out) == jax.tree.map(lambda x: x.sharding, ref)
     with pytest.raises(ValueError, match="bucket_bytes=-1"):
         rl.Reshard(param_logical_axes(cfg), mesh, bucket_bytes=-1)
+
+
+def test_reshard_bucket_mib_reaches_the_settings_and_is_checked() -> None:
+    from qurl_jax.config import validate
+    from qurl_jax.errors import ConfigError
+    from qurl_jax.settings import RunSettings
+
+    assert RunSettings.from_config(validate(_tiny_run())).rollout.reshard_bucket_mib == 1024
+    s = RunSettings.from_config(validate(_tiny_run(**{"rollout.reshard_bucket_mib": 0})))
+    assert s.rollout.reshard_bucket_mib == 0
+    with pytest.raises(ConfigError, match="config.rollout.reshard_bucket_mib"):
+        validate(_tiny_run(**{"rollout.reshard_bucket_mib": -1}))
