@@ -150,7 +150,8 @@ class Reshard:
     """Moves an actor (`quant.requantize`'s output on the learner's layout) to the rollout
     layout in buckets: the actor's leaves in order (a quantized kernel's codes and scales
     together), cut where a bucket's share on the rollout layout would pass `bucket_bytes` per
-    device (a leaf larger than that is a bucket of its own; 0 = the whole actor in one bucket),
+    device (a leaf larger than that is a bucket of its own, moved first; 0 = the whole actor in
+    one bucket),
     each bucket one jitted identity whose `out_shardings` are the rollout layout. A program's
     collectives and temporaries then hold one bucket, not the whole replica, so the reshard's
     peak is the replica's share plus one bucket's transfer buffers. One compile per bucket
@@ -179,16 +180,20 @@ class Reshard:
         key = jax.tree.structure(actor)
         if key not in self._plans:
             shardings = traverse_util.flatten_dict(self.shardings(actor))
-            plan: list[list[tuple[str, ...]]] = [[]]
+            shares = {path: _share_bytes(leaf, shardings[path]) for path, leaf in flat.items()}
+            # A leaf larger than a bucket (the 7B's embedding and LM head) moves first, alone:
+            # its program's temporaries (a whole-tensor gather) then meet the least of the
+            # replica already moved.
+            big = [p for p in flat if self.bucket_bytes and shares[p] > self.bucket_bytes]
+            plan: list[list[tuple[str, ...]]] = [[p] for p in big] + [[]]
             size = 0
-            for path, leaf in flat.items():
-                share = _share_bytes(leaf, shardings[path])
-                if plan[-1] and self.bucket_bytes and size + share > self.bucket_bytes:
+            for path in (p for p in flat if p not in big):
+                if plan[-1] and self.bucket_bytes and size + shares[path] > self.bucket_bytes:
                     plan.append([])
                     size = 0
                 plan[-1].append(path)
-                size += share
-            self._plans[key] = plan
+                size += shares[path]
+            self._plans[key] = [paths for paths in plan if paths]
         return [traverse_util.unflatten_dict({path: flat[path] for path in paths})
                 for paths in self._plans[key]]
 
