@@ -321,10 +321,11 @@ def check_concurrent_rows(settings: Any, rollout_mesh: Mesh, num_kv_heads: int) 
     """`ConfigError` (one line naming `rollout.max_concurrent_rows`, `rollout.tensor` and the
     group size) when `rollout.max_concurrent_rows` cannot run on the rollout's replicas, which
     `rollout.tensor` ('auto' included) decides only once the mesh is known: a static sampler's
-    chunk holds whole groups on every replica (`rollout.n` rows of a prompt, and for the
-    evaluation sampler, static always, `eval.k` sampled or 1 greedy), so it needs at least
+    chunk holds whole groups of `rollout.n` rows on every replica, so it needs at least
     n x replicas rows; a refilling sampler's slots are split evenly over the replicas. Without it
-    the first rollout or evaluation stops with a traceback from inside the sampler."""
+    the first rollout stops with a traceback from inside the sampler. (The evaluation sampler,
+    static always, draws `eval.k` samples in rounds when a chunk cannot hold them,
+    `tasks.samples_per_call`: one row per replica, which either rollout sampler's rows hold.)"""
     r = settings.rollout
     rows = r.sampler.max_concurrent_rows
     if rows == 0:  # every row of a call at once: batch padding makes whole groups
@@ -338,12 +339,8 @@ def check_concurrent_rows(settings: Any, rollout_mesh: Mesh, num_kv_heads: int) 
             raise ConfigError(f"config.rollout.max_concurrent_rows={rows} must be a multiple of "
                               f"the {replicas} rollout replicas ({tensor}): the refilling "
                               "sampler splits its slots evenly over them")
-    groups = [] if r.sampler.refills else [(r.n, f"rollout.n={r.n}")]
-    # Synthetic tasks always hold out an evaluation set; math tasks evaluate `eval.files`.
-    if settings.data.task in ("arithmetic", "chain") or settings.eval.files:
-        groups.append((1, "eval.greedy: 1") if settings.eval.greedy
-                      else (settings.eval.k, f"eval.k={settings.eval.k}"))
-    n, group = max(groups, default=(0, ""))
+        return
+    n = r.n
     if n * replicas <= rows:
         return
     local = _local_devices(rollout_mesh)
@@ -351,10 +348,8 @@ def check_concurrent_rows(settings: Any, rollout_mesh: Mesh, num_kv_heads: int) 
             if local % t == 0 and num_kv_heads % t == 0 and rollout_mesh.size // t * n <= rows]
     other = (f", or set rollout.tensor={fits[0]} ({rollout_mesh.size // fits[0]} replicas)"
              if fits else "")
-    if group.startswith("rollout.n"):
-        other += ", or rollout.refill=on"
     raise ConfigError(
         f"config.rollout.max_concurrent_rows={rows} holds no whole group {where}: the static "
-        f"sampler decodes whole groups ({group}) on every replica, at least {n} x {replicas} = "
-        f"{n * replicas} rows at once; raise rollout.max_concurrent_rows to {n * replicas}"
-        f"{other}")
+        f"sampler decodes whole groups (rollout.n={n}) on every replica, at least {n} x "
+        f"{replicas} = {n * replicas} rows at once; raise rollout.max_concurrent_rows to "
+        f"{n * replicas}{other}, or rollout.refill=on")

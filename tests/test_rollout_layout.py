@@ -309,10 +309,6 @@ def _tiny_run(**fields):
      r"\(rollout\.n=8\) on every replica, at least 8 x 8 = 64 rows at once; raise "
      r"rollout\.max_concurrent_rows to 64, or set rollout\.tensor=2 \(4 replicas\), or "
      r"rollout\.refill=on$"),
-    # Refilling rollouts, but the evaluation sampler (static) needs eval.k=4 x 8 rows.
-    ({"rollout.max_concurrent_rows": 16},
-     r"max_concurrent_rows=16 holds no whole group .* \(eval\.k=4\) .* 4 x 8 = 32 rows at once; "
-     r"raise rollout\.max_concurrent_rows to 32, or set rollout\.tensor=2 \(4 replicas\)$"),
     ({"rollout.max_concurrent_rows": 34, "rollout.tensor": "2"},
      r"max_concurrent_rows=34 must be a multiple of the 4 rollout replicas \(rollout\.tensor=2\)"),
 ])
@@ -334,7 +330,8 @@ def test_concurrent_rows_that_hold_a_group_pass() -> None:
 
     mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 2)  # 4 replicas
     for fields in ({"rollout.refill": "off", "rollout.max_concurrent_rows": 32},  # 8 x 4
-                   {"rollout.max_concurrent_rows": 16},  # refilling: 4 a replica; eval.k 4 x 4
+                   # Refilling, 2 slots a replica: eval.k=4 is drawn in rounds of 2 samples.
+                   {"rollout.max_concurrent_rows": 8},
                    {"rollout.max_concurrent_rows": 0}):
         settings = RunSettings.from_config(validate(_tiny_run(**fields)))
         rl.check_concurrent_rows(settings, mesh, num_kv_heads=2)
@@ -393,3 +390,31 @@ def test_reshard_bucket_mib_reaches_the_settings_and_is_checked() -> None:
     assert s.rollout.reshard_bucket_mib == 0
     with pytest.raises(ConfigError, match="config.rollout.reshard_bucket_mib"):
         validate(_tiny_run(**{"rollout.reshard_bucket_mib": -1}))
+
+
+def test_evaluation_draws_k_samples_in_rounds_a_chunk_can_hold(qwen) -> None:
+    from qurl_jax.tasks import samples_per_call
+
+    cfg, _ = qwen
+    mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 1)  # 8 replicas
+    static = Sampler(cfg, jax.lax.dot_general, **KW, mesh=mesh, max_concurrent_rows=16)
+    # Largest divisor of k with k' x 8 <= 16 rows: the 7B config's eval.k=32 on 16 replicas and
+    # 128 rows is the same case (rounds of 8).
+    assert [samples_per_call(static, k) for k in (1, 2, 3, 4, 32)] == [1, 2, 1, 2, 2]
+    assert samples_per_call(Sampler(cfg, jax.lax.dot_general, **KW, mesh=mesh), 32) == 32
+    refill = RefillSampler(cfg, jax.lax.dot_general, **KW, mesh=mesh, max_concurrent_rows=8)
+    assert samples_per_call(refill, 32) == 32
+
+
+@pytest.mark.slow  # a tiny trainer (with its warm start) and its evaluation: 4.3 min here
+def test_trainer_evaluates_k_samples_a_chunk_cannot_hold(tmp_path) -> None:
+    # 8 one-device replicas, 8 rows at once, eval.k=4: 32 rows a chunk would need; the static
+    # evaluation sampler used to stop with a traceback here, now it draws 2 rounds of 2 samples.
+    from qurl_jax.trainer import Trainer
+
+    c = _tiny_run(**{"rollout.max_concurrent_rows": 8, "eval.max_examples": 8,
+                     "eval.max_new_tokens": 4})
+    t = Trainer(c, str(tmp_path / "run"))
+    assert t.eval_sampler.max_concurrent_rows == 8
+    metrics = t.evaluate()
+    assert 0.0 <= metrics["arith/avg@4"] <= metrics["arith/pass@4"] <= 1.0, metrics
