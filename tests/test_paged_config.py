@@ -256,21 +256,23 @@ def test_a_pool_the_compiler_refuses_is_shrunk_by_its_temporaries(tmp_path, monk
                  "rollout.max_concurrent_rows": 8}
     budget = memory_plan.budget_bytes(memory_plan.targets.parse("cpu"))
     temps = (budget + 2 * 16 * token) / memory_plan.GIB  # 2 pages per device over
-    report, calls = memory_plan.report, []
+    kv = {"batch_shards": 2, "cache_len": 64}
+    calls = []
 
-    def refuse_once(*args, **kwargs):
+    def refuse_once(*args, **kwargs):  # then a plan within the budget (no compile needed)
         calls.append(1)
         if len(calls) == 1:
             raise jax.errors.JaxRuntimeError(
                 "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
                 f"HLO temporaries ({temps:.9f}G) exceeds available HBM (95.74G).")
-        return report(*args, **kwargs)
+        return {"programs": {"rollout_prefill": {"peak_bytes": budget},
+                             "rollout_decode": {"peak_bytes": budget - 1}},
+                "budget_bytes_per_device": budget, "decode_kv": kv}
 
     monkeypatch.setattr(memory_plan, "report", refuse_once)
     with pytest.raises(jax.errors.JaxRuntimeError):  # no decode_kv to shrink by: as before
         memory_bench.check_suggestion(settings, str(tmp_path), "cpu", suggested, token)
     calls.clear()
-    kv = {"batch_shards": 2, "cache_len": 64}
     check = memory_bench.check_suggestion(settings, str(tmp_path), "cpu", suggested, token,
                                           decode_kv=kv)
     first, second = check["checks"]
