@@ -110,6 +110,10 @@ def base_config() -> ml_collections.ConfigDict:
     # each split over this many devices ('auto': the smallest power of two within one process's
     # devices at which a replica, its KV and the learner's state fit a device; 1 where it fits).
     c.rollout.tensor = "auto"
+    # The once-per-step reshard of the quantized actor to those replicas moves it in buckets of
+    # at most this many MiB per device (a larger tensor alone), one program each, so its
+    # collectives' buffers hold one bucket, not the replica; 0 = the whole actor at once.
+    c.rollout.reshard_bucket_mib = 1024
     # Refill finished rows' slots with waiting rows (sampling.RefillSampler, continuous batching):
     # 'on', 'off' (the static chunked Sampler) or 'auto' = on when rows wait, i.e. when
     # max_concurrent_rows > 0 holds fewer rows than prompts_per_step * n. Both samplers draw the
@@ -490,7 +494,7 @@ _NON_NEGATIVE = (
     "rl.overlong_factor", "optim.learning_rate", "optim.weight_decay", "optim.grad_clip",
     "optim.warmup_steps", "optim.decay_steps", "sft.steps", "train.eval_every",
     "train.memory_limit_gib", "train.pack_length", "train.tokens_per_micro_batch",
-    "eval.max_examples", "eval.temperature")
+    "eval.max_examples", "eval.temperature", "rollout.reshard_bucket_mib")
 # field -> (low, high, whether high is excluded)
 _INTERVALS = {"optim.b1": (0.0, 1.0, True), "optim.b2": (0.0, 1.0, True),
               "optim.end_lr_ratio": (0.0, 1.0, False), "reward.format_weight": (0.0, 1.0, False),

@@ -139,7 +139,8 @@ class Setup:
 
     @functools.cached_property
     def reshard(self) -> rollout_layout.Reshard:
-        return rollout_layout.Reshard(param_logical_axes(self.model_config), self.rollout_mesh)
+        return rollout_layout.Reshard(param_logical_axes(self.model_config), self.rollout_mesh,
+                                      self.settings.rollout.reshard_bucket_mib << 20)
 
     @functools.cached_property
     def actor(self) -> Any:
@@ -340,15 +341,21 @@ def requantize(setup: Setup) -> Program:
 
 def reshard(setup: Setup) -> Program:
     """The actor's codes and scales moved from the learner's layout to the rollout's replicas,
-    every step (`qurl_jax.rollout_layout.Reshard`)."""
-    src = setup.learner_actor
-    lowered = setup.reshard.fn(src).lower(src)
+    every step (`qurl_jax.rollout_layout.Reshard`): its largest bucket's program (the whole
+    actor with `rollout.reshard_bucket_mib=0`). While it runs, the buckets before it are
+    already on the replicas: the replica's share is in `rollout_decode`'s arguments."""
+    r = setup.reshard
+    src = max(r.buckets(setup.learner_actor), key=lambda b: _bytes_per_device(jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), b, r.shardings(b))))
+    lowered = r.fn(src).lower(src)
+    out = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), src,
+                       r.shardings(src))
     s = _symbols(setup, setup.rollout_rows)
     return Program(lowered, Estimate((
-        ("actor on the learner's layout (input)", "codes + scales / devices",
+        ("a bucket of the actor on the learner's layout (input)", "codes + scales / devices",
          _bytes_per_device(src)),
-        ("actor replica share (output)", "codes + scales / rollout.tensor",
-         _bytes_per_device(setup.actor))), s))
+        ("its replica share (output)", "codes + scales / rollout.tensor",
+         _bytes_per_device(out))), s))
 
 
 def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:

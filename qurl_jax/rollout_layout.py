@@ -43,11 +43,11 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qurl_jax import sharding as shd
-from qurl_jax.errors import MeshError
+from qurl_jax.errors import ConfigError, MeshError
 from qurl_jax.quant._qtensor import QuantizedTensor
 
-__all__ = ["Reshard", "actor_shardings", "parse_tensor", "resolve_tensor", "rollout_mesh",
-           "tree_bytes_per_device"]
+__all__ = ["DEFAULT_BUCKET_MIB", "Reshard", "actor_shardings", "check_concurrent_rows",
+           "parse_tensor", "resolve_tensor", "rollout_mesh", "tree_bytes_per_device"]
 
 AUTO = "auto"
 
@@ -134,30 +134,82 @@ class ReshardBytes:
         return self.received / max(self.quantized_parameters, 1)
 
 
-class Reshard:
-    """One jitted program that moves an actor (`quant.requantize`'s output on the learner's
-    layout) to the rollout layout; one compile per actor structure. The input is not donated
-    (the learner-layout codes are the reshard's temporaries, freed when the caller drops them)
-    and the learner's own parameters and optimizer state are never its arguments."""
+DEFAULT_BUCKET_MIB = 1024  # `rollout.reshard_bucket_mib`: 2-3 buckets at 1.5B, 8-9 at 7B
 
-    def __init__(self, logical_axes: Any, mesh: Mesh) -> None:
+
+def _share_bytes(leaf: Any, sharding: Any) -> int:
+    """Bytes of one device's share of `leaf` (an array or a `QuantizedTensor`) under `sharding`
+    (a `NamedSharding`, or a `QuantizedTensor` of them)."""
+    if isinstance(leaf, QuantizedTensor):
+        return (_share_bytes(leaf.qvalue, sharding.qvalue)
+                + _share_bytes(leaf.scale, sharding.scale))
+    return int(np.prod(sharding.shard_shape(tuple(leaf.shape)))) * jnp.dtype(leaf.dtype).itemsize
+
+
+class Reshard:
+    """Moves an actor (`quant.requantize`'s output on the learner's layout) to the rollout
+    layout in buckets: the actor's leaves in order (a quantized kernel's codes and scales
+    together), cut where a bucket's share on the rollout layout would pass `bucket_bytes` per
+    device (a leaf larger than that is a bucket of its own, moved first; 0 = the whole actor in
+    one bucket),
+    each bucket one jitted identity whose `out_shardings` are the rollout layout. A program's
+    collectives and temporaries then hold one bucket, not the whole replica, so the reshard's
+    peak is the replica's share plus one bucket's transfer buffers. One compile per bucket
+    structure. The input is not donated (the learner-layout codes are the reshard's
+    temporaries, freed when the caller drops them) and the learner's own parameters and
+    optimizer state are never its arguments."""
+
+    def __init__(self, logical_axes: Any, mesh: Mesh,
+                 bucket_bytes: int = DEFAULT_BUCKET_MIB << 20) -> None:
+        if bucket_bytes < 0:
+            raise ValueError(f"Reshard: bucket_bytes={bucket_bytes} must be >= 0 (0 = one "
+                             "bucket)")
         self.logical_axes = logical_axes
         self.mesh = mesh
+        self.bucket_bytes = int(bucket_bytes)
         self._fns: dict[Any, Callable] = {}
+        self._plans: dict[Any, list[list[tuple[str, ...]]]] = {}
 
     def shardings(self, actor: Any) -> Any:
         return actor_shardings(actor, self.logical_axes, self.mesh)
 
-    def fn(self, actor: Any) -> Callable:
-        """The jitted reshard of actors of `actor`'s structure (its `.lower(actor)` compiles it
-        without running)."""
+    def buckets(self, actor: Any) -> list[Any]:
+        """`actor` cut into the sub-trees (nested dicts of its own leaves, in order) that one
+        program each moves."""
+        flat = traverse_util.flatten_dict(actor)
         key = jax.tree.structure(actor)
+        if key not in self._plans:
+            shardings = traverse_util.flatten_dict(self.shardings(actor))
+            shares = {path: _share_bytes(leaf, shardings[path]) for path, leaf in flat.items()}
+            # A leaf larger than a bucket (the 7B's embedding and LM head) moves first, alone:
+            # its program's temporaries (a whole-tensor gather) then meet the least of the
+            # replica already moved.
+            big = [p for p in flat if self.bucket_bytes and shares[p] > self.bucket_bytes]
+            plan: list[list[tuple[str, ...]]] = [[p] for p in big] + [[]]
+            size = 0
+            for path in (p for p in flat if p not in big):
+                if plan[-1] and self.bucket_bytes and size + shares[path] > self.bucket_bytes:
+                    plan.append([])
+                    size = 0
+                plan[-1].append(path)
+                size += shares[path]
+            self._plans[key] = [paths for paths in plan if paths]
+        return [traverse_util.unflatten_dict({path: flat[path] for path in paths})
+                for paths in self._plans[key]]
+
+    def fn(self, tree: Any) -> Callable:
+        """The jitted reshard of trees of `tree`'s structure: a bucket of `buckets`, or a
+        whole actor in one program (its `.lower(tree)` compiles it without running)."""
+        key = jax.tree.structure(tree)
         if key not in self._fns:
-            self._fns[key] = jax.jit(lambda tree: tree, out_shardings=self.shardings(actor))
+            self._fns[key] = jax.jit(lambda t: t, out_shardings=self.shardings(tree))
         return self._fns[key]
 
     def __call__(self, actor: Any) -> Any:
-        return self.fn(actor)(actor)
+        out: dict[tuple[str, ...], Any] = {}
+        for bucket in self.buckets(actor):
+            out.update(traverse_util.flatten_dict(self.fn(bucket)(bucket)))
+        return traverse_util.unflatten_dict(out)
 
     def bytes(self, actor: Any) -> ReshardBytes:
         """What resharding `actor` moves per device (from shapes and shardings; nothing runs)."""
@@ -263,3 +315,47 @@ def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_p
         kv_bytes=lambda t: kv_bytes_per_device(settings, model_config, devices),
         resident_bytes=tree_bytes_per_device((abstract_params, abstract_opt_state)),
         device_bytes=device_bytes, local_devices=local, num_kv_heads=model_config.num_kv_heads)
+
+
+def _local_devices(mesh: Mesh) -> int:
+    """Devices of `mesh` in the process of its first device."""
+    first = mesh.devices.flat[0].process_index
+    return sum(1 for d in mesh.devices.flat if d.process_index == first)
+
+
+def check_concurrent_rows(settings: Any, rollout_mesh: Mesh, num_kv_heads: int) -> None:
+    """`ConfigError` (one line naming `rollout.max_concurrent_rows`, `rollout.tensor` and the
+    group size) when `rollout.max_concurrent_rows` cannot run on the rollout's replicas, which
+    `rollout.tensor` ('auto' included) decides only once the mesh is known: a static sampler's
+    chunk holds whole groups of `rollout.n` rows on every replica, so it needs at least
+    n x replicas rows; a refilling sampler's slots are split evenly over the replicas. Without it
+    the first rollout stops with a traceback from inside the sampler. (The evaluation sampler,
+    static always, draws `eval.k` samples in rounds when a chunk cannot hold them,
+    `tasks.samples_per_call`: one row per replica, which either rollout sampler's rows hold.)"""
+    r = settings.rollout
+    rows = r.sampler.max_concurrent_rows
+    if rows == 0:  # every row of a call at once: batch padding makes whole groups
+        return
+    replicas = rollout_mesh.shape["data"] * rollout_mesh.shape["fsdp"]
+    tensor = f"rollout.tensor={r.tensor}" + (
+        f" -> {rollout_mesh.shape['tensor']}" if parse_tensor(r.tensor) is None else "")
+    where = f"on the rollout's {replicas} replicas ({tensor})"
+    if r.sampler.refills:
+        if rows % replicas:
+            raise ConfigError(f"config.rollout.max_concurrent_rows={rows} must be a multiple of "
+                              f"the {replicas} rollout replicas ({tensor}): the refilling "
+                              "sampler splits its slots evenly over them")
+        return
+    n = r.n
+    if n * replicas <= rows:
+        return
+    local = _local_devices(rollout_mesh)
+    fits = [t for t in (2 ** i for i in range(int(math.log2(local)) + 1))
+            if local % t == 0 and num_kv_heads % t == 0 and rollout_mesh.size // t * n <= rows]
+    other = (f", or set rollout.tensor={fits[0]} ({rollout_mesh.size // fits[0]} replicas)"
+             if fits else "")
+    raise ConfigError(
+        f"config.rollout.max_concurrent_rows={rows} holds no whole group {where}: the static "
+        f"sampler decodes whole groups (rollout.n={n}) on every replica, at least {n} x "
+        f"{replicas} = {n * replicas} rows at once; raise rollout.max_concurrent_rows to "
+        f"{n * replicas}{other}, or rollout.refill=on")

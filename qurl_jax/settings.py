@@ -166,6 +166,7 @@ class RolloutSettings:
     temperature: float = 1.0
     sampler: RolloutSamplerSettings = RolloutSamplerSettings(rows_per_step=8 * 8)  # data's 8
     tensor: str = "auto"  # the rollout replicas' tensor degree (`qurl_jax.rollout_layout`)
+    reshard_bucket_mib: int = 1024  # per device per reshard program (0 = the whole actor)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
@@ -173,7 +174,8 @@ class RolloutSettings:
         r = c.rollout
         return cls(precision=r.precision, n=r.n, max_new_tokens=r.max_new_tokens,
                    temperature=r.temperature, sampler=rollout_sampler_settings(c),
-                   tensor=str(r.get("tensor", "auto")))
+                   tensor=str(r.get("tensor", "auto")),
+                   reshard_bucket_mib=int(r.get("reshard_bucket_mib", 1024)))
 
 
 @dataclasses.dataclass(frozen=True)

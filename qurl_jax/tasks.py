@@ -172,11 +172,18 @@ class Task:
 
         def generate_fn(prompts: list[str], n: int, greedy: bool = False) -> list[list[str]]:
             ids = [list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-            out = sampler.sample(params, ids, e.sampling(self.eos_ids, greedy),
-                                 key=jax.random.fold_in(key, next(calls)), n=n)
-            out = to_host(out)  # the whole batch, also from other processes' devices
-            texts = self.decode(out.tokens, out.mask)
-            return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+            # Rounds of m samples per prompt when the sampler's chunk cannot hold n on every
+            # replica (eval.k x replicas > rollout.max_concurrent_rows); one call otherwise.
+            m = samples_per_call(sampler, n)
+            out_texts: list[list[str]] = [[] for _ in prompts]
+            for _ in range(n // m):
+                out = sampler.sample(params, ids, e.sampling(self.eos_ids, greedy),
+                                     key=jax.random.fold_in(key, next(calls)), n=m)
+                out = to_host(out)  # the whole batch, also from other processes' devices
+                texts = self.decode(out.tokens, out.mask)
+                for i in range(len(prompts)):
+                    out_texts[i].extend(texts[i * m:(i + 1) * m])
+            return out_texts
 
         metrics: dict[str, float] = {}
         for name, examples in self.eval_sets.items():
@@ -199,6 +206,17 @@ class Task:
 
     def close(self) -> None:
         self.reward.close()
+
+
+def samples_per_call(sampler: Any, n: int) -> int:
+    """Samples per prompt one `sampler.sample` call can draw: n, or for a static `Sampler`
+    whose chunk cannot hold n rows of a prompt on every batch shard (`max_concurrent_rows` <
+    n x shards), the largest divisor of n it can (1 at worst: the sampler then says why)."""
+    rows = getattr(sampler, "max_concurrent_rows", 0)
+    if not rows or hasattr(sampler, "refill_min"):  # all rows at once, or a refilling sampler
+        return n
+    shards = sampler.engine.sharding.batch_shards
+    return next((m for m in range(n, 0, -1) if n % m == 0 and m * shards <= rows), 1)
 
 
 # ------------------------------------------------------------------------------------ building

@@ -142,8 +142,11 @@ class Trainer:
         self.rollout_mesh = rollout_layout.rollout_mesh(self.mesh, rollout_layout.plan_tensor(
             self.settings, self.model_config, self.mesh, abstract["params"],
             abstract["opt_state"], memory and int(memory * memory_plan.FIT_FRACTION)))
-        self._reshard = rollout_layout.Reshard(param_logical_axes(self.model_config),
-                                               self.rollout_mesh)
+        rollout_layout.check_concurrent_rows(self.settings, self.rollout_mesh,
+                                             self.model_config.num_kv_heads)
+        self._reshard = rollout_layout.Reshard(
+            param_logical_axes(self.model_config), self.rollout_mesh,
+            bucket_bytes=self.settings.rollout.reshard_bucket_mib << 20)
         logging.info("rollout layout: %d replicas x rollout.tensor=%d over the learner's %s",
                      self.rollout_mesh.shape["data"], self.rollout_mesh.shape["tensor"],
                      dict(self.mesh.shape))

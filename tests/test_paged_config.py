@@ -244,3 +244,39 @@ def test_trainer_rollout_through_a_page_pool_gives_the_static_result(tmp_path):
     for name in ("tokens", "attn_mask", "resp_mask", "lengths", "rewards"):
         np.testing.assert_array_equal(getattr(paged, name), getattr(static, name), err_msg=name)
     np.testing.assert_allclose(paged.logp_behav, static.logp_behav, rtol=1e-6, atol=1e-6)
+
+
+def test_a_pool_the_compiler_refuses_is_shrunk_by_its_temporaries(tmp_path, monkeypatch):
+    # XLA:TPU refuses to plan a program whose temporaries exceed the chip (the 7B config's
+    # suggested pool on tpu:v5p-32 did): the round counts it as over the budget by them and
+    # the next round compiles a smaller pool, instead of the command ending in a traceback.
+    token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * CFG.compute_dtype.itemsize
+    settings = RunSettings.from_config(_plan_config(tmp_path, 0))
+    suggested = {"rollout.kv_pages": 40, "rollout.kv_page_size": 16,
+                 "rollout.max_concurrent_rows": 8}
+    budget = memory_plan.budget_bytes(memory_plan.targets.parse("cpu"))
+    temps = (budget + 2 * 16 * token) / memory_plan.GIB  # 2 pages per device over
+    kv = {"batch_shards": 2, "cache_len": 64}
+    calls = []
+
+    def refuse_once(*args, **kwargs):  # then a plan within the budget (no compile needed)
+        calls.append(1)
+        if len(calls) == 1:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                f"HLO temporaries ({temps:.9f}G) exceeds available HBM (95.74G).")
+        return {"programs": {"rollout_prefill": {"peak_bytes": budget},
+                             "rollout_decode": {"peak_bytes": budget - 1}},
+                "budget_bytes_per_device": budget, "decode_kv": kv}
+
+    monkeypatch.setattr(memory_plan, "report", refuse_once)
+    with pytest.raises(jax.errors.JaxRuntimeError):  # no decode_kv to shrink by: as before
+        memory_bench.check_suggestion(settings, str(tmp_path), "cpu", suggested, token)
+    calls.clear()
+    check = memory_bench.check_suggestion(settings, str(tmp_path), "cpu", suggested, token,
+                                          decode_kv=kv)
+    first, second = check["checks"]
+    assert first["refused"].startswith("RESOURCE_EXHAUSTED") and "peaks" not in first
+    assert abs(first["over_bytes"] - 2 * 16 * token) <= 2
+    assert second["kv_pages"] == 40 - 2 * 2 and check["fits"]
+    assert check["suggested_config"]["rollout.kv_pages"] == 36

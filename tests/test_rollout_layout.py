@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from qurl_jax import quant
 from qurl_jax import rollout_layout as rl
@@ -312,3 +313,134 @@ def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path) -> None:
     _assert_close_metrics(a, b)
     assert "rollout layout: 4 replicas x rollout.tensor=2" in open(two + ".log.0").read()
     assert a[(1, "train", "reshard/bytes_per_quantized_param")] > 0
+
+
+def _tiny_run(**fields):
+    import os
+
+    from qurl_jax.config import load_config_file
+
+    c = load_config_file(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                      "arith_tiny.py"))
+    c.update_from_flattened_dict({"mesh.fsdp": 8, "train.preflight": "off", **fields})
+    return c
+
+
+@pytest.mark.parametrize("fields, match", [
+    # rollout.n=8 on 8 one-device replicas: a static chunk needs 64 rows; at tensor 2 (4
+    # replicas) 32 would do.
+    ({"rollout.refill": "off", "rollout.max_concurrent_rows": 32},
+     r"^config\.rollout\.max_concurrent_rows=32 holds no whole group on the rollout's 8 "
+     r"replicas \(rollout\.tensor=auto -> 1\): the static sampler decodes whole groups "
+     r"\(rollout\.n=8\) on every replica, at least 8 x 8 = 64 rows at once; raise "
+     r"rollout\.max_concurrent_rows to 64, or set rollout\.tensor=2 \(4 replicas\), or "
+     r"rollout\.refill=on$"),
+    ({"rollout.max_concurrent_rows": 34, "rollout.tensor": "2"},
+     r"max_concurrent_rows=34 must be a multiple of the 4 rollout replicas \(rollout\.tensor=2\)"),
+])
+def test_concurrent_rows_the_replicas_cannot_run_stop_the_trainer_up_front(tmp_path, fields,
+                                                                            match) -> None:
+    # Before the check, the static sampler stopped the first rollout (or evaluation) with a
+    # traceback from inside `Sampler._prompts_per_chunk`.
+    from qurl_jax.errors import ConfigError
+    from qurl_jax.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=match):
+        Trainer(_tiny_run(**fields), str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_concurrent_rows_that_hold_a_group_pass() -> None:
+    from qurl_jax.config import validate
+    from qurl_jax.settings import RunSettings
+
+    mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 2)  # 4 replicas
+    for fields in ({"rollout.refill": "off", "rollout.max_concurrent_rows": 32},  # 8 x 4
+                   # Refilling, 2 slots a replica: eval.k=4 is drawn in rounds of 2 samples.
+                   {"rollout.max_concurrent_rows": 8},
+                   {"rollout.max_concurrent_rows": 0}):
+        settings = RunSettings.from_config(validate(_tiny_run(**fields)))
+        rl.check_concurrent_rows(settings, mesh, num_kv_heads=2)
+
+
+def test_reshard_in_buckets_gives_the_whole_reshard_with_smaller_programs(qwen) -> None:
+    from qurl_jax.memory_plan import compiled_memory
+
+    cfg, params = qwen
+    learner = _learner_mesh(1)
+    actor = quant.requantize(shard_params(params, param_logical_axes(cfg), learner), "int8",
+                             compute_dtype=jnp.bfloat16)
+    mesh = rl.rollout_mesh(learner, 1)
+    whole = rl.Reshard(param_logical_axes(cfg), mesh, bucket_bytes=0)
+    (one,) = whole.buckets(actor)
+    whole_mem = compiled_memory(whole.fn(one).lower(one).compile())
+    # 16 KiB of the replica per program: the 32 KiB bf16 embedding alone, the layers' codes,
+    # scales, norms and biases in several buckets.
+    bucketed = rl.Reshard(param_logical_axes(cfg), mesh, bucket_bytes=16 << 10)
+    buckets = bucketed.buckets(actor)
+    assert len(buckets) >= 4
+    flat = [p for b in buckets for p in traverse_util.flatten_dict(b)]
+    # Each leaf once: the embedding (larger than a bucket) first, alone, then the rest in order.
+    assert flat[0] == ("embed_tokens", "embedding")
+    assert list(traverse_util.flatten_dict(buckets[0])) == [flat[0]]
+    assert flat[1:] == [p for p in traverse_util.flatten_dict(actor) if p != flat[0]]
+    mems = []
+    for b in buckets:
+        mem = compiled_memory(bucketed.fn(b).lower(b).compile())
+        mems.append(mem)
+        out_share = rl.tree_bytes_per_device(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), b,
+            bucketed.shardings(b)))
+        assert out_share <= 16 << 10 or len(jax.tree.leaves(b)) == 1, out_share
+        hlo = bucketed.fn(b).lower(b).compile().as_text()
+        for _, result in _collective_dtypes(hlo):  # codes, scales and compute-dtype leaves only
+            assert result.split("[")[0].lstrip("(") in ("s8", "f32", "bf16"), result
+    # Each program's outputs and temporaries are a bucket's, not the replica's.
+    assert max(m["output_bytes"] for m in mems) <= whole_mem["output_bytes"] / 3
+    assert max(m["temp_bytes"] for m in mems) < whole_mem["temp_bytes"]
+    assert max(m["peak_bytes"] for m in mems) < whole_mem["peak_bytes"] / 2
+    out, ref = bucketed(actor), whole(actor)
+    jax.tree.map(np.testing.assert_array_equal, out, ref)
+    assert jax.tree.map(lambda x: x.sharding, out) == jax.tree.map(lambda x: x.sharding, ref)
+    with pytest.raises(ValueError, match="bucket_bytes=-1"):
+        rl.Reshard(param_logical_axes(cfg), mesh, bucket_bytes=-1)
+
+
+def test_reshard_bucket_mib_reaches_the_settings_and_is_checked() -> None:
+    from qurl_jax.config import validate
+    from qurl_jax.errors import ConfigError
+    from qurl_jax.settings import RunSettings
+
+    assert RunSettings.from_config(validate(_tiny_run())).rollout.reshard_bucket_mib == 1024
+    s = RunSettings.from_config(validate(_tiny_run(**{"rollout.reshard_bucket_mib": 0})))
+    assert s.rollout.reshard_bucket_mib == 0
+    with pytest.raises(ConfigError, match="config.rollout.reshard_bucket_mib"):
+        validate(_tiny_run(**{"rollout.reshard_bucket_mib": -1}))
+
+
+def test_evaluation_draws_k_samples_in_rounds_a_chunk_can_hold(qwen) -> None:
+    from qurl_jax.tasks import samples_per_call
+
+    cfg, _ = qwen
+    mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 1)  # 8 replicas
+    static = Sampler(cfg, jax.lax.dot_general, **KW, mesh=mesh, max_concurrent_rows=16)
+    # Largest divisor of k with k' x 8 <= 16 rows: the 7B config's eval.k=32 on 16 replicas and
+    # 128 rows is the same case (rounds of 8).
+    assert [samples_per_call(static, k) for k in (1, 2, 3, 4, 32)] == [1, 2, 1, 2, 2]
+    assert samples_per_call(Sampler(cfg, jax.lax.dot_general, **KW, mesh=mesh), 32) == 32
+    refill = RefillSampler(cfg, jax.lax.dot_general, **KW, mesh=mesh, max_concurrent_rows=8)
+    assert samples_per_call(refill, 32) == 32
+
+
+@pytest.mark.slow  # a tiny trainer (with its warm start) and its evaluation: 4.3 min here
+def test_trainer_evaluates_k_samples_a_chunk_cannot_hold(tmp_path) -> None:
+    # 8 one-device replicas, 8 rows at once, eval.k=4: 32 rows a chunk would need; the static
+    # evaluation sampler used to stop with a traceback here, now it draws 2 rounds of 2 samples.
+    from qurl_jax.trainer import Trainer
+
+    c = _tiny_run(**{"rollout.max_concurrent_rows": 8, "eval.max_examples": 8,
+                     "eval.max_new_tokens": 4})
+    t = Trainer(c, str(tmp_path / "run"))
+    assert t.eval_sampler.max_concurrent_rows == 8
+    metrics = t.evaluate()
+    assert 0.0 <= metrics["arith/avg@4"] <= metrics["arith/pass@4"] <= 1.0, metrics

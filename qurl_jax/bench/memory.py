@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -143,9 +144,17 @@ def suggested_config(capacity: dict[str, Any], batch_shards: int, rollout_rows: 
             "rollout.max_concurrent_rows": rows * batch_shards}
 
 
+def _refused_over_bytes(message: str, budget: int) -> int | None:
+    """How far over `budget` a program is that the compiler refused to plan for running out of
+    device memory (XLA:TPU's "RESOURCE_EXHAUSTED: ... HLO temporaries (110.42G) exceeds
+    available HBM (95.74G)": its temporaries alone, so at least this much over), else None."""
+    m = re.search(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)G\) exceeds available", message, re.S)
+    return None if m is None else max(int(float(m.group(1)) * memory_plan.GIB) - budget, 1)
+
+
 def check_suggestion(settings: RunSettings, shapes_dir: str, target: targets.Target,
-                     suggested: dict[str, int], token_bytes: int, rounds: int = 3
-                     ) -> dict[str, Any]:
+                     suggested: dict[str, int], token_bytes: int, rounds: int = 3,
+                     decode_kv: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compiles the rollout's insert and decode programs (`rollout_prefill`, `rollout_decode`)
     with the `suggested` pool and rows; while the larger planned peak exceeds the budget (the
     insert's prompt activations come on top of the pool the decode program was sized with),
@@ -154,7 +163,10 @@ def check_suggestion(settings: RunSettings, shapes_dir: str, target: targets.Tar
     change the compiler's temporaries too). Returns {'checks': per round the kv_pages, peaks
     and over_bytes; 'fits': whether the last compiled pool fits; 'suggested_config': the pool
     that fits (or the last correction, when `rounds` ran out), None when the pool no longer
-    holds one row}."""
+    holds one row}. A program the compiler refuses outright for want of device memory counts as
+    over the budget by its temporaries (the round's 'refused' holds the compiler's line), given
+    `decode_kv` (the report's, for the batch shards and cache length); without it, or for any
+    other compile error, the error propagates."""
     rollout = settings.rollout
     checks: list[dict[str, Any]] = []
     for _ in range(rounds):
@@ -164,17 +176,28 @@ def check_suggestion(settings: RunSettings, shapes_dir: str, target: targets.Tar
             max_concurrent_rows=suggested["rollout.max_concurrent_rows"])
         paged = dataclasses.replace(settings,
                                     rollout=dataclasses.replace(rollout, sampler=sampler))
-        figures = memory_plan.report(paged, shapes_dir, target, log=lambda _: None,
-                                     programs=("rollout_prefill", "rollout_decode"))
-        peaks = {name: f["peak_bytes"] for name, f in figures["programs"].items()}
-        over = max(max(peaks.values()) - figures["budget_bytes_per_device"], 0)
-        checks.append({"kv_pages": suggested["rollout.kv_pages"], "peaks": peaks,
-                       "over_bytes": int(over)})
+        try:
+            figures = memory_plan.report(paged, shapes_dir, target, log=lambda _: None,
+                                         programs=("rollout_prefill", "rollout_decode"))
+        except jax.errors.JaxRuntimeError as e:
+            parsed = targets.parse(target) if isinstance(target, str) else target
+            over = _refused_over_bytes(str(e), memory_plan.budget_bytes(parsed))
+            if over is None or decode_kv is None:
+                raise
+            checks.append({"kv_pages": suggested["rollout.kv_pages"],
+                           "refused": str(e).strip().splitlines()[0][:300], "over_bytes": over})
+            kv = decode_kv
+        else:
+            peaks = {name: f["peak_bytes"] for name, f in figures["programs"].items()}
+            over = max(max(peaks.values()) - figures["budget_bytes_per_device"], 0)
+            checks.append({"kv_pages": suggested["rollout.kv_pages"], "peaks": peaks,
+                           "over_bytes": int(over)})
+            kv = figures["decode_kv"]
         if not over:
             return {"checks": checks, "fits": True, "suggested_config": suggested}
-        shards, page_size = figures["decode_kv"]["batch_shards"], suggested["rollout.kv_page_size"]
+        shards, page_size = kv["batch_shards"], suggested["rollout.kv_page_size"]
         pages = suggested["rollout.kv_pages"] // shards - -(-over // (page_size * token_bytes))
-        if pages < -(-figures["decode_kv"]["cache_len"] // page_size):  # no whole row
+        if pages < -(-kv["cache_len"] // page_size):  # no whole row
             return {"checks": checks, "fits": False, "suggested_config": None}
         suggested = {**suggested, "rollout.kv_pages": pages * shards}
     return {"checks": checks, "fits": False, "suggested_config": suggested}
@@ -234,7 +257,8 @@ def main(argv: list[str]) -> None:
         suggested, checked = figures["kv_capacity"]["suggested_config"], None
         if suggested is not None:
             check = check_suggestion(settings, shapes_dir, target, suggested,
-                                     figures["decode_kv"]["token_bytes"])
+                                     figures["decode_kv"]["token_bytes"],
+                                     decode_kv=figures["decode_kv"])
             figures["kv_capacity"]["suggestion_check"] = check
             suggested, checked = check["suggested_config"], check["fits"]
         print(describe_suggestion(suggested, checked))
