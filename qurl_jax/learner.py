@@ -514,16 +514,18 @@ class Learner:
                              f"batch size {b}")
         return merge_rows(jax.lax.map(forward, split_rows(rows, b // self.logprob_batch_size)))
 
+    def _packed_forward(self, params: Any, part: Batch) -> jax.Array:
+        """Response log-probs f32[slots, G] of one slice of packed rows (`resp_index`'s slots)."""
+        part = self._constrain_rows(part)
+        rows = {k: part[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
+        logp, _ = packed_response_logprobs(self.model, params, rows, part["resp_index"],
+                                           self.temperature, chunk=self.logprob_chunk,
+                                           precision=self.precision)
+        return logp
+
     def _packed_logprobs(self, params: Any, batch: Batch) -> jax.Array:
         """`_logprobs` of a packed batch, one micro-batch slice at a time as packed."""
-        def forward(part: Batch) -> jax.Array:
-            part = self._constrain_rows(part)
-            rows = {k: part[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
-            logp, _ = packed_response_logprobs(self.model, params, rows, part["resp_index"],
-                                               self.temperature, chunk=self.logprob_chunk,
-                                               precision=self.precision)
-            return logp
-
+        forward = functools.partial(self._packed_forward, params)
         part = {k: batch[k] for k in packing_lib.PACKED_KEYS}
         b = part["resp_index"].shape[0]
         lbs = self.logprob_batch_size
@@ -535,14 +537,7 @@ class Learner:
         """`_logprobs` of a token-budget packed batch (`pack_budget_batch`): one micro-batch of
         rows at a time (a `lax.map`), each slot's log-probs scattered back to its sequence's row
         of f32[B, G] (`seq_index`; sequences with no real token stay 0, as no loss reads them)."""
-        def forward(part: Batch) -> jax.Array:
-            part = self._constrain_rows(part)
-            rows = {k: part[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
-            logp, _ = packed_response_logprobs(self.model, params, rows, part["resp_index"],
-                                               self.temperature, chunk=self.logprob_chunk,
-                                               precision=self.precision)
-            return logp
-
+        forward = functools.partial(self._packed_forward, params)
         rows, count = self._budget_rows(batch["tokens"].shape[1])
         m = batch["tokens"].shape[0] // (rows * count)
         b, g = batch["resp_mask"].shape
