@@ -50,6 +50,9 @@ def _spec(mesh: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct
 def _flops(compiled: jax.stages.Compiled) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if not cost or "flops" not in cost:  # XLA's GPU pipeline (jax 0.10.2) returns None
+        raise SystemExit("qurl_jax: bad flag --target: its compiler gives no cost analysis of a "
+                         "compiled program; compile for a TPU target (tpu:v5p-16, ...)")
     return float(cost["flops"])
 
 
