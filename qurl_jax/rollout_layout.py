@@ -260,8 +260,7 @@ def resolve_tensor(setting: int | None, *, replica_bytes: int, kv_bytes: Callabl
             raise MeshError(f"rollout.tensor={setting}: {describe(setting)}; raise "
                             "rollout.tensor or lower rollout.max_concurrent_rows / kv_pages")
         return setting
-    candidates = [t for t in (2 ** i for i in range(int(math.log2(max(local_devices, 1))) + 1))
-                  if local_devices % t == 0 and (num_kv_heads % t == 0 or t == 1)]
+    candidates = _tensor_degrees(local_devices, num_kv_heads)
     if device_bytes is None:
         return 1
     for t in candidates:
@@ -308,13 +307,19 @@ def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_p
     replica = max(replica_bytes(quant.get_recipe(settings.rollout.precision)),
                   replica_bytes("fp"))
     devices = learner_mesh.size
-    local = len([d for d in learner_mesh.devices.flat
-                 if d.process_index == learner_mesh.devices.flat[0].process_index])
+    local = _local_devices(learner_mesh)
     return resolve_tensor(
         parse_tensor(settings.rollout.tensor), replica_bytes=replica,
         kv_bytes=lambda t: kv_bytes_per_device(settings, model_config, devices),
         resident_bytes=tree_bytes_per_device((abstract_params, abstract_opt_state)),
         device_bytes=device_bytes, local_devices=local, num_kv_heads=model_config.num_kv_heads)
+
+
+def _tensor_degrees(local_devices: int, num_kv_heads: int) -> list[int]:
+    """The rollout tensor degrees one process's devices allow: powers of two dividing both its
+    devices and the kv heads, smallest first."""
+    return [t for t in (2 ** i for i in range(int(math.log2(max(local_devices, 1))) + 1))
+            if local_devices % t == 0 and num_kv_heads % t == 0]
 
 
 def _local_devices(mesh: Mesh) -> int:
@@ -350,8 +355,7 @@ def check_concurrent_rows(settings: Any, rollout_mesh: Mesh, num_kv_heads: int) 
     if n * replicas <= rows:
         return
     local = _local_devices(rollout_mesh)
-    fits = [t for t in (2 ** i for i in range(int(math.log2(local)) + 1))
-            if local % t == 0 and num_kv_heads % t == 0 and rollout_mesh.size // t * n <= rows]
+    fits = [t for t in _tensor_degrees(local, num_kv_heads) if rollout_mesh.size // t * n <= rows]
     other = (f", or set rollout.tensor={fits[0]} ({rollout_mesh.size // fits[0]} replicas)"
              if fits else "")
     raise ConfigError(
