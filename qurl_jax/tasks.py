@@ -264,7 +264,11 @@ def _file_version(path: str) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
-_READ_CACHE: dict[tuple[Any, ...], tuple[list[MathExample], Any]] = {}
+@functools.lru_cache(maxsize=8)
+def _read_version(path: str, keys: tuple[str, str] | None, version: tuple[int, int]
+                  ) -> tuple[list[MathExample], Any]:
+    del version  # part of the cache key only: a changed file is read again
+    return load_math_file(path, keys=keys)
 
 
 def _read_math_file(path: str, keys: tuple[str, str] | None) -> tuple[list[MathExample], Any]:
@@ -273,12 +277,7 @@ def _read_math_file(path: str, keys: tuple[str, str] | None) -> tuple[list[MathE
     version = _file_version(path)
     if version is None:
         return load_math_file(path, keys=keys)
-    key = (path, keys, version)
-    if key not in _READ_CACHE:
-        if len(_READ_CACHE) >= 8:
-            _READ_CACHE.pop(next(iter(_READ_CACHE)))
-        _READ_CACHE[key] = load_math_file(path, keys=keys)
-    examples, stats = _READ_CACHE[key]
+    examples, stats = _read_version(path, keys, version)
     return list(examples), stats
 
 
