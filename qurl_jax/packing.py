@@ -100,6 +100,31 @@ def first_fit_decreasing(lengths: np.ndarray, pack_length: int) -> tuple[np.ndar
     return row, offset
 
 
+def balance_blocks(index: np.ndarray, lengths: np.ndarray, count: int) -> np.ndarray:
+    """`index` (sequences, in order) reordered so that its `count` equal contiguous blocks hold
+    nearly equal real tokens: longest first, each to the block with the fewest tokens that still
+    has room; within a block the sequences keep their order in `index`. In a multi-process run
+    each process packs one block of a minibatch, and every process runs as many micro-batches as
+    the fullest block needs, so unequal blocks leave the others' last micro-batches empty. The
+    minibatch (the set of sequences) and so every objective's value are unchanged.
+    `lengths[i]`: the real tokens of sequence `index[i]`."""
+    index = np.asarray(index)
+    if count <= 1:
+        return index
+    if index.shape[0] % count:
+        raise ValueError(f"balance_blocks: {index.shape[0]} sequences do not split into {count} "
+                         "equal blocks")
+    size = index.shape[0] // count
+    tokens = np.zeros(count, np.int64)
+    members: list[list[int]] = [[] for _ in range(count)]
+    for i in np.argsort(-np.asarray(lengths), kind="stable"):
+        open_blocks = [b for b in range(count) if len(members[b]) < size]
+        b = min(open_blocks, key=lambda j: (tokens[j], j))
+        members[b].append(int(i))
+        tokens[b] += int(lengths[i])
+    return np.concatenate([index[np.sort(m)] for m in members])
+
+
 def rows_needed(attn_mask: np.ndarray, pack_length: int, num_slices: int = 1) -> int:
     """The most packed rows one of `num_slices` strided slices of these sequences needs."""
     lengths = sequence_lengths(attn_mask)

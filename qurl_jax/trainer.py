@@ -37,7 +37,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import compilation, memory_plan, quant, report, rollout_layout, run_config, targets
+from qurl_jax import compilation, memory_plan, packing, quant, report, rollout_layout, run_config
+from qurl_jax import targets
 from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
@@ -422,10 +423,14 @@ class Trainer:
         # waiting for one to finish.
         orders = [np.asarray(jax.random.permutation(self.key(Stream.MINIBATCH, epoch), size))
                   for epoch in range(c.rl.ppo_epochs)]
+        balance = self._block_balance(batch)
         pending = []
         for order in orders:
             for i in range(c.rl.num_minibatches):
                 idx = np.sort(order[i * mb:(i + 1) * mb]) if c.rl.num_minibatches > 1 else None
+                if idx is not None and balance is not None:
+                    lengths, count = balance  # each process packs its block of the minibatch
+                    idx = packing.balance_blocks(idx, lengths[idx], count)
                 if pending and jax.process_count() > 1:
                     # One update ahead at most: ~20 gathers and reshards dispatched behind a
                     # running update hung two-process CPU runs (docs/scaling.md, "Failures").
@@ -447,6 +452,16 @@ class Trainer:
         # A step is bad when any of its updates was skipped for a non-finite loss or gradient.
         self._bad_steps = self._bad_steps + 1 if sums["update/skipped"] else 0
         return {k: v / count for k, v in sums.items()}
+
+    def _block_balance(self, batch: dict[str, jax.Array]) -> tuple[np.ndarray, int] | None:
+        """(every sequence's real tokens, row blocks) when processes pack their own blocks of
+        each minibatch (packing, minibatches, more than one block), for `packing.balance_blocks`;
+        else None. The lengths come from a small collective every process runs."""
+        if not self.learner.packing or self.config.rl.num_minibatches <= 1:
+            return None
+        if self._blocks <= 1:
+            return None
+        return np.asarray(dist.to_host(jnp.sum(batch["attn_mask"], axis=1))), self._blocks
 
     # ---------------------------------------------------------------------------------------- run
     def evaluate(self, params: Any | None = None) -> dict[str, float]:

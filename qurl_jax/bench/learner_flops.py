@@ -157,10 +157,14 @@ def count(config_path: str, target_name: str, seed: int = 0,
     rng = np.random.default_rng(seed)
     mb = rows // minibatches
     update_micro, update_seqs = 0, 0
+    lengths = packing.sequence_lengths(mask)
     for _ in range(epochs):  # the trainer's minibatches: a random permutation each epoch
         order = rng.permutation(rows)
         for i in range(minibatches):
-            num, slots = plan(mask[np.sort(order[i * mb:(i + 1) * mb])])
+            idx = np.sort(order[i * mb:(i + 1) * mb])
+            if minibatches > 1:  # as `Trainer._update`: each process's block, equal tokens
+                idx = packing.balance_blocks(idx, lengths[idx], count)
+            num, slots = plan(mask[idx])
             update_micro += num
             update_seqs = max(update_seqs, slots)
     lp_m, lp_seqs = plan(mask)
