@@ -123,6 +123,20 @@ def test_reads_every_collective_of_the_loop_with_the_most_dots() -> None:
     assert summary.first_buffer_bytes == nbytes - 8 * 1024 * 4
 
 
+def test_pallas_kernels_of_the_decode_loop_are_counted_per_iteration() -> None:
+    assert collectives.loop_body_kernels(HLO) == 0
+    # A Triton kernel (JAX's GPU Pallas decode attention) in the inner loop (3 trips) and a
+    # Mosaic one in the body; another custom call is not a kernel.
+    kernel = ('  %{n} = f32[8,64]{{1,0}} custom-call(%v), custom_call_target="{t}", '
+              'backend_config={{name = "mha_forward"}}\n')
+    hlo = HLO.replace("  %cp = f32[8,64]", kernel.format(n="k1", t="__gpu$xla.gpu.triton")
+                      + "  %cp = f32[8,64]")
+    hlo = hlo.replace("  %cv = bf16", kernel.format(n="k2", t="tpu_custom_call")
+                      + kernel.format(n="k3", t="Sharding") + "  %cv = bf16")
+    assert collectives.loop_body_kernels(hlo) == 3 + 1
+    assert collectives.loop_body_kernels(hlo, while_name="outer") == 0
+
+
 def test_the_body_alone_misses_what_its_calls_run() -> None:
     found = collectives.loop_body_collectives(HLO, follow_calls=False)
     assert [c.name for c in found] == ["ar"]

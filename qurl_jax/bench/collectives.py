@@ -348,6 +348,24 @@ def loop_body_collectives(hlo_text: str | Module, while_name: str | None = None,
     return out
 
 
+# Custom-call targets of JAX's Pallas kernels: Triton on GPU, Mosaic on TPU.
+PALLAS_TARGETS = ("__gpu$xla.gpu.triton", "tpu_custom_call")
+
+
+def loop_body_kernels(hlo_text: str | Module, while_name: str | None = None) -> int:
+    """Pallas kernel calls one iteration of a loop runs (the decode loop by default). In the
+    rollout's decode loop those are the decode attention's ragged kernels
+    (`models.decode_attention`), which read only each row's live KV slots."""
+    module = hlo_text if isinstance(hlo_text, Module) else parse(hlo_text)
+    loop = decode_loop(module, while_name)
+    count = 0
+    for _, inst, times in _walk(module, _body(loop), nested_trips=True):
+        target = re.search(r'custom_call_target="([^"]+)"', inst.attrs)
+        if inst.opcode == "custom-call" and target and target.group(1) in PALLAS_TARGETS:
+            count += times
+    return count
+
+
 @dataclasses.dataclass(frozen=True)
 class Summary:
     """Collectives counted: how many, their bytes (`Collective.bytes`) and link bytes, per kind

@@ -25,7 +25,9 @@ per device, where
   token's keys and values on it (`memory_plan.decode_kv`; XLA's blockwise attention skips only
   key blocks no row of the batch needs, so with rows of mixed lengths it reads about every slot);
   (`*_live` fields: an attention that reads only the live slots of the refilling sampler's
-  steady state, `roofline.live_slots` of the config's prompt and response lengths);
+  steady state, `roofline.live_slots` of the config's prompt and response lengths; `kv_reads`
+  says which of the two the compiled program does: 'live' where its decode loop calls a Pallas
+  kernel, the ragged decode attention, `collectives.loop_body_kernels`; else 'every slot');
 - FLOPs = `bench.roofline.step_flops` of the slice's rows over every slot, over the devices;
 - link bytes: `Collective.link_bytes` (what one device sends by a ring algorithm over its group);
 - hops: an all-gather, reduce-scatter or all-to-all on a bidirectional ring of n chips takes
@@ -236,7 +238,9 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
         lowered, kv = memory_plan.rollout_decode(setup).lowered, memory_plan.decode_kv(setup)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
-    found = collectives.loop_body_collectives(compiled.as_text())
+    module = collectives.parse(compiled.as_text())
+    found = collectives.loop_body_collectives(module)
+    kernels = collectives.loop_body_kernels(module)
     if kv is None:
         raise memory_plan.PlanError("config.rollout.kv_policy compresses the KV cache; the "
                                     "interconnect roofline reads a dense cache")
@@ -270,7 +274,12 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
     ragged = step(target.chip.name, actor, actor_device + kv_read * live / kv["cache_len"],
                   flops, found)
     record.update(live_slots=live, step_ms_live=ragged["step_ms"],
-                  tokens_per_s_live=slice_rows / ragged["step_ms"] * 1e3)
+                  tokens_per_s_live=slice_rows / ragged["step_ms"] * 1e3,
+                  # Which of the two the compiled program does: a Pallas kernel in the loop is
+                  # the ragged decode attention (GPU: dense or paged; TPU: paged), else XLA's
+                  # masked attention reads every slot.
+                  attention_kernels_per_token=kernels,
+                  kv_reads="live" if kernels else "every slot")
     log(f"{target.name} {record['config_model']} {settings.rollout.precision} layout={layout} "
         f"(mesh data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor}, actor share "
         f"{record['actor_fraction']:.3g} per device; compiled in {compile_s:.0f} s):")
@@ -280,6 +289,10 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
         f" + links {p['links_ms']:.2f} + latency {p['latency_ms']:.2f} "
         f"(bound: {p['bound']}); {record['tokens_per_s']:,.0f} tokens/s on the slice "
         f"({slice_rows} rows) - a prediction")
+    log(f"  decode attention: {kernels} Pallas kernel calls per token ("
+        + (f"reads live slots: {record['tokens_per_s_live']:,.0f} tokens/s with the refilling "
+           f"sampler's live KV, {live:,.0f} of {kv['cache_len']} slots a row"
+           if kernels else "XLA's attention reads every slot") + ") - a prediction")
     return record
 
 
@@ -353,7 +366,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     head = ["target", "model", "precision", "layout (mesh; actor share)", "collectives / token",
             "MiB / token", "HBM+FLOP ms", "links ms", "latency ms", "predicted step ms",
             "predicted tokens/s", "vs first layout", "links at every port: tokens/s",
-            "vs first layout (every port)", "live KV reads: tokens/s", "vs first layout (live)"]
+            "vs first layout (every port)", "live KV reads: tokens/s", "vs first layout (live)",
+            "the program's KV reads"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     first: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
@@ -372,7 +386,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             f"{ports / _all_ports(ref):.2f}x"]
             + ([f"{r['tokens_per_s_live']:,.0f}",
                 f"{r['tokens_per_s_live'] / ref['tokens_per_s_live']:.2f}x"]
-               if "tokens_per_s_live" in r and "tokens_per_s_live" in ref else ["", ""]))
+               if "tokens_per_s_live" in r and "tokens_per_s_live" in ref else ["", ""])
+            + [r.get("kv_reads", "")])
             + " |")
     return "\n".join(lines)
 
