@@ -29,7 +29,10 @@ output, temp and peak bytes:
   slot) they are the `RefillSampler`'s: the insert that fills every slot at once and the decode
   loop over the slots, whose state also holds every row's outputs and one held prompt prefill per
   batch shard. With `rollout.kv_pages` the slots' caches are one page pool (its share per
-  device) behind a page table, so the KV bytes are the pool's, not rows x slots.
+  device) behind a page table, so the KV bytes are the pool's, not rows x slots;
+- `eval_prefill` / `eval_decode`: the evaluation sampler's (static, dense) programs for its
+  largest chunk, on the full-precision actor in the compute dtype on the rollout's replicas (a
+  bf16 replica is twice an int8 one), responses of `eval.max_new_tokens`.
 
 On a mesh of more than one device, `report` also reads the collectives one iteration of the
 `rollout_decode` program's decode loop (one generated token) runs per device from its optimized
@@ -74,7 +77,7 @@ from qurl_jax.bench import collectives
 from qurl_jax.errors import UserError
 from qurl_jax.learner import Learner
 from qurl_jax.models import ModelConfig, PagedKVCache, hf, init_params, param_logical_axes
-from qurl_jax.sampling.factory import build_rollout_sampler
+from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
 from qurl_jax.settings import MeshSizes, ModelSettings, RunSettings
 
 GIB = 1 << 30
@@ -147,6 +150,16 @@ class Setup:
         """The rollout actor's parameters as `jax.ShapeDtypeStruct`s on the rollout's replicas
         (what the samplers' programs take)."""
         src = self.learner_actor
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            src, self.reshard.shardings(src))
+
+    @functools.cached_property
+    def eval_actor(self) -> Any:
+        """The evaluation's full-precision actor (the compute dtype, `quant.requantize(..., 'fp')`)
+        as `jax.ShapeDtypeStruct`s on the rollout's replicas, as `Trainer.evaluate` samples it."""
+        dtype = self.model_config.compute_dtype
+        src = jax.eval_shape(lambda p: quant.requantize(p, "fp", compute_dtype=dtype),
+                             self.params)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             src, self.reshard.shardings(src))
 
@@ -375,29 +388,39 @@ def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
 
 def _rollout(setup: Setup, name: str) -> Program:
     rollout = setup.settings.rollout
-    refill = rollout.sampler.refills
     sampler, rows, slots = _rollout_sampler(setup)
-    actor = setup.actor
-    lowered = sampler.lower_programs(actor, rows, setup.prompt_len, setup.response_len,
-                                     n=rollout.n)[name]
+    return _sampler_program(setup, name, sampler, setup.actor, rows, slots, rollout.n,
+                            setup.response_len, refill=rollout.sampler.refills,
+                            kv_pages=rollout.sampler.kv_pages,
+                            kv_page_size=rollout.sampler.kv_page_size)
+
+
+def _sampler_program(setup: Setup, name: str, sampler: Any, actor: Any, rows: int, slots: int,
+                     n: int, response_len: int, *, refill: bool, kv_pages: int = 0,
+                     kv_page_size: int = 0) -> Program:
+    """A sampler's `name` program ('prefill' or 'decode') on the rollout's replicas: `rows` a
+    call (a static chunk, or every row of a refilling sampler), `slots` decoded at once, `n`
+    samples a prompt, prompts of `setup.prompt_len`, responses of `response_len`."""
+    lowered = sampler.lower_programs(actor, rows, setup.prompt_len, response_len, n=n)[name]
     shards = setup.replicas
     t = int(setup.rollout_mesh.shape["tensor"])
-    s = {**_symbols(setup, slots), "b": max(slots // shards, 1), "t": t}
+    s = {**_symbols(setup, slots), "b": max(slots // shards, 1), "t": t,
+         "G": response_len, "T": setup.prompt_len + response_len}
     m = setup.model_config
     b, V = s["b"], s["V"]
     kv_heads = max(m.num_kv_heads // t, 1)
     token = 2 * s["L"] * kv_heads * m.head_dim * s["cb"]  # keys and values of one token
-    if rollout.sampler.kv_pages:  # the pool replaces the rows' slots
-        pages = rollout.sampler.kv_pages // shards
+    if kv_pages:  # the pool replaces the rows' slots
+        pages = kv_pages // shards
         kv = ("KV page pool (keys and values, every layer; rollout.kv_pages)",
               "2*L*(kv_pages/replicas)*page_size*max(Hkv/t,1)*D * cb",
-              pages * rollout.sampler.kv_page_size * token)
-        s = {**s, "pages": pages, "page_size": rollout.sampler.kv_page_size}
+              pages * kv_page_size * token)
+        s = {**s, "pages": pages, "page_size": kv_page_size}
     else:
         kv = ("KV cache (keys and values, every layer)",
               "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with "
               "rollout.kv_policy)",
-              b * sampler.engine.cache_slots(setup.prompt_len, setup.response_len) * token)
+              b * sampler.engine.cache_slots(setup.prompt_len, response_len) * token)
     parts = (
         ("actor parameters", "codes + scales per device", _bytes_per_device(actor)),
         kv,
@@ -414,6 +437,36 @@ def _rollout(setup: Setup, name: str) -> Program:
          * kv_heads * m.head_dim * s["cb"])) if refill else ())
     counts = {"rows per call": rows, "slots": slots} if refill else {"rows per chunk": rows}
     return Program(lowered, Estimate(parts, {**s, **counts}))
+
+
+def _eval(setup: Setup, name: str) -> Program:
+    """The evaluation sampler's program (`build_eval_sampler`: static, dense, the
+    full-precision actor in the compute dtype on the rollout's replicas, as `Trainer.evaluate`
+    samples it) at its largest chunk: `rollout.max_concurrent_rows` rows (without it,
+    `eval.max_examples` or else `data.prompts_per_step` problems), as many of `eval.k` samples
+    a problem as a call draws (`tasks.samples_per_call`), responses of `eval.max_new_tokens`."""
+    from qurl_jax.tasks import samples_per_call
+
+    run = setup.settings
+    g = run.eval.max_new_tokens
+    sampler = build_eval_sampler(
+        setup.model_config, run.rollout.sampler, prompt_buckets=(setup.prompt_len,),
+        gen_buckets=(g,), mesh=setup.rollout_mesh, platform=targets.platform_of(setup.mesh))
+    k = samples_per_call(sampler, max(run.eval.k, 1))
+    problems = run.eval.max_examples or run.data.prompts_per_step
+    rows = sampler.rows_per_chunk(problems if not sampler.max_concurrent_rows else 1 << 30, k)
+    return _sampler_program(setup, name, sampler, setup.eval_actor, rows, rows, k, g,
+                            refill=False)
+
+
+def eval_prefill(setup: Setup) -> Program:
+    """The evaluation's prompt pass of one chunk, with the full-precision actor."""
+    return _eval(setup, "prefill")
+
+
+def eval_decode(setup: Setup) -> Program:
+    """The evaluation's decode loop of one chunk, with the full-precision actor."""
+    return _eval(setup, "decode")
 
 
 def rollout_prefill(setup: Setup) -> Program:
@@ -468,6 +521,8 @@ PROGRAMS: dict[str, Callable[[Setup], Program]] = {
     "reshard": reshard,
     "rollout_prefill": rollout_prefill,
     "rollout_decode": rollout_decode,
+    "eval_prefill": eval_prefill,
+    "eval_decode": eval_decode,
 }
 
 
@@ -618,6 +673,10 @@ KNOBS = {
     "rollout_decode": "rollout.max_concurrent_rows (smaller chunks; the KV cache is per row), "
                       "rollout.kv_pages (a smaller pool, when paged), rollout.tensor (each "
                       "replica over more devices)",
+    "eval_prefill": "rollout.max_concurrent_rows (the evaluation's chunks too), "
+                    "rollout.tensor (each replica over more devices)",
+    "eval_decode": "rollout.max_concurrent_rows (the evaluation's chunks too), "
+                   "eval.max_new_tokens (a shorter cache), rollout.tensor",
 }
 
 

@@ -122,6 +122,28 @@ def test_rollout_chunk_bounds_decode_memory(tmp_path):
     assert half - static >= 8 // 2 * 448 * 13, (half, static)
 
 
+def test_evaluation_programs_plan_the_full_precision_replica(tmp_path):
+    # The evaluation samples the full-precision actor (the compute dtype) on the rollout's
+    # replicas, with its own response length: more actor bytes than an int8 rollout's decode.
+    c = _shape_config(tmp_path, 8, 16, 32)
+    c.mesh.fsdp = 2
+    c.model.dtype, c.rollout.precision = "bfloat16", "int8"
+    c.eval.max_new_tokens, c.eval.k = 64, 4
+    c.rollout.max_concurrent_rows = 8
+    setup = memory.build_setup(RunSettings.from_config(c),
+                               CFG.replace(vocab_size=512, dtype="bfloat16"))
+    assert {x.dtype for x in jax.tree.leaves(setup.eval_actor)} == {jnp.dtype(jnp.bfloat16)}
+    ev, ro = memory.eval_decode(setup), memory.rollout_decode(setup)
+    # A chunk of the 8 concurrent rows: 4 samples of a problem per shard, 2 shards.
+    assert ev.estimate.symbols["G"] == 64 and ev.estimate.symbols["rows per chunk"] == 8
+    ev_mem, ro_mem = (memory.compiled_memory(p.lowered.compile()) for p in (ev, ro))
+    actor = {name: p.estimate.parts[0] for name, p in (("eval", ev), ("rollout", ro))}
+    assert actor["eval"][0] == actor["rollout"][0] == "actor parameters"
+    # bf16 kernels against int8 codes (the embedding and LM head are bf16 in both).
+    assert actor["eval"][2] > actor["rollout"][2]
+    assert ev_mem["argument_bytes"] > ro_mem["argument_bytes"]
+
+
 def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
     from qurl_jax.trainer import Trainer
 
