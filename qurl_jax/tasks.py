@@ -48,7 +48,7 @@ from qurl_jax.distributed import to_host
 from qurl_jax.errors import DataError
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import RefillSampler, Sampler
 from qurl_jax.settings import DataSettings, ModelSettings, RewardSettings, RunSettings
 from qurl_jax.warm_start import tiny_model_config, tiny_policy
 
@@ -213,7 +213,7 @@ def samples_per_call(sampler: Any, n: int) -> int:
     whose chunk cannot hold n rows of a prompt on every batch shard (`max_concurrent_rows` <
     n x shards), the largest divisor of n it can (1 at worst: the sampler then says why)."""
     rows = getattr(sampler, "max_concurrent_rows", 0)
-    if not rows or hasattr(sampler, "refill_min"):  # all rows at once, or a refilling sampler
+    if not rows or isinstance(sampler, RefillSampler):  # all rows at once, or refilled slots
         return n
     shards = sampler.engine.sharding.batch_shards
     return next((m for m in range(n, 0, -1) if n % m == 0 and m * shards <= rows), 1)
