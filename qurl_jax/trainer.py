@@ -37,8 +37,16 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import compilation, memory_plan, packing, quant, report, rollout_layout, run_config
-from qurl_jax import targets
+from qurl_jax import (
+    compilation,
+    memory_plan,
+    packing,
+    quant,
+    report,
+    rollout_layout,
+    run_config,
+    targets,
+)
 from qurl_jax import distributed as dist
 from qurl_jax import sharding as shd
 from qurl_jax.checkpoint import Checkpointer
