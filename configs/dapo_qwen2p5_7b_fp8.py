@@ -38,10 +38,13 @@ def get_config():
     c.rollout.max_new_tokens = 20480
     c.rollout.temperature = 1.0
     c.rollout.invariant_scaling = 1.5
-    # 8192 rows of 22528 tokens hold ~0.65 GB of KV cache each per device (2 of the 4 KV heads):
-    # the rollout runs 128 rows at a time (8 prompts, 16 rows per device, ~10 GiB of cache; 256
-    # rows compiled to 60.2 GiB on XLA:CPU, whose f32 copies of the bf16 cache double it).
-    c.rollout.max_concurrent_rows = 128
+    # 8192 rows of 22528 tokens, refilled through 256 slots: on the rollout layout's 16 one-chip
+    # fp8 replicas (8.1 GiB each) that is 16 rows of 1.2 GiB of KV per device. Sized by the
+    # targets' compilers (docs/targets.md): the refill insert plans 56.0 GiB per device on
+    # gpu:h100-16 and 30.1 on tpu:v5p-32, the decode 35.3 and 29.3, the evaluation's bf16
+    # replica 33.5 on both; predicted 1.54x (H100) and 1.30x (v5p) the tokens/s of 128 slots, where the
+    # replica's reads were most of each decode step.
+    c.rollout.max_concurrent_rows = 256
     c.rl.loss_mode = "acr"
     c.rl.cap = 5.0
     c.rl.eps_low = 0.2
