@@ -23,6 +23,15 @@
     program's non-KV buffers) rather than in today's slots' memory: pure, numbers in, numbers
     out. `python -m qurl_jax.bench.memory --kv_capacity` feeds it a compiled `rollout_decode`.
 
+`python -m qurl_jax.bench.paged reads --config=... --actor_gib=2.09 [--slots=32,64,128]`
+    One rollout of the config (its prompts_per_step x n rows, the same lengths) on one-device
+    replicas of its mesh's devices, by rows decoded at once per device: decode steps (the
+    slowest replica's: they decode in one program) and HBM bytes read per device (the replica
+    every step, and the KV: every slot of every row with XLA's masked attention, or each busy
+    row's live tokens with a ragged kernel; `rollout_reads`). Decode is memory-bound, so the
+    bytes' ratio predicts the time's. A paged pool with a page-table row for every row never
+    preempts and reads like fixed slots of that many rows.
+
 `python -m qurl_jax.bench.paged compile --target=h100|v5p [--rows=64,256]`
     Compiles the decode attention of one layer at the 1.5B decode shape (12 query / 2 kv heads of
     128, bf16, 1024 + 8192 slots, 16-token pages; flags for others) without the device: JAX's
@@ -81,6 +90,48 @@ def simulate_fixed(limits: np.ndarray, slots: int) -> SimResult:
         left = np.maximum(left - step, 0)
     return SimResult(steps=sum(s for _, s in in_flight), mean_in_flight=_mean(in_flight),
                      mean_in_flight_busy=_mean(busy))
+
+
+def decode_reads(limits: np.ndarray, slots: int, *, prompt_len: int, cache_len: int,
+                 live: bool) -> tuple[int, int]:
+    """(decode steps, KV tokens read) of one device's rollout: rows of these response lengths
+    through `slots` refilled slots (a paged pool that never preempts behaves the same: slots =
+    its page-table rows). Each step reads, with `live` (a ragged attention kernel), each busy
+    row's prompt and tokens so far, prompt_len + k + 1 at its k-th token; else every slot of
+    every row, cache_len each (XLA's masked attention)."""
+    left = np.zeros(slots, np.int64)  # tokens each slot still generates; 0 = empty
+    made = np.zeros(slots, np.int64)
+    queue = list(np.asarray(limits, np.int64)[::-1])
+    steps = tokens = 0
+    while queue or left.any():
+        for s in np.flatnonzero(left == 0):
+            if not queue:
+                break
+            left[s], made[s] = queue.pop(), 0
+        busy = left > 0
+        n, step = int(busy.sum()), int(left[busy].min())  # nothing changes until a row ends
+        if live:  # sum over the segment's steps j of sum_i (P + made_i + j + 1)
+            tokens += step * int((prompt_len + made[busy] + 1).sum()) + n * step * (step - 1) // 2
+        else:
+            tokens += step * slots * cache_len
+        steps += step
+        made[busy] += step
+        left = np.maximum(left - step, 0)
+    return steps, tokens
+
+
+def rollout_reads(limits: np.ndarray, devices: int, slots: int, *, prompt_len: int,
+                  cache_len: int, token_bytes: int, actor_bytes: int, live: bool
+                  ) -> tuple[int, int]:
+    """(decode steps, HBM bytes read per device) of one rollout of these rows split over
+    `devices` one-device replicas with `slots` each, which decode in one program: it steps until
+    the slowest replica is done, and every step reads the replica's actor on every device; the
+    KV read is the busiest device's (`decode_reads`)."""
+    per = [decode_reads(part, slots, prompt_len=prompt_len, cache_len=cache_len, live=live)
+           for part in np.array_split(np.asarray(limits), devices)]
+    steps = max(s for s, _ in per)
+    kv = max(t for _, t in per) if live else steps * slots * cache_len
+    return steps, steps * actor_bytes + kv * token_bytes
 
 
 def _mean(runs: list[tuple[int, int]]) -> float:
@@ -325,6 +376,47 @@ def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int |
     return out
 
 
+def reads_table(config_path: str, slots_list: list[int], actor_bytes: int, seed: int = 0,
+                log=print) -> dict[str, Any]:
+    """`rollout_reads` of one rollout of the config (prompts_per_step x n rows, the configs'
+    long-tailed lengths, every prompt max_prompt_len) on one-device replicas of its mesh's
+    devices, for each of `slots_list` rows per device, with every-slot and live KV reads; the
+    bytes relative to the config's own slots with every slot read."""
+    from qurl_jax import memory_plan
+    from qurl_jax.bench.memory import host_devices_for
+    from qurl_jax.bench.sampler import tail_limits
+    from qurl_jax.config import load_config_file
+    from qurl_jax.settings import RunSettings
+
+    c = load_config_file(config_path)
+    settings = RunSettings.from_config(c)
+    shapes = os.path.join(os.path.dirname(os.path.abspath(config_path)), "shapes")
+    m = memory_plan.model_shape(settings.model, shapes)
+    token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.compute_dtype.itemsize
+    devices = host_devices_for(c.mesh)
+    p, g = c.data.max_prompt_len, c.rollout.max_new_tokens
+    limits = tail_limits(c.data.prompts_per_step * c.rollout.n, g, seed)
+    own = max(c.rollout.max_concurrent_rows // devices, 1) if c.rollout.max_concurrent_rows \
+        else len(limits) // devices
+    kw = dict(prompt_len=p, cache_len=p + g, token_bytes=token, actor_bytes=actor_bytes)
+    base = rollout_reads(limits, devices, own, live=False, **kw)[1]
+    out: dict[str, Any] = {"config": config_path, "devices": devices, "rows": len(limits),
+                           "config_slots": own, "token_bytes": token,
+                           "actor_bytes": actor_bytes, "cases": []}
+    log(f"{config_path}: {len(limits)} rows of {p} + up to {g} tokens over {devices} replicas, "
+        f"{token / 1024:.0f} KiB of KV a token, a {actor_bytes / GIB:.2f} GiB replica; bytes "
+        f"relative to the config's {own} slots per device with every slot read")
+    for slots in slots_list:
+        for live in (False, True):
+            steps, nbytes = rollout_reads(limits, devices, slots, live=live, **kw)
+            out["cases"].append({"slots": slots, "live": live, "steps": steps,
+                                 "bytes_per_device": nbytes, "speedup": base / nbytes})
+            log(f"  {slots:>5} rows per device, {'live' if live else 'every'} KV slot"
+                f"{'s' if live else ''}: {steps} decode steps, {nbytes / GIB:,.0f} GiB read per "
+                f"device -> {base / nbytes:.2f}x (an HBM-bound prediction)")
+    return out
+
+
 # ---------------------------------------------------------------------------------- compiles
 def _devices(target: str) -> list[Any]:
     """One compile-only device of `target` ('h100' or 'v5p'), through `qurl_jax.targets`."""
@@ -401,6 +493,14 @@ def main(argv: list[str] | None = None) -> None:
     sim.add_argument("--watermark_pages", type=int, default=None,
                      help="free pages an admission must leave; default: 1/16 of the pool")
     sim.add_argument("--seed", type=int, default=0)
+    reads = sub.add_parser("reads", help="decode steps and HBM bytes of one rollout, by "
+                                         "slots and attention")
+    reads.add_argument("--config", default="configs/deepscaler_r1_1p5b_int8.py")
+    reads.add_argument("--slots", default="32,64,128",
+                       help="rows decoded at once per device (fixed slots or a pool's rows)")
+    reads.add_argument("--actor_gib", type=float, required=True,
+                       help="the replica per device (bench.memory's 'actor parameters')")
+    reads.add_argument("--seed", type=int, default=0)
     comp = sub.add_parser("compile", help="deviceless compiles of the decode attention kernels")
     comp.add_argument("--target", choices=("h100", "v5p"), required=True)
     comp.add_argument("--rows", default="64,256")
@@ -409,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     comp.add_argument("--head_dim", type=int, default=128)
     comp.add_argument("--slots", type=int, default=9216, help="tokens per row (prompt + new)")
     comp.add_argument("--page_size", type=int, default=16)
-    for p in (sim, comp):
+    for p in (sim, reads, comp):
         p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if args.command == "simulate":
@@ -419,6 +519,11 @@ def main(argv: list[str] | None = None) -> None:
         figures = simulate(config, page_size=args.page_size, slot_factor=args.slot_factor,
                            prompt_len=args.prompt_len, stream_rows=args.stream_rows,
                            seed=args.seed, watermark_pages=args.watermark_pages)
+    elif args.command == "reads":
+        if not os.path.exists(args.config):
+            parser.error(f"--config={args.config}: no such file")
+        figures = reads_table(args.config, [int(x) for x in args.slots.split(",")],
+                              int(args.actor_gib * GIB), args.seed)
     else:
         figures = compile_programs(args.target, [int(r) for r in args.rows.split(",")],
                                    heads=args.heads, kv_heads=args.kv_heads,
