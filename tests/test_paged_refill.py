@@ -145,6 +145,26 @@ def test_pallas_paged_kernel_gives_the_same_tokens(qwen, mesh, monkeypatch) -> N
     assert traced  # the kernel, not XLA's gather, read the pages
 
 
+def test_each_shard_writes_its_own_pages_without_gathering_the_new_keys(qwen) -> None:
+    # With the paged kernel (per shard), a global scatter into the pool all-gathered every row's
+    # new keys and values to every device, each layer and token (f32[1, 8, 16] here); the write
+    # now runs per shard too. The decode program, compiled on 8 host devices.
+    from qurl_jax.bench import collectives
+
+    cfg, params, _ = qwen
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = shard_params(params, param_logical_axes(cfg), mesh)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            sharded)
+    paged = RefillSampler(cfg, mesh=mesh, decode_attention="pallas",
+                          **{**KW, "max_concurrent_rows": 8}, kv_pages=32)
+    hlo = paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)["decode"]
+    found = collectives.loop_body_collectives(hlo.compile().as_text())
+    assert found  # the loop was found (it exchanges per-slot flags and tensor-parallel sums)
+    assert not [c for c in found if cfg.head_dim in c.shape and c.kind == "all-gather"], \
+        collectives.describe(found)
+
+
 def test_mesh_each_shard_pages_its_own_rows(qwen) -> None:
     cfg, params, _ = qwen
     kw = _kw(0, greedy=True)

@@ -54,6 +54,9 @@ DecodeAttention = Callable[..., jax.Array]
 # -> f[B, H, D]: attention of one query per row to its first lengths[r] logical slots
 # (`models.decode_attention.paged_decode_attention`'s contract).
 PagedAttention = Callable[..., jax.Array]
+# (pool, page i32[B], offset i32[B], new f[B, Hkv, 1, D]) -> pool: `put_tokens`'s contract. A
+# paged attention hook may carry one as its `write` attribute (the pools written per shard).
+PagedScatter = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 @flax.struct.dataclass
@@ -192,20 +195,18 @@ class PagedLayer:
     write_slots: jax.Array
     live: jax.Array
 
-    def write(self, k: jax.Array, v: jax.Array) -> PagedLayer:
+    def write(self, k: jax.Array, v: jax.Array, scatter: PagedScatter | None = None
+              ) -> PagedLayer:
         """The pools with each live row's key and value k, v f[B, Hkv, 1, D] at its next slot
-        (one scatter per pool; rows that are not live target page P and are dropped)."""
+        (one scatter per pool; rows that are not live target page P and are dropped). `scatter`
+        replaces the scatter (`put_tokens`'s contract), e.g. one that runs per batch shard."""
         page_size, num_pages = self.k.shape[2], self.k.shape[1]
         page = jnp.take_along_axis(self.page_table, (self.write_slots // page_size)[:, None],
                                    axis=1)[:, 0]
         page = jnp.where(self.live, page, num_pages)
         offset = self.write_slots % page_size
-
-        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
-            return pool.at[:, page, offset].set(new[:, :, 0].transpose(1, 0, 2).astype(pool.dtype),
-                                                mode="drop")
-
-        return self.replace(k=put(self.k, k), v=put(self.v, v))
+        put = scatter or put_tokens
+        return self.replace(k=put(self.k, page, offset, k), v=put(self.v, page, offset, v))
 
     def lengths(self) -> jax.Array:
         """i32[B]: the slots each row attends to after the write (0 for a row not live)."""
@@ -216,6 +217,14 @@ class PagedLayer:
         from qurl_jax.models.decode_attention import gather_pages
 
         return gather_pages(self.k, self.page_table), gather_pages(self.v, self.page_table)
+
+
+def put_tokens(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array
+               ) -> jax.Array:
+    """pool f[Hkv, P, page_size, D] with new[r] f[Hkv, 1, D] at (page[r], offset[r]); a row
+    whose page is P or more is dropped. One scatter."""
+    return pool.at[:, page, offset].set(new[:, :, 0].transpose(1, 0, 2).astype(pool.dtype),
+                                        mode="drop")
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
@@ -375,7 +384,7 @@ class Attention(nn.Module):
         if isinstance(cache, PagedLayer):
             if t != 1:
                 raise ValueError(f"Attention: a paged cache takes one token per row; got {t}")
-            new_cache = cache.write(k, v)
+            new_cache = cache.write(k, v, getattr(self.paged_attention, "write", None))
             lengths = new_cache.lengths()
             if self.paged_attention is not None:
                 out = self.paged_attention(q[:, 0], new_cache.k, new_cache.v,

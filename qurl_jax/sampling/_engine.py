@@ -25,8 +25,9 @@ parameters are expected to be placed already (`qurl_jax.sharding.shard_params`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
@@ -40,8 +41,10 @@ from qurl_jax.models.transformer import (
     DecodeAttention,
     DotGeneral,
     PagedAttention,
+    PagedScatter,
     Transformer,
     cast_floats,
+    put_tokens,
 )
 from qurl_jax.quant import pack_for_decode
 from qurl_jax.sampling._cache import Cache, Paging, cache_layout
@@ -63,6 +66,18 @@ from qurl_jax.targets import platform_of
 
 DECODE_ATTENTION = ("auto", "xla", "pallas")  # `Engine.decode_attention` choices
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerShardPaged:
+    """A paged attention hook that runs per batch shard, and its pool write (the model's
+    `PagedScatter`, found as `write`) run the same way."""
+
+    attend: Callable[..., jax.Array]
+    write: PagedScatter
+
+    def __call__(self, *args: jax.Array) -> jax.Array:
+        return self.attend(*args)
 
 
 @flax.struct.dataclass
@@ -316,11 +331,13 @@ class Engine:
             return kernel
         P = jax.sharding.PartitionSpec
 
+        shards = self.sharding.batch_shards
+
         def sharded(q, k_pages, v_pages, page_table, lengths):
             rows = logical_to_mesh_spec(P("batch", "heads"), q.shape[:2], mesh)
             pool = logical_to_mesh_spec(P("kv_heads", "batch"), k_pages.shape[:2], mesh)
             table = P(rows[0], None)
-            per_shard = k_pages.shape[1] // self.sharding.batch_shards
+            per_shard = k_pages.shape[1] // shards
 
             def local(q, k, v, t, n):  # the shard's page ids are a block of `per_shard`
                 return kernel(q, k, v, t % per_shard, n)
@@ -329,7 +346,22 @@ class Engine:
                                 out_specs=rows, check_vma=False)
             return run(q, k_pages, v_pages, page_table, lengths)
 
-        return sharded
+        def write(pool, page, offset, new):
+            # Each shard's rows write into its own block of pages: a global scatter would
+            # all-gather every row's new keys and values to every device, every layer and token.
+            rows = logical_to_mesh_spec(P("batch", "kv_heads"), new.shape[:2], mesh)
+            spec = logical_to_mesh_spec(P("kv_heads", "batch"), pool.shape[:2], mesh)
+            total = pool.shape[1]
+            per_shard = total // shards
+
+            def local(pool, page, offset, new):
+                mine = jnp.where(page < total, page % per_shard, per_shard)  # else dropped
+                return put_tokens(pool, mine, offset, new)
+
+            return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(rows[0]), P(rows[0]), rows),
+                                 out_specs=spec, check_vma=False)(pool, page, offset, new)
+
+        return _PerShardPaged(sharded, write)
 
     def attention_hook(self) -> DecodeAttention | None:
         """The decode model's attention hook (None: XLA's masked attention over every slot), by
