@@ -42,8 +42,8 @@ def get_config():
     # fp8 replicas (8.1 GiB each) that is 16 rows of 1.2 GiB of KV per device. Sized by the
     # targets' compilers (docs/targets.md): the refill insert plans 56.0 GiB per device on
     # gpu:h100-16 and 30.1 on tpu:v5p-32, the decode 35.3 and 29.3, the evaluation's bf16
-    # replica 33.5 on both; predicted 1.54x (H100) and 1.30x (v5p) the tokens/s of 128 slots, where the
-    # replica's reads were most of each decode step.
+    # replica 33.5 on both; predicted 1.54x (H100) and 1.30x (v5p) the tokens/s of 128 slots,
+    # where the replica's reads were most of each decode step.
     c.rollout.max_concurrent_rows = 256
     c.rl.loss_mode = "acr"
     c.rl.cap = 5.0
