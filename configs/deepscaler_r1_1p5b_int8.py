@@ -33,10 +33,16 @@ def get_config():
     c.rollout.precision = "int8"
     c.rollout.n = 8
     c.rollout.max_new_tokens = 8192
-    # 1024 rows of 9216 tokens hold 32 GiB of bf16 KV cache per device on fsdp 8: the rollout runs
-    # through 512 row slots, refilled as rows finish, so its programs stay under 60 GiB (insert
-    # 50.89, decode 47.97 GiB per device on XLA:CPU; `python -m qurl_jax.bench.memory`).
-    c.rollout.max_concurrent_rows = 512
+    # The whole rollout (1024 rows, 128 on each of the 8 one-chip replicas) decodes at once from
+    # a paged KV pool with a page for every token a row may hold (1024 x 576 pages of 16 tokens:
+    # 31.5 GiB per device, so it never preempts), read by JAX's paged kernels, which read each
+    # row's live pages only. Fixed slots on TPU are read whole by XLA every step: 512 of them
+    # read 3.65x the HBM bytes of this pool over a rollout (1.11x on H100, whose dense kernel
+    # reads live slots too; `python -m qurl_jax.bench.paged reads`). Planned by the targets'
+    # compilers: docs/targets.md.
+    c.rollout.max_concurrent_rows = 1024
+    c.rollout.kv_pages = 1024 * 576
+    c.rollout.kv_page_size = 16
     c.rollout.temperature = 0.6
     c.rollout.invariant_scaling = 1.5
     c.rollout.invariant_scaling_targets = ("qkv",)

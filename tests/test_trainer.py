@@ -273,6 +273,10 @@ def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     c.rl.num_micro_batches = 2
     c.rl.max_gen_batches = 2
     c.rl.overlong_buffer = min(c.rl.overlong_buffer, 4)
+    if c.rollout.kv_pages:  # a page for every token the tiny run's rows may hold
+        pages_per_row = -(-(c.data.max_prompt_len + c.rollout.max_new_tokens)
+                          // c.rollout.kv_page_size)
+        c.rollout.kv_pages = c.data.prompts_per_step * c.rollout.n * pages_per_row
     c.mesh.update(dict(data=1, fsdp=1, tensor=1))
     c.eval.files = ()
     c.train.progress = False
