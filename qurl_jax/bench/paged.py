@@ -48,7 +48,7 @@ import json
 import os
 import runpy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -70,26 +70,36 @@ class SimResult:
     peak_pages: int = 0        # most pages held at once (paged only)
 
 
-def simulate_fixed(limits: np.ndarray, slots: int) -> SimResult:
-    """Today's cache: `slots` rows at a time, a finished row's slot refilled at once."""
+def _fixed_segments(limits: np.ndarray, slots: int
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray, int, bool]]:
+    """`slots` fixed slots refilled at once from the rows (response lengths `limits`, in order),
+    as segments of decode steps in which nothing changes: (busy bool[slots], tokens each slot's
+    row has made before the segment i64[slots], the segment's steps, whether rows were waiting
+    when it began). Each segment runs to the next row's finish."""
     left = np.zeros(slots, np.int64)  # tokens each slot still generates; 0 = empty
-    queue = list(limits[::-1])
-    in_flight, busy = [], []
+    made = np.zeros(slots, np.int64)
+    queue = list(np.asarray(limits, np.int64)[::-1])
     while queue or left.any():
         for s in np.flatnonzero(left == 0):
             if not queue:
                 break
-            left[s] = queue.pop()
-        waiting = bool(queue)
-        n = int((left > 0).sum())
-        # Jump to the next finish: nothing changes in between.
-        step = int(left[left > 0].min())
-        in_flight.append((n, step))
-        if waiting:
-            busy.append((n, step))
+            left[s], made[s] = queue.pop(), 0
+        busy = left > 0
+        step = int(left[busy].min())
+        yield busy, made.copy(), step, bool(queue)
+        made[busy] += step
         left = np.maximum(left - step, 0)
+
+
+def simulate_fixed(limits: np.ndarray, slots: int) -> SimResult:
+    """Today's cache: `slots` rows at a time, a finished row's slot refilled at once."""
+    in_flight, busy_runs = [], []
+    for busy, _, step, waiting in _fixed_segments(limits, slots):
+        in_flight.append((int(busy.sum()), step))
+        if waiting:
+            busy_runs.append(in_flight[-1])
     return SimResult(steps=sum(s for _, s in in_flight), mean_in_flight=_mean(in_flight),
-                     mean_in_flight_busy=_mean(busy))
+                     mean_in_flight_busy=_mean(busy_runs))
 
 
 def decode_reads(limits: np.ndarray, slots: int, *, prompt_len: int, cache_len: int,
@@ -99,24 +109,14 @@ def decode_reads(limits: np.ndarray, slots: int, *, prompt_len: int, cache_len: 
     its page-table rows). Each step reads, with `live` (a ragged attention kernel), each busy
     row's prompt and tokens so far, prompt_len + k + 1 at its k-th token; else every slot of
     every row, cache_len each (XLA's masked attention)."""
-    left = np.zeros(slots, np.int64)  # tokens each slot still generates; 0 = empty
-    made = np.zeros(slots, np.int64)
-    queue = list(np.asarray(limits, np.int64)[::-1])
     steps = tokens = 0
-    while queue or left.any():
-        for s in np.flatnonzero(left == 0):
-            if not queue:
-                break
-            left[s], made[s] = queue.pop(), 0
-        busy = left > 0
-        n, step = int(busy.sum()), int(left[busy].min())  # nothing changes until a row ends
+    for busy, made, step, _ in _fixed_segments(limits, slots):
+        n = int(busy.sum())
         if live:  # sum over the segment's steps j of sum_i (P + made_i + j + 1)
             tokens += step * int((prompt_len + made[busy] + 1).sum()) + n * step * (step - 1) // 2
         else:
             tokens += step * slots * cache_len
         steps += step
-        made[busy] += step
-        left = np.maximum(left - step, 0)
     return steps, tokens
 
 
