@@ -222,9 +222,13 @@ class PagedLayer:
 def put_tokens(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array
                ) -> jax.Array:
     """pool f[Hkv, P, page_size, D] with new[r] f[Hkv, 1, D] at (page[r], offset[r]); a row
-    whose page is P or more is dropped. One scatter."""
-    return pool.at[:, page, offset].set(new[:, :, 0].transpose(1, 0, 2).astype(pool.dtype),
-                                        mode="drop")
+    whose page is P or more is dropped. One scatter per kv head, each writing D contiguous
+    values of the row-major layout JAX's paged kernels read: a scatter of [Hkv, D] windows made
+    XLA lay the pool out for it, and the TPU kernel then read a relaid-out copy of every layer's
+    pools each step."""
+    for h in range(pool.shape[0]):
+        pool = pool.at[h, page, offset].set(new[:, h, 0].astype(pool.dtype), mode="drop")
+    return pool
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:

@@ -44,6 +44,7 @@ from qurl_jax.models.transformer import (
     PagedScatter,
     Transformer,
     cast_floats,
+    put_tokens,
 )
 from qurl_jax.quant import pack_for_decode
 from qurl_jax.sampling._cache import Cache, Paging, cache_layout
@@ -355,13 +356,7 @@ class Engine:
 
             def local(pool, page, offset, new):
                 mine = jnp.where(page < total, page % per_shard, per_shard)  # else dropped
-                # One scatter per kv head, each writing D contiguous values of the kernels'
-                # row-major layout: a scatter of [Hkv, D] windows made XLA lay the pool out for
-                # it, and the TPU kernel then read a relaid-out copy of every pool each step.
-                for h in range(pool.shape[0]):
-                    pool = pool.at[h, mine, offset].set(new[:, h, 0].astype(pool.dtype),
-                                                        mode="drop")
-                return pool
+                return put_tokens(pool, mine, offset, new)
 
             return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(rows[0]), P(rows[0]), rows),
                                  out_specs=spec, check_vma=False)(pool, page, offset, new)
