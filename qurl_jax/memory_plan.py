@@ -121,7 +121,7 @@ class Setup:
         """The jitted requantize of the rollout precision as the trainer runs it (unquantized
         leaves in the compute dtype, codes on each kernel's sharding): one function per Setup,
         so the `learner_actor` shardings and the `requantize` program share one compile."""
-        return quant.requantize_program(self.params, self.settings.rollout.precision,
+        return quant.requantize_program(self.params, self.settings.rollout.recipe,
                                         self.model_config.compute_dtype)
 
     @functools.cached_property
@@ -377,7 +377,7 @@ def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
     chunk, or the refilling sampler's slots)."""
     run, rollout = setup.settings, setup.settings.rollout
     sampler = build_rollout_sampler(
-        setup.model_config, quant.make_dot_general(quant.get_recipe(rollout.precision)),
+        setup.model_config, quant.make_dot_general(rollout.recipe),
         rollout.sampler, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
         mesh=setup.rollout_mesh, platform=targets.platform_of(setup.mesh))
     rows = sampler.rows_per_chunk(run.data.prompts_per_step, rollout.n)

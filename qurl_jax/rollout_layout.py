@@ -304,7 +304,7 @@ def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_p
 
     # The rollout's quantized actor, or the evaluation's full-precision one in the compute dtype
     # (`Trainer.evaluate` samples it on the same replicas), whichever is larger.
-    replica = max(replica_bytes(quant.get_recipe(settings.rollout.precision)),
+    replica = max(replica_bytes(settings.rollout.recipe),
                   replica_bytes("fp"))
     devices = learner_mesh.size
     local = _local_devices(learner_mesh)

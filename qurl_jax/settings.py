@@ -19,6 +19,7 @@ import dataclasses
 import ml_collections
 from jax.sharding import Mesh
 
+from qurl_jax import quant
 from qurl_jax.config import (
     EvalSettings,
     chain_config,
@@ -167,6 +168,12 @@ class RolloutSettings:
     sampler: RolloutSamplerSettings = RolloutSamplerSettings(rows_per_step=8 * 8)  # data's 8
     tensor: str = "auto"  # the rollout replicas' tensor degree (`qurl_jax.rollout_layout`)
     reshard_bucket_mib: int = 1024  # per device per reshard program (0 = the whole actor)
+    quantize_vocab: bool = True  # embedding and LM head as int8 codes (`quant.Recipe`)
+
+    @property
+    def recipe(self) -> quant.Recipe:
+        """The rollout actor's `quant.Recipe`: `precision`'s, with `quantize_vocab`."""
+        return quant.get_recipe(self.precision, quantize_vocab=self.quantize_vocab)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
@@ -175,7 +182,8 @@ class RolloutSettings:
         return cls(precision=r.precision, n=r.n, max_new_tokens=r.max_new_tokens,
                    temperature=r.temperature, sampler=rollout_sampler_settings(c),
                    tensor=str(r.get("tensor", "auto")),
-                   reshard_bucket_mib=int(r.get("reshard_bucket_mib", 1024)))
+                   reshard_bucket_mib=int(r.get("reshard_bucket_mib", 1024)),
+                   quantize_vocab=bool(r.get("quantize_vocab", True)))
 
 
 @dataclasses.dataclass(frozen=True)

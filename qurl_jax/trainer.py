@@ -125,7 +125,7 @@ class Trainer:
         if c.data.prompts_per_step % self._blocks:
             raise ConfigError(f"config.data.prompts_per_step={c.data.prompts_per_step} must be "
                               f"divisible by the {self._blocks} processes' blocks of the batch")
-        self.recipe = quant.get_recipe(c.rollout.precision)
+        self.recipe = self.settings.rollout.recipe
         self.objective = self.settings.train.objective
         self.model_config = model_config_for(self.settings.model)
         self.learner = self.settings.train.learner(self.model_config, self.mesh,

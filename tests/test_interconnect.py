@@ -1,5 +1,6 @@
 """bench.interconnect: the rollout's decode step on a whole slice, collectives included."""
 
+import dataclasses
 import json
 
 import pytest
@@ -99,12 +100,23 @@ def test_reshard_prediction_is_the_received_bytes_over_the_ring(tmp_path) -> Non
     # 3/4 of every array the learner's layout splits, over one port's ring bandwidth, plus a
     # ring latency per moved array. Only the requantize program compiles (its shardings).
     target = compiler_or_skip("tpu:v5e-4")
-    r = interconnect.reshard(_settings(tmp_path, 4), str(tmp_path), target)
+    settings = _settings(tmp_path, 4)
+    r = interconnect.reshard(settings, str(tmp_path), target)
     assert r["rollout_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
-    quantized = 2 * 128 * (3 * 512 + 128 + 128 + 64 + 64)  # 2 layers' q, k, v, o, MLP kernels
-    assert r["quantized_parameters"] == quantized
-    assert r["codes_bytes_per_quantized_param"] == pytest.approx(0.75, abs=0.03)  # + scales
-    assert r["bytes_per_quantized_param"] > r["codes_bytes_per_quantized_param"]  # embedding
+    kernels = 2 * 128 * (3 * 512 + 128 + 128 + 64 + 64)  # 2 layers' q, k, v, o, MLP kernels
+    vocab = 2 * CFG.vocab_size * CFG.hidden_size  # the embedding and the untied LM head
+    assert r["quantized_parameters"] == kernels + vocab
+    # Codes and scales only (rollout.quantize_vocab, the default): 3/4 of a byte per parameter
+    # plus the scales; what else moves is the norms and biases.
+    assert r["codes_bytes_per_quantized_param"] == pytest.approx(0.75, abs=0.03)
+    assert r["bytes_per_quantized_param"] == pytest.approx(
+        r["codes_bytes_per_quantized_param"], abs=0.01)
+    # Without it the bf16 vocabulary tables move too: 2 bytes each, over the kernels' codes.
+    bf16 = interconnect.reshard(dataclasses.replace(settings, rollout=dataclasses.replace(
+        settings.rollout, quantize_vocab=False)), str(tmp_path), target)
+    assert bf16["quantized_parameters"] == kernels
+    assert bf16["bytes_per_quantized_param"] == pytest.approx(
+        0.75 * (kernels + 2 * vocab) / kernels, rel=0.05)
     link = interconnect.LINKS["v5e"]
     assert r["latency_ms"] == pytest.approx(r["arrays_moved"] * 2 * link.hop_s * 1e3)
     assert r["reshard_ms"] == pytest.approx(

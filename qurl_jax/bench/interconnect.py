@@ -172,7 +172,7 @@ def _learner_decode(setup: memory_plan.Setup) -> tuple[Any, dict[str, int]]:
     cache it holds per device (rows, batch shards, cache slots, bytes per token)."""
     rollout = setup.settings.rollout
     sampler = build_rollout_sampler(
-        setup.model_config, quant.make_dot_general(quant.get_recipe(rollout.precision)),
+        setup.model_config, quant.make_dot_general(rollout.recipe),
         rollout.sampler, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
         mesh=setup.mesh, platform=targets.platform_of(setup.mesh))
     rows = sampler.rows_per_chunk(setup.settings.data.prompts_per_step, rollout.n)

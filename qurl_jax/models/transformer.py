@@ -38,6 +38,7 @@ import numpy as np
 
 from qurl_jax.models import attention as attn_lib
 from qurl_jax.models.config import ModelConfig, Remat
+from qurl_jax.quant._qtensor import QuantizedTensor
 
 DotGeneral = Callable[..., jax.Array]
 # (activation, its logical axis names) -> the activation pinned to a sharding. The learner passes
@@ -635,7 +636,11 @@ class Embed(nn.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)
+        table, dt = self.embedding, self.config.compute_dtype
+        if isinstance(table, QuantizedTensor):  # the rollout's int8 table, a scale per entry
+            codes = jnp.take(table.qvalue, tokens, axis=0).astype(jnp.float32)
+            return (codes * jnp.take(table.scale, tokens, axis=0)).astype(dt)
+        return jnp.take(table, tokens, axis=0).astype(dt)
 
     def attend(self, x: jax.Array, dot_general: DotGeneral) -> jax.Array:
         dt = self.config.compute_dtype

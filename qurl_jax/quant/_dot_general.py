@@ -13,7 +13,9 @@ built with (`Transformer(config, dot_general=rollout_dot_general)`). It dispatch
   contracting axis with AQT's quantizer, one low-precision partial product per group of g input
   features (a batched `dot_general` over the groups), each rescaled by its activation-group and
   weight-block scales and summed in float32, as DeepSeek-V3-style kernels do;
-- a weight-only `QuantizedTensor`: dequantized, then a float product.
+- a weight-only `QuantizedTensor` with one scale per output channel (`int8_weight_only`, the
+  vocabulary tables of `Recipe.quantize_vocab`): the codes, cast to the activations' dtype, in a
+  float product, then the channels' scales; other weight-only blocks are dequantized first.
 
 Why AQT's serving path for the hot product: with the kernel given as a complete `QTensor` it adds
 only the per-token activation quantization and one output rescale around the s8 x s8 -> s32
@@ -138,6 +140,19 @@ def _block_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int) -> jax.A
     return out.reshape(*lead, out.shape[-1])
 
 
+def _weight_only_per_channel(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int,
+                             precision: Any) -> jax.Array:
+    """x[..., K] times weight-only codes with one scale per output channel: the codes cast to
+    the activations' dtype (exact for int8 and E4M3 in bf16 or wider) in the product, accumulated
+    in float32, then each output channel times its scale. The kernel is never dequantized into a
+    float copy, so a decode step reads its codes (the vocabulary tables, `Recipe.quantize_vocab`:
+    one byte per element) and XLA fuses the cast into the product. Output f32[..., N]."""
+    out = jax.lax.dot_general(lhs, rhs.qvalue.astype(lhs.dtype),
+                              (((lhs.ndim - 1,), (rhs_axis,)), ((), ())), precision=precision,
+                              preferred_element_type=jnp.float32)
+    return out * rhs.scale.reshape(-1)
+
+
 def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
                         dimension_numbers: DotDimensionNumbers, precision: Any = None,
                         preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
@@ -159,7 +174,9 @@ def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
         )
     out_dtype = preferred_element_type or lhs.dtype
     rhs_axis = int(rhs_c[0])
-    if rhs.act_format is None:
+    if rhs.act_format is None and rhs.is_per_channel(rhs_axis):
+        out = _weight_only_per_channel(lhs, rhs, rhs_axis, precision)
+    elif rhs.act_format is None:
         out = jax.lax.dot_general(lhs, rhs.dequantize(lhs.dtype), dimension_numbers,
                                   precision=precision)
     elif rhs.is_per_channel(rhs_axis):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LM_HEAD = "lm_head"
+EMBEDDING = ("embed_tokens", "embedding")  # the token table [V, E] (the tied LM head too)
 
 
 class QuantFormat(enum.Enum):
@@ -51,9 +52,15 @@ class Recipe:
         None means one scale per token. Must equal weight_block[0] when both are set, so that each
         partial product has exactly one activation and one weight scale.
       layers: module names of the linear layers to quantize (`q_proj`, ..., `down_proj`).
-      quantize_lm_head: also quantize an untied `lm_head` (off by default: the sampled
-        distribution is most sensitive there). Tied embeddings are never quantized (they are also
-        the token lookup table).
+      quantize_lm_head: also quantize an untied `lm_head` like the linear layers (W8A8; off by
+        default: the sampled distribution is most sensitive there).
+      quantize_vocab: hold the vocabulary tables - the token embedding and the LM head, tied or
+        not - as weight-only int8 codes with one float32 scale per vocabulary entry
+        (`VOCAB_FORMAT`, `vocab_block`): the rollout reads and the once-per-step reshard moves
+        1 byte per element instead of 2 (bf16), and the activations stay in the compute dtype
+        (the product is codes x activations, then the entry's scale). Off by default for a
+        `Recipe`; the trainer turns it on with `rollout.quantize_vocab` (its default). An
+        untied LM head that `quantize_lm_head` already quantizes stays W8A8.
     """
 
     name: str
@@ -63,6 +70,7 @@ class Recipe:
     act_group: int | None = None
     layers: tuple[str, ...] = LINEAR_LAYERS
     quantize_lm_head: bool = False
+    quantize_vocab: bool = False
 
     def __post_init__(self) -> None:
         unknown = [layer for layer in self.layers if layer not in LINEAR_LAYERS]
@@ -95,8 +103,25 @@ class Recipe:
             return ()
         return self.layers + ((LM_HEAD,) if self.quantize_lm_head else ())
 
+    @property
+    def quantizes_vocab(self) -> bool:
+        return self.quantizes and self.quantize_vocab
+
     def replace(self, **kwargs: Any) -> Recipe:
         return dataclasses.replace(self, **kwargs)
+
+
+# Vocabulary tables (`Recipe.quantize_vocab`) are int8 under every recipe: weight-only, they need
+# no low-precision product, and int8 with one scale per entry resolves 1/254 of the entry's largest
+# |w| everywhere, where E4M3 keeps 3 mantissa bits.
+VOCAB_FORMAT = QuantFormat.INT8
+
+
+def vocab_block(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, int]:
+    """The scale block of a vocabulary table: one scale per vocabulary entry, i.e. per row of the
+    embedding [V, E] and per column (output channel) of an untied LM head kernel [E, V]."""
+    rows, cols = shape
+    return (1, cols) if tuple(path) == EMBEDDING else (rows, 1)
 
 
 RECIPES: dict[str, Recipe] = {

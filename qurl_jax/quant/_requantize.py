@@ -23,7 +23,15 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel
-from qurl_jax.quant._recipes import LM_HEAD, Recipe, get_recipe
+from qurl_jax.quant._recipes import (
+    EMBEDDING,
+    LM_HEAD,
+    VOCAB_FORMAT,
+    QuantFormat,
+    Recipe,
+    get_recipe,
+    vocab_block,
+)
 
 Params = dict[str, Any]
 Path = tuple[str, ...]
@@ -57,15 +65,35 @@ def quantized_kernel_paths(params: Params, recipe: Recipe) -> list[Path]:
     return paths
 
 
+def vocab_table_paths(params: Params) -> list[Path]:
+    """Paths of the vocabulary tables: the token embedding [V, E] and an untied LM head [E, V]."""
+    return [p for p in traverse_util.flatten_dict(params)
+            if p[-2:] == EMBEDDING or p[-2:] == (LM_HEAD, "kernel")]
+
+
+def quantized_leaves(params: Params, recipe: Recipe
+                     ) -> list[tuple[Path, QuantFormat, tuple[int, int], QuantFormat | None]]:
+    """(path, codes format, scale block, activation format) of every leaf `recipe` quantizes:
+    its linear kernels (`quantized_kernel_paths`), then, with `recipe.quantize_vocab`, the
+    vocabulary tables it does not already quantize (weight-only int8, one scale per entry)."""
+    flat = traverse_util.flatten_dict(params)
+    out = [(path, recipe.weight_format, kernel_block(recipe, flat[path].shape), recipe.act_format)
+           for path in quantized_kernel_paths(params, recipe)]
+    if recipe.quantizes_vocab:
+        done = {path for path, *_ in out}
+        out += [(path, VOCAB_FORMAT, vocab_block(path, flat[path].shape), None)
+                for path in vocab_table_paths(params) if path not in done]
+    return out
+
+
 def quantize_params(params: Params, recipe: Recipe, sharded: frozenset[Path] = frozenset()
                     ) -> Iterator[tuple[Path, QuantizedTensor]]:
-    """(path, QuantizedTensor) for every kernel `recipe` quantizes (traceable; not jitted);
-    the kernels at `sharded` paths are split over devices (`quantize_kernel`'s `sharded`)."""
+    """(path, QuantizedTensor) for every leaf `recipe` quantizes (`quantized_leaves`;
+    traceable, not jitted); the kernels at `sharded` paths are split over devices
+    (`quantize_kernel`'s `sharded`)."""
     flat = traverse_util.flatten_dict(params)
-    for path in quantized_kernel_paths(params, recipe):
-        w = flat[path]
-        yield path, quantize_kernel(w, recipe.weight_format, kernel_block(recipe, w.shape),
-                                    recipe.act_format, sharded=path in sharded)
+    for path, fmt, block, act_format in quantized_leaves(params, recipe):
+        yield path, quantize_kernel(flat[path], fmt, block, act_format, sharded=path in sharded)
 
 
 def _axis_size(mesh: Any, axes: Any) -> int:
@@ -83,15 +111,14 @@ def _scale_sharding(kernel: NamedSharding, scale_shape: tuple[int, ...]) -> Name
 
 
 def _out_shardings(params: Params, recipe: Recipe) -> tuple[tuple[Path, Any, Any], ...] | None:
-    """(path, codes sharding, scale sharding) per quantized kernel, or None for unsharded input."""
+    """(path, codes sharding, scale sharding) per quantized leaf, or None for unsharded input."""
     flat = traverse_util.flatten_dict(params)
     out = []
-    for path in quantized_kernel_paths(params, recipe):
+    for path, _, block, _ in quantized_leaves(params, recipe):
         w = flat[path]
         sharding = getattr(w, "sharding", None)
         if not isinstance(sharding, NamedSharding):
             return None
-        block = kernel_block(recipe, w.shape)
         scale_shape = tuple(math.ceil(d / b) for d, b in zip(w.shape, block, strict=True))
         out.append((path, sharding, _scale_sharding(sharding, scale_shape)))
     return tuple(out)
@@ -126,8 +153,9 @@ def requantize(params: Params, recipe: str | Recipe, compute_dtype: Any = None) 
         cast to it; by default they are kept (the model casts them at use).
 
     Returns the same tree with each quantized `<module>/kernel` replaced by a `QuantizedTensor`
-    (int8 / float8_e4m3fn codes of the kernel's shape and float32 block scales). Run the model on
-    it with `Transformer(config, dot_general=rollout_dot_general)`.
+    (int8 / float8_e4m3fn codes of the kernel's shape and float32 block scales), and with
+    `recipe.quantize_vocab` the embedding and LM head too (weight-only int8, a scale per
+    entry). Run the model on it with `Transformer(config, dot_general=rollout_dot_general)`.
     """
     recipe = get_recipe(recipe)
     cd = None if compute_dtype is None else jnp.dtype(compute_dtype)
