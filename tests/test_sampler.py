@@ -452,7 +452,7 @@ def test_lower_programs_compile_and_report_memory(qwen) -> None:
 
 
 def test_cpu_only_decode_work_follows_the_platform() -> None:
-    from qurl_jax.quant import make_dot_general, requantize
+    from qurl_jax.quant import get_recipe, make_dot_general, requantize
 
     cfg = TINY["qwen2"]  # tied LM head
     assert Sampler(cfg).engine.platform == jax.default_backend()
@@ -480,6 +480,17 @@ def test_cpu_only_decode_work_follows_the_platform() -> None:
     cuda = decode_text("cuda")
     assert not head_barrier.search(cuda) and not head_transpose.search(cuda)
     assert "qurl_" not in cuda
+
+    # int8 vocabulary tables: on CPU the head's codes are cast to the compute dtype once, behind
+    # the barrier, outside the loop (XLA:CPU would cast the whole head every step); an
+    # accelerator's loop casts them inside the product (fused there).
+    recipe = get_recipe("int8", quantize_vocab=True)
+    abstract = _abstract(jax.eval_shape(lambda p: requantize(p, recipe), _random_params(cfg)))
+    codes_cast = re.compile(rf"stablehlo.convert .*\(tensor<{cfg.hidden_size}x{cfg.vocab_size}"
+                            r"xi8>\) -> tensor<")
+    cpu = decode_text("cpu")
+    assert head_barrier.search(cpu) and len(codes_cast.findall(cpu)) == 1
+    assert not head_barrier.search(decode_text("cuda"))
 
 
 _WORDS = ["<pad>", "<eos>", "<user>", "<assistant>"] + [f"w{i}" for i in range(252)]
@@ -540,12 +551,17 @@ def test_bad_input_raises(qwen, prompts, kwargs, match) -> None:
         sampler.sample(params, prompts, SamplingParams(**settings), key=jax.random.key(0), n=n)
 
 
-def test_int8_rollout_params_same_code_path(qwen) -> None:
-    from qurl_jax.quant import make_dot_general, requantize
+@pytest.mark.parametrize("quantize_vocab", [False, True])
+def test_int8_rollout_params_same_code_path(qwen, quantize_vocab: bool) -> None:
+    # With int8 vocabulary tables the CPU decode loop runs the tied head as an untied [E, V]
+    # copy of the codes in the compute dtype (`prepare`): the same log-probs as the model's own
+    # tied int8 head.
+    from qurl_jax.quant import get_recipe, make_dot_general, requantize
 
     cfg, params, _ = qwen
-    qparams = requantize(params, "int8")
-    hook = make_dot_general("int8")
+    recipe = get_recipe("int8", quantize_vocab=quantize_vocab)
+    qparams = requantize(params, recipe)
+    hook = make_dot_general(recipe)
     sampler = Sampler(cfg, hook, max_prompt_len=16, max_new_tokens=16)
     out = sampler.sample(qparams, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.7),
                          key=jax.random.key(4), n=2)

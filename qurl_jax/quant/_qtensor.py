@@ -112,6 +112,15 @@ class QuantizedTensor:
                              "kernel; dequantize the unpacked rollout parameters instead")
         return (self.qvalue.astype(jnp.float32) * self.expanded_scale()).astype(dtype)
 
+    def codes_as(self, dtype: Any) -> QuantizedTensor:
+        """The same tensor with its codes held in a float `dtype` (exact: int8 and E4M3 values are
+        bf16 and f32 values), for a weight-only product on CPU: XLA:CPU does not fuse the cast of
+        int8 codes into a product, so a decode loop would cast the whole kernel every step."""
+        if self.act_format is not None or self.packed:
+            raise ValueError("QuantizedTensor.codes_as: only weight-only, unpacked codes are "
+                             "products of their values in any dtype")
+        return self.replace(qvalue=self.qvalue.astype(dtype))
+
     def to_aqt(self, contracting_axis: int = 0) -> aqt_tensor.QTensor:
         """The same tensor as an AQT `QTensor` (per-channel only), for AQT's serving dot_general."""
         if not self.is_per_channel(contracting_axis):
