@@ -56,8 +56,15 @@ def _resumable(field: str) -> bool:
     return any(field == r or (r.endswith(".") and field.startswith(r)) for r in RESUMABLE)
 
 
+# Math fields added after runs had started, with the value that reproduces those runs: a config
+# saved without the field ran with it (so a run of an older version resumes with that value set).
+ADDED = {"rollout.quantize_vocab": False}
+
+
 def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(field, saved value, current value) of every field that differs (absent: None)."""
+    """(field, saved value, current value) of every field that differs (absent: `ADDED`'s
+    value, else None)."""
+    saved = {**{f: v for f, v in ADDED.items() if f in now}, **saved}
     return [(f, saved.get(f), now.get(f)) for f in sorted(set(saved) | set(now))
             if saved.get(f) != now.get(f)]
 

@@ -20,6 +20,24 @@ def test_resume_with_a_changed_math_field_stops_naming_it(tmp_path):
     run_config.check_and_save(changed, str(tmp_path), resuming=False)
 
 
+def test_a_run_saved_before_a_math_field_existed_resumes_with_its_old_behaviour(tmp_path):
+    # rollout.quantize_vocab came after runs had started with bf16 vocabulary tables: such a
+    # run's saved config lacks it and resumes only with the value it ran with (False).
+    import json
+
+    c = base_config()
+    run_config.check_and_save(c, str(tmp_path), resuming=False)
+    path = tmp_path / run_config.FILE
+    saved = json.loads(path.read_text())
+    del saved["rollout.quantize_vocab"]
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ResumeConfigError,
+                       match=r"config.rollout.quantize_vocab is True but .* started with False"):
+        run_config.check_and_save(c, str(tmp_path), resuming=True)
+    c.rollout.quantize_vocab = False
+    run_config.check_and_save(c, str(tmp_path), resuming=True)
+
+
 def test_resume_with_logging_only_changes_is_logged_and_saved(tmp_path, caplog):
     c = base_config()
     run_config.check_and_save(c, str(tmp_path), resuming=False)
