@@ -236,9 +236,10 @@ def test_bad_override_fails_before_compiling(tmp_path, override, message):
 
 @pytest.mark.parametrize("name, family_checks", [
     pytest.param("deepscaler_r1_1p5b_int8", {
-        "rollout.precision": "int8", "rollout.quantize_vocab": True, "rl.loss_mode": "acr", "rollout.invariant_scaling": 1.5,
-        "rl.kl_coef": 1e-3, "rl.kl_estimator": "k3", "optim.learning_rate": 1e-6,
-        "rl.advantage": "grpo", "rollout.n": 8}, marks=pytest.mark.slow),
+        "rollout.precision": "int8", "rollout.quantize_vocab": True, "rl.loss_mode": "acr",
+        "rollout.invariant_scaling": 1.5, "rl.kl_coef": 1e-3, "rl.kl_estimator": "k3",
+        "optim.learning_rate": 1e-6, "rl.advantage": "grpo", "rollout.n": 8},
+        marks=pytest.mark.slow),
     ("dapo_qwen2p5_7b_fp8", {"rollout.precision": "fp8", "rl.eps_low": 0.2, "rl.eps_high": 0.28,
                              "rl.agg": "token_mean", "rl.dynamic_sampling": True,
                              "rl.kl_coef": 0.0, "rl.overlong_buffer": 4096,

@@ -3,7 +3,8 @@
 `rollout_dot_general` has the signature of `jax.lax.dot_general` and is what the rollout model is
 built with (`Transformer(config, dot_general=rollout_dot_general)`). It dispatches on the kernel:
 
-- a float array: plain `lax.dot_general` (the LM head, and every layer of the `fp` recipe);
+- a float array: plain `lax.dot_general` (every layer of the `fp` recipe, and the LM head when
+  the vocabulary tables are not quantized);
 - a per-channel `QuantizedTensor` (`int8`, `fp8`): AQT's serving path. The kernel is handed to
   AQT's `DotGeneralRaw` as a pre-quantized rhs `QTensor`, so the weights are never re-quantized in
   the forward; AQT quantizes the activations per token (scale = max |x_token| / max code), runs

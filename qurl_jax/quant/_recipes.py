@@ -121,7 +121,7 @@ def vocab_block(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, int
     """The scale block of a vocabulary table: one scale per vocabulary entry, i.e. per row of the
     embedding [V, E] and per column (output channel) of an untied LM head kernel [E, V]."""
     rows, cols = shape
-    return (1, cols) if tuple(path) == EMBEDDING else (rows, 1)
+    return (1, cols) if tuple(path[-2:]) == EMBEDDING else (rows, 1)
 
 
 RECIPES: dict[str, Recipe] = {

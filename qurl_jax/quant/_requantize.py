@@ -3,8 +3,9 @@
 QuRL quantizes the current full-precision policy once per step (theta_behav = Q(theta_old)), with
 no calibration data; Jet-RL's block-scaled FP8 works the same way because a block's scale is a
 deterministic function of its weights. `requantize` is that map: a jitted pure function that
-replaces each selected linear kernel by a `QuantizedTensor` (codes + f32 scales; the float kernel
-is not kept) and leaves every other leaf as it is (or casts it to the compute dtype). On a sharded
+replaces each selected linear kernel (and, with `Recipe.quantize_vocab`, the embedding and LM
+head) by a `QuantizedTensor` (codes + f32 scales; the float kernel is not kept) and leaves every
+other leaf as it is (or casts it to the compute dtype). On a sharded
 input each output leaf is constrained to the input kernel's sharding (scales: the same mesh axes
 on the dimensions they divide), so the codes never leave their device.
 """
