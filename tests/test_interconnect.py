@@ -90,6 +90,14 @@ def test_sharded_actor_pays_collectives_a_replica_does_not(tmp_path) -> None:
 def test_cli_rejects_a_chip_without_link_figures() -> None:
     with pytest.raises(SystemExit, match="bad flag --target=cpu"):
         interconnect.main(["--config=configs/arith_tiny.py", "--target=cpu"])
+    with pytest.raises(SystemExit, match=r"bad flag --set=rollout.nope=1: .*no config field"):
+        interconnect.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
+                           "--set", "rollout.nope=1", "--reshard"])
+    config = base_config()
+    interconnect.set_field(config, "rollout.quantize_vocab=False")
+    assert config.rollout.quantize_vocab is False
+    with pytest.raises(TypeError):
+        interconnect.set_field(config, "rollout.quantize_vocab=yes please")
     with pytest.raises(SystemExit, match="bad flag --layouts=config"):
         interconnect.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
                            "--layouts=config"])

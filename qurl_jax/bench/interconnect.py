@@ -70,6 +70,7 @@ prediction from the compiler's program and public peak figures, not a measuremen
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import math
@@ -392,6 +393,26 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def set_field(config: Any, item: str) -> None:
+    """Sets `FIELD=VALUE` (a dotted field of `config`; VALUE a Python literal, else a string) on
+    `config`, whose own type checks refuse a value of another type."""
+    field, sep, text = item.partition("=")
+    if not sep:
+        raise ValueError("expected FIELD=VALUE")
+    *sections, name = field.strip().split(".")
+    node = config
+    for section in sections:
+        node = node[section]
+    if name not in node:
+        raise KeyError(f"no config field {field!r}")
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        value = text.strip()
+    with config.unlocked():
+        node[name] = value
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a config file with get_config() (configs/)")
@@ -404,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these files")
     p.add_argument("--reshard", action="store_true",
                    help="predict the once-per-step reshard instead (no decode compile)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set rollout.quantize_vocab=False "
+                        "(repeatable)")
     args = p.parse_args(argv)
     if args.table:
         print(markdown_table([r for path in args.table for r in json.load(open(path))]))
@@ -426,6 +450,11 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config_file(args.config)
     except (OSError, ImportError, SyntaxError) as e:
         sys.exit(f"qurl_jax: bad flag --config={args.config}: {e}")
+    for item in args.set:
+        try:
+            set_field(config, item)
+        except (KeyError, TypeError, ValueError) as e:
+            sys.exit(f"qurl_jax: bad flag --set={item}: {e}")
     shapes_dir = args.shapes_dir or os.path.join(os.path.dirname(os.path.abspath(args.config)),
                                                  "shapes")
     if args.reshard:
