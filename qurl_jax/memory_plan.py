@@ -149,19 +149,15 @@ class Setup:
     def actor(self) -> Any:
         """The rollout actor's parameters as `jax.ShapeDtypeStruct`s on the rollout's replicas
         (what the samplers' programs take)."""
-        src = self.learner_actor
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            src, self.reshard.shardings(src))
+        return self.reshard.abstract(self.learner_actor)
 
     @functools.cached_property
     def eval_actor(self) -> Any:
         """The evaluation's full-precision actor (the compute dtype, `quant.requantize(..., 'fp')`)
         as `jax.ShapeDtypeStruct`s on the rollout's replicas, as `Trainer.evaluate` samples it."""
         dtype = self.model_config.compute_dtype
-        src = jax.eval_shape(lambda p: quant.requantize(p, "fp", compute_dtype=dtype),
-                             self.params)
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            src, self.reshard.shardings(src))
+        return self.reshard.abstract(jax.eval_shape(
+            lambda p: quant.requantize(p, "fp", compute_dtype=dtype), self.params))
 
     @property
     def replicas(self) -> int:
@@ -358,11 +354,9 @@ def reshard(setup: Setup) -> Program:
     actor with `rollout.reshard_bucket_mib=0`). While it runs, the buckets before it are
     already on the replicas: the replica's share is in `rollout_decode`'s arguments."""
     r = setup.reshard
-    src = max(r.buckets(setup.learner_actor), key=lambda b: _bytes_per_device(jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), b, r.shardings(b))))
+    src = max(r.buckets(setup.learner_actor), key=lambda b: _bytes_per_device(r.abstract(b)))
     lowered = r.fn(src).lower(src)
-    out = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), src,
-                       r.shardings(src))
+    out = r.abstract(src)
     s = _symbols(setup, setup.rollout_rows)
     return Program(lowered, Estimate((
         ("a bucket of the actor on the learner's layout (input)", "codes + scales / devices",

@@ -173,6 +173,12 @@ class Reshard:
     def shardings(self, actor: Any) -> Any:
         return actor_shardings(actor, self.logical_axes, self.mesh)
 
+    def abstract(self, actor: Any) -> Any:
+        """`actor` (arrays or `jax.ShapeDtypeStruct`s) as `jax.ShapeDtypeStruct`s on the
+        rollout layout: what resharding it gives, without running anything."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            actor, self.shardings(actor))
+
     def buckets(self, actor: Any) -> list[Any]:
         """`actor` cut into the sub-trees (nested dicts of its own leaves, in order) that one
         program each moves."""
@@ -213,9 +219,7 @@ class Reshard:
 
     def bytes(self, actor: Any) -> ReshardBytes:
         """What resharding `actor` moves per device (from shapes and shardings; nothing runs)."""
-        shardings = self.shardings(actor)
-        after = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             actor, shardings)
+        after = self.abstract(actor)
         is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
         codes_after = [x for x in jax.tree.leaves(after, is_leaf=is_q) if is_q(x)]
         codes_before = [x for x in jax.tree.leaves(actor, is_leaf=is_q) if is_q(x)]
