@@ -292,10 +292,11 @@ class Engine:
             return params
         barrier = jax.lax.optimization_barrier
         if isinstance(embedding, QuantizedTensor):  # [V, E], a scale per entry -> [E, V]
-            head = QuantizedTensor(barrier(embedding.qvalue.T.astype(cfg.compute_dtype)),
-                                   embedding.scale.T, embedding.block[::-1], None)
-            head = head.replace(qvalue=self.sharding.constrain(head.qvalue, ("embed", "vocab")),
-                                scale=self.sharding.constrain(head.scale, ("embed", "vocab")))
+            head = embedding.replace(qvalue=embedding.qvalue.T, scale=embedding.scale.T,
+                                     block=embedding.block[::-1]).codes_as(cfg.compute_dtype)
+            head = head.replace(
+                qvalue=self.sharding.constrain(barrier(head.qvalue), ("embed", "vocab")),
+                scale=self.sharding.constrain(head.scale, ("embed", "vocab")))
         else:
             head = self.sharding.constrain(barrier(jnp.transpose(embedding)), ("embed", "vocab"))
         return {**params, "lm_head": {"kernel": head}}
