@@ -46,3 +46,13 @@ def test_tiny_paged_run_matches_refill_tail(capsys):
     out = capsys.readouterr().out
     assert "fp32: paged tail / refill tail" in out and "fp32: paged tail 2x / refill tail" in out
     assert out.count("differ from refill tail's (log-probs before: within") == 2
+
+
+@pytest.mark.slow
+def test_decode_times_the_int8_vocabulary_tables_beside_int8(capsys):
+    # The trainer's default rollout actor (rollout.quantize_vocab) beside the plain int8 one, in
+    # one run, through the sampler's CPU decode preparation of the tied int8 head.
+    bench.main(["--cases", "decode", "--engines", "int8,int8_vocab", "--layers", "1",
+                "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "ours int8_vocab" in out and "ours int8_vocab / ours int8 decode tokens/s:" in out

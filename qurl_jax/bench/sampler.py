@@ -7,6 +7,8 @@ so that load from other processes hits them alike:
 
 - `ours fp32`: `Sampler` with the float32 parameters;
 - `ours int8`: `Sampler` with `requantize(params, 'int8')` and the quantized `dot_general` hook;
+- `ours int8_vocab`: the same with the embedding and LM head as int8 codes too (`Recipe.
+  quantize_vocab`, the trainer's default rollout actor: `rollout.quantize_vocab`);
 - `hf torch xN`: `Qwen2ForCausalLM.generate(do_sample=True, top_k=0)` in torch on the CPU with N
   threads, same weights (ratios are taken against the faster thread count).
 
@@ -191,6 +193,15 @@ def token_check(paged: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarra
                            f"from the dense refill's before any token does (same key)")
     return (f"{rows} of {total} rows' tokens differ from refill tail's (log-probs before: "
             f"within {gap:.1e})")
+
+
+def _quantized_engines(engines: list[str]) -> list[tuple[str, Any]]:
+    """(engine name, quant recipe) of the quantized engines among `engines`: 'int8', and
+    'int8_vocab' (its vocabulary tables int8 too, as the trainer's rollout runs it)."""
+    from qurl_jax.quant import get_recipe
+
+    recipes = {"int8": get_recipe("int8"), "int8_vocab": get_recipe("int8", quantize_vocab=True)}
+    return [(e, recipes[e]) for e in engines if e in recipes]
 
 
 def _long_tail(config: ModelConfig, engines: dict[str, tuple[Any, Any]], args: argparse.Namespace,
@@ -379,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-concurrent-rows", type=int, default=0,
                         help="our sampler decodes at most this many rows at once (0 = all)")
     parser.add_argument("--engines", default="fp32,int8,transformers",
-                        help="comma-separated subset of fp32,int8,transformers")
+                        help="comma-separated subset of fp32,int8,int8_vocab,transformers")
     parser.add_argument("--torch-threads", default="2,1",
                         help="torch thread counts to time transformers with (each is a row; "
                              "with other processes on the cores, 2 threads can be far slower)")
@@ -428,9 +439,9 @@ def main(argv: list[str] | None = None) -> None:
         tail_engines = {}
         if "fp32" in engines:
             tail_engines["fp32"] = (params, jax.lax.dot_general)
-        if "int8" in engines:
-            tail_engines["int8"] = (jax.block_until_ready(requantize(params, "int8")),
-                                    make_dot_general("int8"))
+        for name, recipe in _quantized_engines(engines):
+            tail_engines[name] = (jax.block_until_ready(requantize(params, recipe)),
+                                  make_dot_general(recipe))
         print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
               f"model {cfg.num_params / 1e6:.1f}M params ({cfg.num_layers} layers)")
         _long_tail(cfg, tail_engines, args, "long_tail" in cases,
@@ -448,13 +459,13 @@ def main(argv: list[str] | None = None) -> None:
         runners["ours fp32"] = sampler_timer(cfg, params, jax.lax.dot_general, prompts,
                                              args.new_tokens, args.max_concurrent_rows)
         weight_bytes["ours fp32"] = tree_bytes(params)
-    if "int8" in engines:
+    for name, recipe in _quantized_engines(engines):
         from qurl_jax.quant import make_dot_general, requantize
 
-        qparams = jax.block_until_ready(requantize(params, "int8"))
-        runners["ours int8"] = sampler_timer(cfg, qparams, make_dot_general("int8"), prompts,
-                                             args.new_tokens, args.max_concurrent_rows)
-        weight_bytes["ours int8"] = tree_bytes(qparams)
+        qparams = jax.block_until_ready(requantize(params, recipe))
+        runners[f"ours {name}"] = sampler_timer(cfg, qparams, make_dot_general(recipe), prompts,
+                                                args.new_tokens, args.max_concurrent_rows)
+        weight_bytes[f"ours {name}"] = tree_bytes(qparams)
     if "transformers" in engines:
         for threads in (int(t) for t in args.torch_threads.split(",")):
             runners[f"hf torch x{threads}"] = _transformers(cfg, params, prompts, threads)
@@ -515,6 +526,13 @@ def main(argv: list[str] | None = None) -> None:
     if "ours int8" in rates and "ours fp32" in rates:
         print(f"ours int8 / ours fp32 decode tokens/s: "
               f"{rates['ours int8'] / rates['ours fp32']:.2f}x (goal: >= 1.5x)")
+    if "ours int8_vocab" in rates and "ours int8" in rates:
+        print(f"ours int8_vocab / ours int8 decode tokens/s: "
+              f"{rates['ours int8_vocab'] / rates['ours int8']:.2f}x (the int8 vocabulary "
+              "tables: the actor "
+              f"{weight_bytes['ours int8_vocab'] / weight_bytes['ours int8']:.2f}x the bytes; on "
+              "CPU the decode loop reads the head as a compute-dtype copy, so GB/step over-"
+              "states int8_vocab's reads)")
 
 
 if __name__ == "__main__":
