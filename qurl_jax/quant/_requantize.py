@@ -57,7 +57,8 @@ def quantized_kernel_paths(params: Params, recipe: Recipe) -> list[Path]:
     found = {p[-2] for p in paths}
     missing = sorted(wanted - found)
     if missing:
-        hint = " (the LM head is tied to the embeddings, which are never quantized)" if (
+        hint = (" (the LM head is tied to the embeddings, which quantize_lm_head never "
+                "quantizes; quantize_vocab holds them as weight-only int8)") if (
             LM_HEAD in missing) else ""
         raise ValueError(
             f"recipe {recipe.name!r} quantizes {missing} but the parameters have no such "
