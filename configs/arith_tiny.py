@@ -13,7 +13,7 @@ the machinery learning a format from verifier rewards; it does not teach arithme
 `--config.train.apply_updates=False` is its control run (updates computed and discarded).
 """
 
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
 
 
 def get_config():

@@ -22,7 +22,7 @@ is the one that fixes the sub-case without wrecking the rest (2e-4 fixed the car
 30 points of greedy accuracy off the sub-case).
 """
 
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
 
 
 def get_config():

@@ -18,7 +18,7 @@ device (XLA:CPU). Qwen2.5-Math-7B's published context is 4096 positions: RoPE is
 as its config.json describes (theta 10000, no scaling); extending RoPE is not configured here.
 """
 
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
 
 MATH = "third_party/math_data/"
 

@@ -16,7 +16,7 @@ device (XLA:CPU's buffer assignment, which keeps the saved bf16 matmul outputs i
 (their worst case) on tpu:v5p-16: docs/targets.md.
 """
 
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
 
 MATH = "third_party/math_data/"
 

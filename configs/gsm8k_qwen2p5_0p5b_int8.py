@@ -12,7 +12,7 @@ of 512 + 1024 tokens, decoder layers rematerialised with the 'dots' policy, bloc
 update 24.2 GiB, log-prob recomputation 3.7 GiB peak per device (XLA:CPU).
 """
 
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
 
 
 def get_config():

@@ -24,7 +24,7 @@ def _stay_on_the_cpu_without_an_accelerator() -> None:
     if os.environ.get("JAX_PLATFORMS") or not any(
             importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS):
         return
-    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
     use_cpu_unless_accelerator_attached()
 

@@ -40,8 +40,8 @@ EVAL_DIR = "eval"
 def checkpoint_step(workdir: str, step: int | None) -> int:
     """The step to evaluate: `step`, checked against the workdir's checkpoints (None: the newest;
     0 without any: the initial policy); `UserError` naming what is missing. Reads metadata only."""
-    from qurl_jax.checkpoint import Checkpointer
-    from qurl_jax.errors import UserError
+    from qurl_jax.runtime.checkpoint import Checkpointer
+    from qurl_jax.runtime.errors import UserError
 
     directory = os.path.join(workdir, "checkpoints")
     steps = Checkpointer(directory).steps() if os.path.isdir(directory) else []
@@ -63,8 +63,8 @@ def _policy(learner: Any, model_config: Any, init: Any, workdir: str,
     import jax
 
     from qurl_jax import quant
-    from qurl_jax.checkpoint import Checkpointer
     from qurl_jax.models import init_params
+    from qurl_jax.runtime.checkpoint import Checkpointer
 
     directory = os.path.join(workdir, "checkpoints")
     if step == 0:
@@ -86,15 +86,15 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
                  ) -> tuple[int, dict[str, float]]:
     """(step, metrics) of the evaluation this module's command runs (see the module docstring);
     writes `<workdir>/eval/step_<N>.json`. `reward_fn` as `Trainer`'s."""
-    from qurl_jax import paths
-    from qurl_jax import sharding as shd
-    from qurl_jax.config import validate
+    from qurl_jax.config.base import validate
+    from qurl_jax.config.settings import RunSettings
     from qurl_jax.data import reward_hook
-    from qurl_jax.errors import ConfigError, WorkdirError
+    from qurl_jax.parallel import sharding as shd
+    from qurl_jax.runtime import paths
+    from qurl_jax.runtime.errors import ConfigError, WorkdirError
     from qurl_jax.sampling.factory import build_eval_sampler
-    from qurl_jax.settings import RunSettings
-    from qurl_jax.tasks import build_model_and_task, model_config_for
-    from qurl_jax.trainer import Stream, stream_key
+    from qurl_jax.train.tasks import build_model_and_task, model_config_for
+    from qurl_jax.train.trainer import Stream, stream_key
 
     if eval_files is not None:
         config = config.copy_and_resolve_references()
@@ -147,7 +147,7 @@ def format_table(step: int, metrics: dict[str, float]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from qurl_jax.errors import ConfigError, FlagError, UserError
+    from qurl_jax.runtime.errors import ConfigError, FlagError, UserError
 
     try:
         if len(argv) > 1:
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> None:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    from qurl_jax.overrides import expand_lists
+    from qurl_jax.config.overrides import expand_lists
 
     try:
         return flags.FLAGS(expand_lists(argv))
@@ -179,7 +179,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
     use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     app.run(main, flags_parser=_parse_flags)

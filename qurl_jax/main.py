@@ -3,19 +3,19 @@
 Flags are parsed by absl with `ml_collections.config_flags`, so any field can be overridden
 (`--config.rl.loss_mode=tis --config.rollout.precision=fp8`); `--print_config` lists every field
 with its value and one-line doc and exits. Unknown or ill-typed overrides are rejected while
-parsing, and `qurl_jax.config.validate` checks values, all before JAX compiles anything. Bad input
-(`qurl_jax.errors`: a config file or field, a data file, the workdir, a mesh that does not fit the
+parsing, and `qurl_jax.config.base.validate` checks values, all before JAX compiles anything. Bad input
+(`qurl_jax.runtime.errors`: a config file or field, a data file, the workdir, a mesh that does not fit the
 devices, a checkpoint of another model) ends the run with one line naming it, `qurl_jax: <what>:
 <message>`, and exit code 2; `--verbose` adds the traceback. A workdir that already holds a
 checkpoint resumes from it.
 A list field also takes comma-separated values, `--config.data.train_files=/a.jsonl,/b.jsonl`
-(`qurl_jax.overrides`).
+(`qurl_jax.config.overrides`).
 
 SIGTERM (a spot VM's or scheduler's preemption notice) or Ctrl-C ends the run after the current
 step with a checkpoint and the line "preempted at step N; checkpoint saved; rerun the same command
-to resume", exit code 128 + the signal; a second signal aborts at once (`qurl_jax.preemption`).
+to resume", exit code 128 + the signal; a second signal aborts at once (`qurl_jax.train.preemption`).
 
-Multi-process runs (`qurl_jax.distributed`): every process runs the same command. Without flags,
+Multi-process runs (`qurl_jax.parallel.distributed`): every process runs the same command. Without flags,
 `jax.distributed.initialize()` is called only where a cluster is detected (Cloud TPU VM or GKE TPU
 workers, SLURM under `srun`, Open MPI, xpk GPU pods); `--coordinator_address=HOST:PORT
 --num_processes=N --process_id=I` (and `--local_device_ids=0,1,...`) join one explicitly. A peer
@@ -23,7 +23,7 @@ that dies makes the others abort within `--heartbeat_timeout_s`; restarting ever
 from the last checkpoint. Only process 0 prints the summary and writes metrics and logs.
 
 Compiled programs are kept in JAX's persistent compilation cache at
-`config.train.compilation_cache_dir` (default `<workdir>/compile_cache`; `qurl_jax.compilation`),
+`config.train.compilation_cache_dir` (default `<workdir>/compile_cache`; `qurl_jax.runtime.compilation`),
 so a restarted run loads them instead of compiling again.
 """
 
@@ -71,7 +71,7 @@ values and one-line docs with
 
     python -m qurl_jax.main --config=configs/arith_tiny.py --print_config
 """
-# Exit code of bad input (`qurl_jax.errors`), as argparse uses for bad arguments.
+# Exit code of bad input (`qurl_jax.runtime.errors`), as argparse uses for bad arguments.
 EXIT_BAD_INPUT = 2
 
 
@@ -100,7 +100,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
         print(_USAGE + "\nflags:\n" + flags.FLAGS.main_module_help(), flush=True)
         sys.exit(0)
-    from qurl_jax.overrides import expand_lists
+    from qurl_jax.config.overrides import expand_lists
 
     try:
         return flags.FLAGS(expand_lists(argv))  # list fields also as a,b,c
@@ -131,8 +131,8 @@ def _config_path(argv: list[str]) -> str | None:
 def _check_workdir(path: str) -> None:
     """Creates the workdir and checks that files can be written in it (`WorkdirError` otherwise).
     A URL is created through fsspec and not probed."""
-    from qurl_jax import paths
-    from qurl_jax.errors import WorkdirError
+    from qurl_jax.runtime import paths
+    from qurl_jax.runtime.errors import WorkdirError
 
     if paths.is_url(path):
         paths.makedirs(path)
@@ -152,7 +152,7 @@ def _check_workdir(path: str) -> None:
 def _load_config():
     """The `--config` file's config with its overrides; `ConfigError` naming the file when it
     cannot be loaded (ml_collections defers that error to the config's first use)."""
-    from qurl_jax.errors import ConfigError
+    from qurl_jax.runtime.errors import ConfigError
 
     config = _CONFIG.value
     if config is None:
@@ -168,8 +168,8 @@ def _load_config():
 
 
 def main(argv: list[str]) -> None:
-    """Runs the command; bad input ends it with one line (`qurl_jax.errors`), exit code 2."""
-    from qurl_jax.errors import UserError
+    """Runs the command; bad input ends it with one line (`qurl_jax.runtime.errors`), exit code 2."""
+    from qurl_jax.runtime.errors import UserError
 
     try:
         _main(argv)
@@ -184,12 +184,12 @@ def main(argv: list[str]) -> None:
 
 
 def _main(argv: list[str]) -> None:
-    from qurl_jax.errors import ConfigError, FlagError
+    from qurl_jax.runtime.errors import ConfigError, FlagError
 
     if len(argv) > 1:
         raise FlagError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
-    from qurl_jax.config import format_config, ignored_fields, validate
+    from qurl_jax.config.base import format_config, ignored_fields, validate
 
     config = _load_config()
     if _PRINT_CONFIG.value:
@@ -198,7 +198,7 @@ def _main(argv: list[str]) -> None:
     config = validate(config)
     if not _WORKDIR.value:
         raise ConfigError("--workdir is missing: name a directory (or gs:// URL) for the run")
-    from qurl_jax import distributed
+    from qurl_jax.parallel import distributed
 
     try:
         distributed.initialize(
@@ -215,14 +215,15 @@ def _main(argv: list[str]) -> None:
         config.unlock()
         config.train.export_hf = _EXPORT_HF.value
         config.lock()
-    from qurl_jax import compilation, preemption
-    from qurl_jax.metrics import format_summary
-    from qurl_jax.sharding import check_mesh_fits
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.parallel.sharding import check_mesh_fits
+    from qurl_jax.runtime import compilation
+    from qurl_jax.runtime.metrics import format_summary
+    from qurl_jax.train import preemption
+    from qurl_jax.train.trainer import Trainer
 
     check_mesh_fits(config.mesh)  # before the workdir or anything in it is written
-    from qurl_jax.checks import check_task_data
-    from qurl_jax.settings import RunSettings
+    from qurl_jax.config.checks import check_task_data
+    from qurl_jax.config.settings import RunSettings
 
     check_task_data(RunSettings.from_config(config))  # the data too, and before any INFO line
     _check_workdir(_WORKDIR.value)
@@ -233,7 +234,8 @@ def _main(argv: list[str]) -> None:
     guard = preemption.PreemptionGuard().install()
     import jax
 
-    from qurl_jax import program_check, watchdog
+    from qurl_jax.parallel import program_check
+    from qurl_jax.runtime import watchdog
 
     # Before the trainer builds its programs, so that every one is recorded.
     check = program_check.ProgramCheck(program_check.install()) \
@@ -255,7 +257,7 @@ def _main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
     use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     app.run(main, flags_parser=_parse_flags)

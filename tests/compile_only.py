@@ -1,8 +1,8 @@
-"""Shared by the tests that compile for a TPU or H100 target without one (`qurl_jax.targets`)."""
+"""Shared by the tests that compile for a TPU or H100 target without one (`qurl_jax.parallel.targets`)."""
 
 import pytest
 
-from qurl_jax import targets
+from qurl_jax.parallel import targets
 
 
 def compiler_or_skip(target: str) -> targets.Target:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from qurl_jax.metrics import read_metrics
+from qurl_jax.runtime.metrics import read_metrics
 from tests import test_multiprocess
 from tests.test_multiprocess import MESH, _Children
 

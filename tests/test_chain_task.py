@@ -9,12 +9,12 @@ import os
 import numpy as np
 import pytest
 
-from qurl_jax import warm_start
-from qurl_jax.config import base_config, chain_config, validate
+from qurl_jax.config.base import base_config, chain_config, validate
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.data import chains
-from qurl_jax.settings import RunSettings
-from qurl_jax.tasks import CHAIN_EVAL_SIZE, CHAIN_TRAIN_SIZE, build_model_and_task
-from qurl_jax.trainer import Trainer
+from qurl_jax.train import warm_start
+from qurl_jax.train.tasks import CHAIN_EVAL_SIZE, CHAIN_TRAIN_SIZE, build_model_and_task
+from qurl_jax.train.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from qurl_jax.checkpoint import Checkpointer, CheckpointMismatchError
-from qurl_jax.sharding import make_mesh
+from qurl_jax.parallel.sharding import make_mesh
+from qurl_jax.runtime.checkpoint import Checkpointer, CheckpointMismatchError
 
 
 def _state(v: float):

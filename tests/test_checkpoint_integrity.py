@@ -6,7 +6,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from qurl_jax.checkpoint import CORRUPT_DIR, Checkpointer
+from qurl_jax.runtime.checkpoint import CORRUPT_DIR, Checkpointer
 
 
 def _state(v: float):

@@ -1,4 +1,4 @@
-"""Checks before anything is written (`qurl_jax.checks`): the data (files, rows, prompt lengths,
+"""Checks before anything is written (`qurl_jax.config.checks`): the data (files, rows, prompt lengths,
 a user's own file too) and prompt + response against the model's positions fail in one line with
 exit code 2 before the workdir, compile_cache/ or checkpoints/ exist and before any INFO line;
 settings under which nothing learns are errors, settings that only make the rollout slow are
@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from qurl_jax import checks
-from qurl_jax.config import load_config_file, validate
-from qurl_jax.errors import ConfigError, DataError
-from qurl_jax.settings import RunSettings
+from qurl_jax.config import checks
+from qurl_jax.config.base import load_config_file, validate
+from qurl_jax.config.settings import RunSettings
+from qurl_jax.runtime.errors import ConfigError, DataError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "configs/arith_tiny.py"
@@ -96,7 +96,7 @@ def test_malformed_or_empty_file_before_any_info_line(tmp_path, content):
 
 
 def test_a_library_users_trainer_checks_the_data_before_writing(tmp_path):
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.train.trainer import Trainer
 
     data = tmp_path / "train.jsonl"
     data.write_text("{broken\n")
@@ -192,7 +192,7 @@ def test_a_rollout_of_one_row_at_a_time_is_a_warning():
 
 
 def test_the_check_and_the_task_read_a_file_once_and_a_changed_file_again(tmp_path, monkeypatch):
-    from qurl_jax import tasks
+    from qurl_jax.train import tasks
 
     reads = []
     real = tasks.load_math_file

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qurl_jax.bench import collectives
+from qurl_jax.plan import collectives
 from tests.compile_only import compiler_or_skip
 
 # A hand-written module in the printed form of XLA's optimized HLO: an outer loop with one dot

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from test_trainer import _main
 
-from qurl_jax import compilation
-from qurl_jax.metrics import read_metrics
+from qurl_jax.runtime import compilation
+from qurl_jax.runtime.metrics import read_metrics
 
 
 def test_cache_dir_setting(tmp_path) -> None:

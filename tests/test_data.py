@@ -351,7 +351,7 @@ def test_char_tokenizer_round_trip(tmp_path):
 
 
 def test_noisy_teacher_keeps_answers_and_adds_stray_end_characters():
-    from qurl_jax.warm_start import FORMAT_JUNK, noisy_teacher_pairs
+    from qurl_jax.train.warm_start import FORMAT_JUNK, noisy_teacher_pairs
 
     pairs = [(f"{a}+1=", f"{a + 1}</s>") for a in range(200)]
     assert noisy_teacher_pairs(pairs, 0.0, seed=0, eos="</s>") == pairs

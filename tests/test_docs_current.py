@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qurl_jax.config import base_config, field_docs, format_config
+from qurl_jax.config.base import base_config, field_docs, format_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # e.g. a Bazel sandbox without the documentation in its data

@@ -109,7 +109,7 @@ def test_out_of_range_numbers(tmp_path, override, field):
 
 
 def test_model_path_ignored_by_the_tiny_source_is_named():
-    from qurl_jax.config import ignored_fields, load_config_file
+    from qurl_jax.config.base import ignored_fields, load_config_file
 
     c = load_config_file(os.path.join(REPO, "configs", "arith_tiny.py"))
     c.unlock()

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qurl_jax.bench import fp8 as bench
-from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import (
     ModelConfig,
     Transformer,
@@ -30,6 +30,7 @@ from qurl_jax.models import (
     positions_from_mask,
     token_logprobs,
 )
+from qurl_jax.parallel.sharding import batch_sharding, make_mesh, shard_params
 from qurl_jax.quant import (
     QuantFormat,
     TrainKernel,
@@ -45,7 +46,6 @@ from qurl_jax.quant import (
 )
 from qurl_jax.quant._qtensor import quantize_row_groups
 from qurl_jax.rl.objectives import ObjectiveConfig
-from qurl_jax.sharding import batch_sharding, make_mesh, shard_params
 
 FP8 = QuantFormat.FP8_E4M3
 LINEAR_DN = (((2,), (0,)), ((), ()))

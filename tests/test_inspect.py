@@ -3,10 +3,11 @@ time defined once, the before-RL evaluation read back after a resume, and --quic
 
 import pytest
 
-from qurl_jax import run_config, study
-from qurl_jax.config import base_config
-from qurl_jax.metrics import eval_at, format_summary, rollout_share
-from qurl_jax.run_config import ResumeConfigError
+from qurl_jax.config import run_config
+from qurl_jax.config.base import base_config
+from qurl_jax.config.run_config import ResumeConfigError
+from qurl_jax.runtime.metrics import eval_at, format_summary, rollout_share
+from qurl_jax.study import runner as study
 
 
 def test_resume_with_a_changed_math_field_stops_naming_it(tmp_path):

@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from qurl_jax.bench import collectives, interconnect, roofline
-from qurl_jax.config import base_config
+from qurl_jax.bench import interconnect, roofline
+from qurl_jax.config.base import base_config
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import ModelConfig, hf
-from qurl_jax.settings import RunSettings
+from qurl_jax.plan import collectives
 from tests.compile_only import compiler_or_skip
 
 # A vocabulary and MLP wider than the model, as in real LMs, so that a layout that moves logits

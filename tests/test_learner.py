@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qurl_jax import sharding as shd
-from qurl_jax.learner import (
+from qurl_jax.learner.learner import (
     Learner,
     OptimConfig,
     learning_rate_schedule,
@@ -16,6 +15,7 @@ from qurl_jax.learner import (
     split_rows,
 )
 from qurl_jax.models import ModelConfig, Transformer, init_params, token_logprobs_and_entropy
+from qurl_jax.parallel import sharding as shd
 from qurl_jax.rl.objectives import ObjectiveConfig
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -7,8 +7,8 @@ import types
 import pytest
 from absl import logging
 
-from qurl_jax.config import base_config, validate
-from qurl_jax.metrics import MetricWriter, read_metrics
+from qurl_jax.config.base import base_config, validate
+from qurl_jax.runtime.metrics import MetricWriter, read_metrics
 
 
 class _FakeRun:

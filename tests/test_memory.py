@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from qurl_jax import memory_plan as memory
-from qurl_jax import sharding as shd
-from qurl_jax.config import base_config
-from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.config.base import base_config
+from qurl_jax.config.settings import RunSettings
+from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, hf, init_params
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.plan import memory_plan as memory
 from qurl_jax.rl.objectives import ObjectiveConfig
-from qurl_jax.settings import RunSettings
 
 # A vocabulary 512x the model width, as in real LMs (152K / 1.5K-3.5K), so whole logits would
 # stand out against activations.
@@ -148,7 +148,7 @@ def test_evaluation_programs_plan_the_full_precision_replica(tmp_path):
 
 
 def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.train.trainer import Trainer
 
     c = base_config()
     c.model.source, c.data.task = "tiny", "arithmetic"

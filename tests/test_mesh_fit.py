@@ -11,8 +11,8 @@ import jax
 import pytest
 from absl import logging
 
-from qurl_jax import sharding as shd
-from qurl_jax.errors import MeshError
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.runtime.errors import MeshError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +98,7 @@ def test_sixteen_devices_and_fsdp_minus_one_run_as_written():
     # A launch example on a machine with more devices than the config's fixed mesh: fsdp=-1 spans
     # every device, and each batch block maps to the single process.
     code = ("from qurl_jax import sharding, distributed\n"
-            "from qurl_jax.config import load_config_file\n"
+            "from qurl_jax.config.base import load_config_file\n"
             "c = load_config_file('configs/arith_tiny.py')\n"
             "c.unlock(); c.mesh.fsdp = -1\n"
             "m = sharding.mesh_from_config(c.mesh)\n"
@@ -112,7 +112,7 @@ def test_paper_configs_take_every_device_of_their_slice():
     # splits them 8 (fsdp) x 2 (tensor); a cpu memory plan of either runs on the devices the
     # config was sized for.
     from qurl_jax.bench.memory import host_devices_for
-    from qurl_jax.config import load_config_file
+    from qurl_jax.config.base import load_config_file
 
     sized_for = {"deepscaler_r1_1p5b_int8": 8, "jetrl_r1_1p5b_fp8_block": 8,
                  "dapo_qwen2p5_7b_fp8": 16}
@@ -121,7 +121,7 @@ def test_paper_configs_take_every_device_of_their_slice():
         assert c.mesh.fsdp == -1, name
         assert host_devices_for(c.mesh) == devices, name
     code = ("from qurl_jax import sharding\n"
-            "from qurl_jax.config import load_config_file\n"
+            "from qurl_jax.config.base import load_config_file\n"
             "for n in ('deepscaler_r1_1p5b_int8', 'dapo_qwen2p5_7b_fp8'):\n"
             "    print(n, dict(sharding.mesh_from_config(load_config_file(f'configs/{n}.py').mesh)"
             ".shape))\n")

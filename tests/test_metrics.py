@@ -1,6 +1,6 @@
 """Metric rows after a resume: the steps a resumed run redoes appear once in metrics.jsonl."""
 
-from qurl_jax.metrics import MetricWriter, read_metrics
+from qurl_jax.runtime.metrics import MetricWriter, read_metrics
 
 
 def test_resume_drops_the_rows_of_redone_steps(tmp_path):

@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from qurl_jax import distributed as dist
-from qurl_jax.metrics import MetricWriter, read_metrics
-from qurl_jax.sharding import make_mesh
+from qurl_jax.parallel import distributed as dist
+from qurl_jax.parallel.sharding import make_mesh
+from qurl_jax.runtime.metrics import MetricWriter, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 5

@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from qurl_jax.metrics import read_metrics
-from qurl_jax.program_check import EXIT_MISMATCH, HOOK_ENV
-from qurl_jax.watchdog import EXIT_STALL
+from qurl_jax.parallel.program_check import EXIT_MISMATCH, HOOK_ENV
+from qurl_jax.runtime.metrics import read_metrics
+from qurl_jax.runtime.watchdog import EXIT_STALL
 from tests import test_multiprocess
 from tests.test_multiprocess import MESH, _Children, _wait_ok
 

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from qurl_jax import memory_plan, native_pick
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import ModelConfig, hf
-from qurl_jax.settings import RunSettings
+from qurl_jax.plan import memory_plan, native_pick
 from tests.compile_only import compiler_or_skip
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,

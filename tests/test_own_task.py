@@ -12,14 +12,14 @@ import time
 import numpy as np
 import pytest
 
-from qurl_jax import warm_start
-from qurl_jax.config import base_config, validate
+from qurl_jax.config.base import base_config, validate
+from qurl_jax.config.overrides import expand_lists
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.data import reward_hook
 from qurl_jax.data.datasets import MathExample, load_math_file
-from qurl_jax.errors import ConfigError
-from qurl_jax.metrics import read_metrics
-from qurl_jax.overrides import expand_lists
-from qurl_jax.settings import RunSettings
+from qurl_jax.runtime.errors import ConfigError
+from qurl_jax.runtime.metrics import read_metrics
+from qurl_jax.train import warm_start
 from tests.cli import assert_one_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,9 +145,9 @@ def _rows(path, rows) -> str:
 
 
 def test_task_of_own_fields_suffix_and_reward_function(tmp_path, monkeypatch):
-    from qurl_jax import tasks
     from qurl_jax.data.tokenizer import build_char_tokenizer
-    from qurl_jax.tasks import build_model_and_task
+    from qurl_jax.train import tasks
+    from qurl_jax.train.tasks import build_model_and_task
 
     # The task without the policy's weights (initialising them is most of the time here).
     monkeypatch.setattr(tasks, "tiny_policy", lambda model, *a, **k: (
@@ -207,7 +207,7 @@ def test_prompt_key_without_answer_key_is_named():
 
 
 def test_prompt_fields_of_a_synthetic_task_are_named_as_ignored():
-    from qurl_jax.config import ignored_fields
+    from qurl_jax.config.base import ignored_fields
 
     c = _config(**{"data.task": "arithmetic", "data.prompt_suffix": ""})
     assert ignored_fields(c) == ["config.data.prompt_suffix is ignored: data.task='arithmetic' "
@@ -323,7 +323,7 @@ def quarter_or_raise(responses, answers):
 
 @pytest.mark.slow  # ~1 min: one RL step
 def test_trainer_takes_a_python_reward_function(tmp_path):
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.train.trainer import Trainer
 
     data = _rows(tmp_path / "d.jsonl", [{"problem": f"{a}+{b}", "answer": str(a + b)}
                                         for a in range(5) for b in range(5)])

@@ -1,15 +1,15 @@
-"""The memory plan and preflight of packed learner programs (`qurl_jax.packed_plan`): worst-case
+"""The memory plan and preflight of packed learner programs (`qurl_jax.learner.packed_plan`): worst-case
 shapes, the compiled programs taking them, and one-line errors naming train.pack_length /
 train.tokens_per_micro_batch. Tiny shapes; the learner programs are compiled, never run."""
 
 import numpy as np
 import pytest
 
-from qurl_jax import memory_plan as memory
-from qurl_jax import packed_plan, packing
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
+from qurl_jax.config.settings import RunSettings
+from qurl_jax.learner import packed_plan, packing
 from qurl_jax.models import ModelConfig
-from qurl_jax.settings import RunSettings
+from qurl_jax.plan import memory_plan as memory
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=32, intermediate_size=64,
                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, attention_bias=True)
@@ -103,8 +103,8 @@ def test_chain_task_lengths_compile_few_learner_programs():
     16 slots, replies of 50-107 tokens in 120, 2 minibatches, log-probs in slices of a
     minibatch): the packed learner's programs are keyed by their batch shapes, so the distinct
     shapes its packing gives are the programs it compiles. Host-side packing only."""
-    from qurl_jax import sharding as shd
-    from qurl_jax.learner import Learner, OptimConfig
+    from qurl_jax.learner.learner import Learner, OptimConfig
+    from qurl_jax.parallel import sharding as shd
     from qurl_jax.rl.objectives import ObjectiveConfig
 
     learner = Learner(CFG, ObjectiveConfig(), OptimConfig(), shd.make_mesh(), packing=True)
@@ -130,7 +130,7 @@ def test_chain_task_lengths_compile_few_learner_programs():
 
 
 @pytest.mark.slow  # 8 TPU compiles of a tiny learner (~1.5 min here)
-@pytest.mark.skipif(not __import__("qurl_jax.targets").targets.compiler_installed("tpu"),
+@pytest.mark.skipif(not __import__("qurl_jax.parallel.targets").targets.compiler_installed("tpu"),
                     reason="libtpu not installed (pip install -e .[tpu-compile])")
 def test_bench_learner_flops_counts_a_step(tmp_path):
     """`bench.learner --flops` on a tiny config for tpu:v5p-16: per-step totals are the
@@ -145,7 +145,7 @@ def test_bench_learner_flops_counts_a_step(tmp_path):
     with open(tmp_path / "shapes" / "tiny.json", "w") as f:
         json.dump(hf.config_to_hf(CFG), f)
     (tmp_path / "cfg.py").write_text(
-        "from qurl_jax.config import base_config\n"
+        "from qurl_jax.config.base import base_config\n"
         "def get_config():\n"
         "    c = base_config()\n"
         "    c.model.source, c.model.path, c.model.dtype = 'hf', 'checkpoints/tiny', 'bfloat16'\n"
@@ -167,8 +167,8 @@ def test_bench_learner_flops_counts_a_step(tmp_path):
 
 
 def test_config_validation_names_the_packing_fields():
-    from qurl_jax.config import validate
-    from qurl_jax.errors import ConfigError
+    from qurl_jax.config.base import validate
+    from qurl_jax.runtime.errors import ConfigError
 
     c = base_config()
     c.model.source, c.data.task = "tiny", "arithmetic"

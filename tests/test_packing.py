@@ -1,4 +1,4 @@
-"""Packed learner batches (`qurl_jax.packing`, `Learner(packing=True)`).
+"""Packed learner batches (`qurl_jax.learner.packing`, `Learner(packing=True)`).
 
 - packing itself: first-fit decreasing, positions restarting per sequence, segment ids, the gather
   index back to [B, G], bucket sizes, and one-line errors;
@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qurl_jax import packing
-from qurl_jax import sharding as shd
-from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.learner import packing
+from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, init_params
 from qurl_jax.models import attention as attn
+from qurl_jax.parallel import sharding as shd
 from qurl_jax.rl.objectives import ObjectiveConfig
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -293,7 +293,7 @@ def test_packed_learner_matches_padded(case):
 
 
 def test_split_rows_splits_each_array_by_its_own_rows():
-    from qurl_jax.learner import merge_rows, split_rows
+    from qurl_jax.learner.learner import merge_rows, split_rows
 
     batch = {"rows": jnp.arange(6 * 3).reshape(6, 3), "seqs": jnp.arange(16)}
     parts = split_rows(batch, 2)
@@ -329,7 +329,7 @@ def test_packed_learner_matches_padded_on_8_devices_with_micro_batches(attention
 @pytest.mark.slow  # four short tiny-model runs (~2 min here)
 @pytest.mark.parametrize("first", [False, True], ids=["padded_then_packed", "packed_then_padded"])
 def test_packed_run_reproduces_padded_run_and_resumes_across_layouts(tmp_path, first):
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.train.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     def config(packing_on):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from qurl_jax import memory_plan
 from qurl_jax.bench import memory as memory_bench
 from qurl_jax.bench import paged
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import ModelConfig
-from qurl_jax.settings import RunSettings
+from qurl_jax.plan import memory_plan
 
 # Made-up per-device figures: 1000 bytes of KV per token, rows of 32 + 256 tokens (288000 bytes),
 # a decode program of 5 MB whose cache is 4 such rows.

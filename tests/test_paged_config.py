@@ -11,14 +11,14 @@ import json
 import jax
 import pytest
 
-from qurl_jax import memory_plan
 from qurl_jax.bench import memory as memory_bench
-from qurl_jax.config import base_config, format_config, rollout_sampler_settings, validate
-from qurl_jax.errors import ConfigError
+from qurl_jax.config.base import base_config, format_config, rollout_sampler_settings, validate
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import ModelConfig, hf
+from qurl_jax.plan import memory_plan
+from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.sampling import KVPolicyConfig, RefillSampler
 from qurl_jax.sampling.factory import RolloutSamplerSettings, build_rollout_sampler
-from qurl_jax.settings import RunSettings
 
 
 def _tiny():
@@ -49,7 +49,7 @@ def test_fields_default_to_fixed_slots_and_reach_the_sampler_settings():
 
 def test_a_run_resumes_with_another_pool(tmp_path):
     # The pool changes where the KV lives, not the tokens: like max_concurrent_rows, resumable.
-    from qurl_jax import run_config
+    from qurl_jax.config import run_config
 
     run_config.check_and_save(base_config(), str(tmp_path), resuming=False)
     paged = base_config()
@@ -222,8 +222,8 @@ def test_trainer_rollout_through_a_page_pool_gives_the_static_result(tmp_path):
     import numpy as np
 
     from qurl_jax import quant
-    from qurl_jax.metrics import PhaseTimer
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.runtime.metrics import PhaseTimer
+    from qurl_jax.train.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     rollouts = {}

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from qurl_jax.models import PagedKVCache, param_logical_axes
+from qurl_jax.parallel.sharding import make_mesh, shard_params
 from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
-from qurl_jax.sharding import make_mesh, shard_params
 from tests.test_refill import LIMITS, PROMPTS6, _assert_prefix_equal
 from tests.test_sampler import TINY, _random_params
 
@@ -149,7 +149,7 @@ def test_each_shard_writes_its_own_pages_without_gathering_the_new_keys(qwen) ->
     # With the paged kernel (per shard), a global scatter into the pool all-gathered every row's
     # new keys and values to every device, each layer and token (f32[1, 8, 16] here); the write
     # now runs per shard too. The decode program, compiled on 8 host devices.
-    from qurl_jax.bench import collectives
+    from qurl_jax.plan import collectives
 
     cfg, params, _ = qwen
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
@@ -219,7 +219,7 @@ def test_paged_programs_compile_for_the_targets_with_their_kernels(target) -> No
     # Compile-only devices (libtpu, or the CUDA plugin: `.[tpu-compile]` / `.[gpu-compile]`):
     # the paged insert and decode on the slice's 8 devices (data 2 x fsdp 2 x tensor 2), bf16,
     # the decode reading pages with JAX's paged kernel per shard (Mosaic on TPU, Triton on GPU).
-    from qurl_jax.sharding import logical_shardings
+    from qurl_jax.parallel.sharding import logical_shardings
     from tests.compile_only import compiler_or_skip
 
     t = compiler_or_skip(target)

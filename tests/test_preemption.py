@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from qurl_jax.metrics import read_metrics
-from qurl_jax.preemption import PreemptionGuard
-from qurl_jax.trainer import Trainer
+from qurl_jax.runtime.metrics import read_metrics
+from qurl_jax.train.preemption import PreemptionGuard
+from qurl_jax.train.trainer import Trainer
 from tests.test_trainer import _last_rows, _main, tiny_config
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qurl_jax.metrics import read_metrics
+from qurl_jax.runtime.metrics import read_metrics
 from tests.test_multiprocess import MESH, RUN_TIMEOUT_S, _Children, _free_port, _wait_ok
 
 # Generous: on a loaded machine a 5 s heartbeat can lapse while both processes compile.

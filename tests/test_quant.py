@@ -26,6 +26,7 @@ from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.llama2c import load_llama2c
 from qurl_jax.models.params import init_params, param_logical_axes, token_logprobs
 from qurl_jax.models.transformer import KVCache, Transformer
+from qurl_jax.parallel.sharding import make_mesh, shard_params
 from qurl_jax.quant import (
     QuantFormat,
     QuantizedTensor,
@@ -41,7 +42,6 @@ from qurl_jax.quant import (
 )
 from qurl_jax.quant._requantize import _out_shardings
 from qurl_jax.quant._requantize import _requantize as _requantize_jit
-from qurl_jax.sharding import make_mesh, shard_params
 
 STORIES = pathlib.Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
 QUANT_RECIPES = ("int8", "int8_weight_only", "fp8", "fp8_block")
@@ -424,7 +424,7 @@ def test_quantized_vocab_forward_is_the_dequantized_tables(tied: bool) -> None:
 
 
 def test_rollout_settings_recipe_carries_quantize_vocab() -> None:
-    from qurl_jax.settings import RolloutSettings
+    from qurl_jax.config.settings import RolloutSettings
 
     assert RolloutSettings(precision="int8").recipe == get_recipe("int8", quantize_vocab=True)
     off = RolloutSettings(precision="fp8_block", quantize_vocab=False).recipe

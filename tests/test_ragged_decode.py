@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from qurl_jax import config as qconfig
+from qurl_jax.config import base as qconfig
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
-from qurl_jax.errors import ConfigError
 from qurl_jax.models import param_logical_axes
+from qurl_jax.parallel.sharding import make_mesh, shard_params
+from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.sampling import FinishReason, KVPolicyConfig, RefillSampler, Sampler, SamplingParams
 from qurl_jax.sampling._engine import Engine
 from qurl_jax.sampling.factory import RolloutSamplerSettings, build_rollout_sampler
-from qurl_jax.sharding import make_mesh, shard_params
 from tests.compile_only import compiler_or_skip
 from tests.test_sampler import PROMPTS, _abstract, _random_params
 

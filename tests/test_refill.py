@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from qurl_jax.models import KVCache, param_logical_axes
+from qurl_jax.parallel.sharding import make_mesh, shard_params
 from qurl_jax.sampling import FinishReason, RefillSampler, Sampler, SamplingParams
-from qurl_jax.sharding import make_mesh, shard_params
 from tests.test_sampler import PROMPTS, TINY, _random_params
 
 PROMPTS6 = PROMPTS + [[7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [3, 1], [90, 91, 92, 93, 94]]
@@ -320,7 +320,7 @@ def test_bad_arguments_raise(qwen) -> None:
 
 
 def test_trainer_switch() -> None:
-    from qurl_jax.config import base_config, refill_enabled, validate
+    from qurl_jax.config.base import base_config, refill_enabled, validate
 
     c = base_config()
     c.data.prompts_per_step, c.rollout.n = 8, 8
@@ -342,7 +342,7 @@ def test_trainer_switch() -> None:
 def test_trainer_rollout_refills_by_default_with_the_static_result(tmp_path) -> None:
     # 2 prompts x 4 samples through 4 slots: 'auto' (the default) refills; the step's metrics,
     # which come from the rollout's tokens and log-probs, are those of the static sampler.
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.train.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     metrics = {}
@@ -371,7 +371,7 @@ def test_prompt_pass_keeps_each_device_to_its_own_prompts(sampler_cls) -> None:
 
     from qurl_jax import quant
     from qurl_jax.models import init_params
-    from qurl_jax.sharding import logical_shardings
+    from qurl_jax.parallel.sharding import logical_shardings
 
     cfg = TINY["llama"]
     mesh = make_mesh(fsdp=8)

@@ -8,12 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from qurl_jax import paths, run_config
-from qurl_jax.config import base_config, validate
+from qurl_jax.config import run_config
+from qurl_jax.config.base import base_config, validate
 from qurl_jax.data.datasets import load_math_file
 from qurl_jax.data.tokenizer import build_char_tokenizer
 from qurl_jax.models import ModelConfig, init_params
 from qurl_jax.models.hf import load_hf, load_tokenizer, save_hf
+from qurl_jax.runtime import paths
 
 SMALL = ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=61, hidden_size=32,
                     intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,

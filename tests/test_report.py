@@ -1,4 +1,4 @@
-"""Per-run plots (qurl_jax.report) from a synthetic metrics.jsonl: a resumed run (steps logged
+"""Per-run plots (qurl_jax.runtime.report) from a synthetic metrics.jsonl: a resumed run (steps logged
 twice), nan/inf values, evaluation rows, and metrics some runs never log."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qurl_jax import report
+from qurl_jax.runtime import report
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_FIGURES = {"reward_accuracy.png", "response_length.png", "mismatch.png",
@@ -186,15 +186,15 @@ def _python(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_writes_the_plots_and_exits_0(tmp_path):
     _write_short_run(tmp_path)
-    proc = _python("-m", "qurl_jax.report", f"--workdir={tmp_path}")
+    proc = _python("-m", "qurl_jax.runtime.report", f"--workdir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(tmp_path / "plots" / "reward_accuracy.png"),
                                    str(tmp_path / "plots" / "response_length.png")]
-    proc = _python("-m", "qurl_jax.report", f"--workdir={tmp_path / 'none'}")
+    proc = _python("-m", "qurl_jax.runtime.report", f"--workdir={tmp_path / 'none'}")
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr
 
 
 def test_importing_report_does_not_import_matplotlib():
-    proc = _python("-c", "import sys, qurl_jax.report; print('matplotlib' in sys.modules)")
+    proc = _python("-c", "import sys, qurl_jax.runtime.report; print('matplotlib' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""Tests for qurl_jax.rollout_layout: the rollout's replicas over the learner's devices and the
+"""Tests for qurl_jax.parallel.rollout_layout: the rollout's replicas over the learner's devices and the
 once-per-step reshard of the quantized actor into them.
 
 Expected values come from one-device samplers on the one-device requantized actor (themselves
@@ -18,12 +18,12 @@ import pytest
 from flax import traverse_util
 
 from qurl_jax import quant
-from qurl_jax import rollout_layout as rl
-from qurl_jax.errors import MeshError
 from qurl_jax.models import param_logical_axes
+from qurl_jax.parallel import rollout_layout as rl
+from qurl_jax.parallel.sharding import make_mesh, shard_params
 from qurl_jax.quant import QuantizedTensor
+from qurl_jax.runtime.errors import MeshError
 from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
-from qurl_jax.sharding import make_mesh, shard_params
 from tests.test_refill import LIMITS, PROMPTS6, _assert_prefix_equal
 from tests.test_sampler import TINY, _random_params
 
@@ -158,7 +158,7 @@ def test_reshard_moves_codes_scales_and_no_float_kernel(qwen) -> None:
     cfg, params = qwen
     learner = _learner_mesh(1)
     master = shard_params(params, param_logical_axes(cfg), learner)
-    from qurl_jax.learner import Learner, OptimConfig
+    from qurl_jax.learner.learner import Learner, OptimConfig
     from qurl_jax.rl.objectives import ObjectiveConfig
 
     lrn = Learner(cfg, ObjectiveConfig(), OptimConfig(), learner)
@@ -229,10 +229,10 @@ def test_plan_tensor_sizes_the_larger_of_the_rollout_and_evaluation_replicas(mon
     # 'auto' must leave room for that replica too, not only for the int8 actor's.
     import os
 
-    from qurl_jax.config import load_config_file
+    from qurl_jax.config.base import load_config_file
+    from qurl_jax.config.settings import RunSettings
     from qurl_jax.models import init_params
-    from qurl_jax.settings import RunSettings
-    from qurl_jax.tasks import model_config_for
+    from qurl_jax.train.tasks import model_config_for
 
     seen = {}
     monkeypatch.setattr(rl, "resolve_tensor", lambda setting, **kw: seen.update(kw) or 1)
@@ -255,9 +255,8 @@ def test_tpu_decode_loop_moves_no_vocabulary_or_hidden_sized_operand(tmp_path) -
     # the rollout on 4 one-chip replicas. One iteration of the decode loop (a generated token)
     # may exchange per-slot flags, nothing the size of the vocabulary, the hidden state, the
     # MLP or the heads.
-    from qurl_jax import memory_plan
-    from qurl_jax.bench import collectives
-    from qurl_jax.settings import RunSettings
+    from qurl_jax.config.settings import RunSettings
+    from qurl_jax.plan import collectives, memory_plan
     from tests.compile_only import compiler_or_skip
     from tests.test_targets import SHAPE, _step_config
 
@@ -324,7 +323,7 @@ def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path) -> None:
 def _tiny_run(**fields):
     import os
 
-    from qurl_jax.config import load_config_file
+    from qurl_jax.config.base import load_config_file
 
     c = load_config_file(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
                                       "arith_tiny.py"))
@@ -348,8 +347,8 @@ def test_concurrent_rows_the_replicas_cannot_run_stop_the_trainer_up_front(tmp_p
                                                                             match) -> None:
     # Before the check, the static sampler stopped the first rollout (or evaluation) with a
     # traceback from inside `Sampler._prompts_per_chunk`.
-    from qurl_jax.errors import ConfigError
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.runtime.errors import ConfigError
+    from qurl_jax.train.trainer import Trainer
 
     with pytest.raises(ConfigError, match=match):
         Trainer(_tiny_run(**fields), str(tmp_path / "run"))
@@ -357,8 +356,8 @@ def test_concurrent_rows_the_replicas_cannot_run_stop_the_trainer_up_front(tmp_p
 
 
 def test_concurrent_rows_that_hold_a_group_pass() -> None:
-    from qurl_jax.config import validate
-    from qurl_jax.settings import RunSettings
+    from qurl_jax.config.base import validate
+    from qurl_jax.config.settings import RunSettings
 
     mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 2)  # 4 replicas
     for fields in ({"rollout.refill": "off", "rollout.max_concurrent_rows": 32},  # 8 x 4
@@ -370,7 +369,7 @@ def test_concurrent_rows_that_hold_a_group_pass() -> None:
 
 
 def test_reshard_in_buckets_gives_the_whole_reshard_with_smaller_programs(qwen) -> None:
-    from qurl_jax.memory_plan import compiled_memory
+    from qurl_jax.plan.memory_plan import compiled_memory
 
     cfg, params = qwen
     learner = _learner_mesh(1)
@@ -413,9 +412,9 @@ def test_reshard_in_buckets_gives_the_whole_reshard_with_smaller_programs(qwen) 
 
 
 def test_reshard_bucket_mib_reaches_the_settings_and_is_checked() -> None:
-    from qurl_jax.config import validate
-    from qurl_jax.errors import ConfigError
-    from qurl_jax.settings import RunSettings
+    from qurl_jax.config.base import validate
+    from qurl_jax.config.settings import RunSettings
+    from qurl_jax.runtime.errors import ConfigError
 
     assert RunSettings.from_config(validate(_tiny_run())).rollout.reshard_bucket_mib == 1024
     s = RunSettings.from_config(validate(_tiny_run(**{"rollout.reshard_bucket_mib": 0})))
@@ -425,7 +424,7 @@ def test_reshard_bucket_mib_reaches_the_settings_and_is_checked() -> None:
 
 
 def test_evaluation_draws_k_samples_in_rounds_a_chunk_can_hold(qwen) -> None:
-    from qurl_jax.tasks import samples_per_call
+    from qurl_jax.train.tasks import samples_per_call
 
     cfg, _ = qwen
     mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 1)  # 8 replicas
@@ -442,7 +441,7 @@ def test_evaluation_draws_k_samples_in_rounds_a_chunk_can_hold(qwen) -> None:
 def test_trainer_evaluates_k_samples_a_chunk_cannot_hold(tmp_path) -> None:
     # 8 one-device replicas, 8 rows at once, eval.k=4: 32 rows a chunk would need; the static
     # evaluation sampler used to stop with a traceback here, now it draws 2 rounds of 2 samples.
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.train.trainer import Trainer
 
     c = _tiny_run(**{"rollout.max_concurrent_rows": 8, "eval.max_examples": 8,
                      "eval.max_new_tokens": 4})

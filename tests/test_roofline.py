@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qurl_jax import targets
 from qurl_jax.bench import roofline
 from qurl_jax.bench.sampler import tail_limits
 from qurl_jax.models.config import ModelConfig
+from qurl_jax.parallel import targets
 
 TINY = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, dtype="bfloat16")

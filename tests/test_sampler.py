@@ -22,6 +22,7 @@ import transformers
 
 from qurl_jax.models import ModelConfig, Transformer, init_params, param_logical_axes
 from qurl_jax.models.hf import to_transformers
+from qurl_jax.parallel.sharding import make_mesh, shard_params
 from qurl_jax.sampling import (
     FinishReason,
     Sampler,
@@ -30,7 +31,6 @@ from qurl_jax.sampling import (
     generate,
     sample_tokens,
 )
-from qurl_jax.sharding import make_mesh, shard_params
 from tests.conftest import tiny_model
 
 STORIES = "/work/shared/models/stories260K/stories260K.bin"

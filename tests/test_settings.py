@@ -2,9 +2,15 @@
 
 import dataclasses
 
-from qurl_jax import warm_start
-from qurl_jax.config import base_config
-from qurl_jax.settings import DataSettings, ModelSettings, RunSettings, SftSettings, TinyShape
+from qurl_jax.config.base import base_config
+from qurl_jax.config.settings import (
+    DataSettings,
+    ModelSettings,
+    RunSettings,
+    SftSettings,
+    TinyShape,
+)
+from qurl_jax.train import warm_start
 
 
 def test_the_sections_defaults_are_the_configs():

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from qurl_jax.models import ModelConfig, Transformer, init_params, param_logical_axes
-from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec, make_mesh, shard_params
+from qurl_jax.parallel.sharding import batch_sharding, logical_to_mesh_spec, make_mesh, shard_params
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True)

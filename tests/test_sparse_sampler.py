@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from test_trainer import tiny_config
 
-from qurl_jax import memory_plan as memory
-from qurl_jax.config import base_config, kv_policy_from_config, validate
+from qurl_jax.config.base import base_config, kv_policy_from_config, validate
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import (
     KVCache,
     Transformer,
@@ -26,12 +26,12 @@ from qurl_jax.models import (
     positions_from_mask,
 )
 from qurl_jax.models.transformer import write_rows
+from qurl_jax.parallel.sharding import make_mesh, shard_params
+from qurl_jax.plan import memory_plan as memory
 from qurl_jax.rl.objectives import ObjectiveConfig, sparse_rl_rejections
 from qurl_jax.sampling import KVPolicyConfig, Sampler, SamplingMode, SamplingParams
 from qurl_jax.sampling._host import left_pad as _left_pad
-from qurl_jax.settings import RunSettings
-from qurl_jax.sharding import make_mesh, shard_params
-from qurl_jax.trainer import Trainer
+from qurl_jax.train.trainer import Trainer
 from tests.conftest import tiny_model
 
 CFG = tiny_model("qwen2")

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _study(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "qurl_jax.study", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "qurl_jax.study.runner", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env=env)
 
 

@@ -1,4 +1,4 @@
-"""Compile targets (`qurl_jax.targets`): target strings, and a run's programs compiled by a TPU's
+"""Compile targets (`qurl_jax.parallel.targets`): target strings, and a run's programs compiled by a TPU's
 and an H100's own compilers on compile-only devices, so a lowering that only one platform refuses
 fails here, on a machine without either. Installs nothing: the TPU case is skipped without libtpu
 (`pip install -e .[tpu-compile]`, which setup.sh installs), the GPU matrix without the CUDA
@@ -13,10 +13,11 @@ import sys
 import pytest
 from jax._src import hardware_utils
 
-from qurl_jax import memory_plan, targets
-from qurl_jax.config import base_config, validate
+from qurl_jax.config.base import base_config, validate
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import ModelConfig, hf
-from qurl_jax.settings import RunSettings
+from qurl_jax.parallel import targets
+from qurl_jax.plan import memory_plan
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAS_CUDA_PLUGIN = targets.compiler_installed("gpu")
@@ -150,7 +151,7 @@ def test_preflight_compiles_for_its_target(tmp_path):
     # plans for that slice, and stops before anything is written.
     from test_trainer import tiny_config
 
-    from qurl_jax.trainer import Trainer
+    from qurl_jax.train.trainer import Trainer
 
     c = tiny_config()
     c.train.preflight_target, c.train.memory_limit_gib = "tpu:v5e-4", 1e-6

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qurl_jax import targets
 from qurl_jax.models import attention as attn
 from qurl_jax.models.transformer import positions_from_mask
+from qurl_jax.parallel import targets
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 

@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 from qurl_jax import quant
-from qurl_jax.checkpoint import CheckpointMismatchError
-from qurl_jax.config import (
+from qurl_jax.config.base import (
     LOSS_MODES,
     PRECISIONS,
     base_config,
@@ -29,11 +28,12 @@ from qurl_jax.config import (
     optim_from_config,
     validate,
 )
-from qurl_jax.learner import Learner, OptimConfig
-from qurl_jax.metrics import PhaseTimer, read_metrics
+from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.rl.objectives import policy_loss
-from qurl_jax.rollout import Rollout, regenerate_groups
-from qurl_jax.trainer import Stream, Trainer, _Progress, stream_key
+from qurl_jax.runtime.checkpoint import CheckpointMismatchError
+from qurl_jax.runtime.metrics import PhaseTimer, read_metrics
+from qurl_jax.train.rollout import Rollout, regenerate_groups
+from qurl_jax.train.trainer import Stream, Trainer, _Progress, stream_key
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

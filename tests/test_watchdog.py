@@ -1,5 +1,5 @@
-"""The stall watchdog (`qurl_jax.watchdog`) and the program recorder of `train.check_collectives`
-(`qurl_jax.program_check`), in one process; their two-process behaviour is in
+"""The stall watchdog (`qurl_jax.runtime.watchdog`) and the program recorder of `train.check_collectives`
+(`qurl_jax.parallel.program_check`), in one process; their two-process behaviour is in
 tests/test_multiprocess_hangs.py."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qurl_jax import program_check
-from qurl_jax.metrics import PhaseTimer
-from qurl_jax.watchdog import EXIT_STALL, StallWatchdog, for_run
+from qurl_jax.parallel import program_check
+from qurl_jax.runtime.metrics import PhaseTimer
+from qurl_jax.runtime.watchdog import EXIT_STALL, StallWatchdog, for_run
 
 
 class _Clock:

@@ -43,14 +43,14 @@ import numpy as np
 
 from qurl_jax import quant
 from qurl_jax.bench.sampler import sampler_timer, tree_bytes
-from qurl_jax.config import load_config_file
-from qurl_jax.memory_plan import GIB, build_setup, compiled_memory, model_shape
+from qurl_jax.config.base import load_config_file
+from qurl_jax.config.settings import ModelSettings, RunSettings
 from qurl_jax.models import cast_floats
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
 from qurl_jax.models.params import init_params
+from qurl_jax.plan.memory_plan import GIB, build_setup, compiled_memory, model_shape
 from qurl_jax.sampling import Sampler
-from qurl_jax.settings import ModelSettings, RunSettings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
     use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     main()

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax import quant
-from qurl_jax import sharding as shd
-from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, init_params
+from qurl_jax.parallel import sharding as shd
 from qurl_jax.quant import fp8_block_linear
 from qurl_jax.rl.objectives import ObjectiveConfig, mismatch_metrics
 from qurl_jax.sampling import Sampler, SamplingParams
@@ -198,7 +198,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
     use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     main()

@@ -82,13 +82,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from qurl_jax import memory_plan, quant, targets
-from qurl_jax import sharding as shd
-from qurl_jax.bench import collectives, roofline
-from qurl_jax.config import load_config_file
+from qurl_jax import quant
+from qurl_jax.bench import roofline
+from qurl_jax.config.base import load_config_file
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import PagedKVCache
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.parallel import targets
+from qurl_jax.plan import collectives, memory_plan
 from qurl_jax.sampling.factory import build_rollout_sampler
-from qurl_jax.settings import RunSettings
 
 LAYOUTS = ("learner", "rollout", "replicated")
 PREDICTION = "prediction from the compiled program and public peak figures, not a measurement"

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
     use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     main()

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qurl_jax import sharding as shd
 from qurl_jax.bench.sampler import tail_limits
-from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, init_params, positions_from_mask
+from qurl_jax.parallel import sharding as shd
 from qurl_jax.rl.objectives import ObjectiveConfig
 
 
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.flops:
         if not args.config:
             ap.error("--flops needs --config")
-        from qurl_jax import targets
         from qurl_jax.bench import learner_flops
+        from qurl_jax.parallel import targets
 
         targets.use_cpu_unless_accelerator_attached()
         counted = learner_flops.count(args.config, args.target, args.seed)

@@ -36,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qurl_jax import memory_plan, packing, targets
-from qurl_jax import sharding as shd
-from qurl_jax.config import load_config_file
+from qurl_jax.config.base import load_config_file
+from qurl_jax.config.settings import RunSettings
+from qurl_jax.learner import packing
 from qurl_jax.models import init_params
-from qurl_jax.settings import RunSettings
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.parallel import targets
+from qurl_jax.plan import memory_plan
 
 
 def _spec(mesh: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:

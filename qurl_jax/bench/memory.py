@@ -1,10 +1,10 @@
-"""Per-device memory of a config's programs, compiled by a target's compiler (qurl_jax.memory_plan).
+"""Per-device memory of a config's programs, compiled by a target's compiler (qurl_jax.plan.memory_plan).
 
     python -m qurl_jax.bench.memory --config=configs/deepscaler_r1_1p5b_int8.py \
         [--target=cpu|tpu:v5p-16|gpu:h100-8] [--programs=learner_update,...] [--json=PATH]
         [--kv_capacity [--page_size=16]]
 
-`--target` (`qurl_jax.targets`) picks the compiler: `cpu` (default) builds the config's mesh on
+`--target` (`qurl_jax.parallel.targets`) picks the compiler: `cpu` (default) builds the config's mesh on
 this host's CPU devices (their count set to the mesh size), `tpu:...` / `gpu:...` on compile-only
 devices of that slice (needs `pip install -e .[tpu-compile]` / `.[gpu-compile]`; no accelerator).
 Prints each program's compiled argument / output / temp / peak bytes per device (the compiler's
@@ -45,9 +45,10 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from qurl_jax import memory_plan, targets
 from qurl_jax.bench import paged
-from qurl_jax.settings import RunSettings
+from qurl_jax.config.settings import RunSettings
+from qurl_jax.parallel import targets
+from qurl_jax.plan import memory_plan
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)

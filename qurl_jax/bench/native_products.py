@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qurl_jax import targets
+from qurl_jax.parallel import targets
 from qurl_jax.quant import fp8_block_linear, get_recipe, requantize, rollout_dot_general
 
 PRODUCTS = ("bf16", "int8_rollout", "fp8_rollout", "fp8_block_forward", "fp8_block_dgrad",

@@ -382,11 +382,11 @@ def reads_table(config_path: str, slots_list: list[int], actor_bytes: int, seed:
     long-tailed lengths, every prompt max_prompt_len) on one-device replicas of its mesh's
     devices, for each of `slots_list` rows per device, with every-slot and live KV reads; the
     bytes relative to the config's own slots with every slot read."""
-    from qurl_jax import memory_plan
     from qurl_jax.bench.memory import host_devices_for
     from qurl_jax.bench.sampler import tail_limits
-    from qurl_jax.config import load_config_file
-    from qurl_jax.settings import RunSettings
+    from qurl_jax.config.base import load_config_file
+    from qurl_jax.config.settings import RunSettings
+    from qurl_jax.plan import memory_plan
 
     c = load_config_file(config_path)
     settings = RunSettings.from_config(c)
@@ -419,8 +419,8 @@ def reads_table(config_path: str, slots_list: list[int], actor_bytes: int, seed:
 
 # ---------------------------------------------------------------------------------- compiles
 def _devices(target: str) -> list[Any]:
-    """One compile-only device of `target` ('h100' or 'v5p'), through `qurl_jax.targets`."""
-    from qurl_jax import targets
+    """One compile-only device of `target` ('h100' or 'v5p'), through `qurl_jax.parallel.targets`."""
+    from qurl_jax.parallel import targets
 
     names = {"h100": "gpu:h100-1", "v5p": "tpu:v5p-8"}
     if target not in names:
@@ -437,8 +437,8 @@ def compile_programs(target: str, rows_list: list[int], *, heads: int = 12, kv_h
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from qurl_jax.memory_plan import compiled_memory
     from qurl_jax.models import decode_attention as da
+    from qurl_jax.plan.memory_plan import compiled_memory
 
     device = _devices(target)[0]
     platform = "gpu" if target == "h100" else "tpu"

@@ -65,11 +65,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qurl_jax import quant, targets
-from qurl_jax import sharding as shd
+from qurl_jax import quant
 from qurl_jax.models import cast_floats, init_params
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.parallel import targets
 from qurl_jax.sampling import Sampler
 
 SHAPES_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes")

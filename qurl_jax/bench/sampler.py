@@ -52,7 +52,7 @@ paged tail / refill tail >= 0.90.
 `--cases layout` (not in the default; needs several devices, e.g. `XLA_FLAGS=
 --xla_force_host_platform_device_count=8`) times the int8 actor's `refill tail` in the learner's
 layout (the actor requantized on an FSDP mesh over every device, the sampler on that mesh, as
-before the rollout layout) and in the rollout layout (`qurl_jax.rollout_layout`: the codes
+before the rollout layout) and in the rollout layout (`qurl_jax.parallel.rollout_layout`: the codes
 resharded to one-device replicas, `--rollout-tensor` devices each), interleaved round by round,
 and the reshard's seconds. Host devices copy instead of crossing links and share the same cores,
 so this checks the mechanism, not an accelerator's speed-up.
@@ -318,9 +318,9 @@ def layouts(config: ModelConfig, params: Any, args: argparse.Namespace) -> dict[
     """The `layout` case (module docstring): tokens/s of the int8 actor's long tail in the
     learner's and the rollout's layout, and the reshard's seconds; prints and returns them."""
     from qurl_jax import quant
-    from qurl_jax import rollout_layout as rl
     from qurl_jax.models import param_logical_axes
-    from qurl_jax.sharding import make_mesh, shard_params
+    from qurl_jax.parallel import rollout_layout as rl
+    from qurl_jax.parallel.sharding import make_mesh, shard_params
 
     if jax.device_count() < 2:
         raise SystemExit("--cases layout: needs several devices (XLA_FLAGS="
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from qurl_jax.targets import use_cpu_unless_accelerator_attached
+    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
     use_cpu_unless_accelerator_attached()  # before JAX starts a backend
     main()

@@ -17,15 +17,15 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from qurl_jax import paths
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
-from qurl_jax.errors import ConfigError
-from qurl_jax.learner import OptimConfig
+from qurl_jax.learner.learner import OptimConfig
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
+from qurl_jax.runtime import paths
+from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.sampling import KVPolicyConfig, SamplingParams
 from qurl_jax.sampling.factory import DECODE_ATTENTION, RolloutSamplerSettings
 
@@ -245,14 +245,14 @@ def base_config() -> ml_collections.ConfigDict:
     # than the device has (naming the knob to change): 'auto' when the programs are compiled for
     # an accelerator only, 'on' also for the CPU (then memory_limit_gib must be set), 'off'.
     c.train.preflight = "auto"
-    # What the preflight compiles for (`qurl_jax.targets`): '' = this run's own devices, or a
+    # What the preflight compiles for (`qurl_jax.parallel.targets`): '' = this run's own devices, or a
     # machine this host need not have, by its compiler on compile-only devices (`tpu:v5p-16`,
     # `gpu:h100-8`; needs `pip install -e .[tpu-compile]` / `.[gpu-compile]`), e.g. to check on a
     # workstation that the run fits the slice it is meant for.
     c.train.preflight_target = ""
     # Per device; 0 = the device's own limit (a preflight target: 85% of its chip's memory).
     c.train.memory_limit_gib = 0.0
-    # JAX's persistent compilation cache (`qurl_jax.compilation`), which `python -m qurl_jax.main`
+    # JAX's persistent compilation cache (`qurl_jax.runtime.compilation`), which `python -m qurl_jax.main`
     # turns on: 'auto' = <workdir>/compile_cache, '' = none, else a directory or URL (share one
     # across runs of the same shapes). A restarted run, and the first step after the memory
     # preflight, load their programs from it instead of compiling them again.
@@ -261,7 +261,7 @@ def base_config() -> ml_collections.ConfigDict:
     # 'wandb' (Weights & Biases; skipped with a warning when not installed; WANDB_MODE=offline).
     c.train.loggers = ("tensorboard",)
     c.train.wandb_project = "qurl_jax"  # the W&B project of train.loggers 'wandb'
-    # Stall watchdog (`qurl_jax.watchdog`): a step phase running past this many seconds ends
+    # Stall watchdog (`qurl_jax.runtime.watchdog`): a step phase running past this many seconds ends
     # every process with its stacks in <workdir>/stall-<process>.txt and exit code 75, for a
     # restart from the last checkpoint. 0 = on in multi-process runs only, with the automatic
     # limit max(10 x the slowest phase seen, 600 s) (1800 s until the first step ends); > 0 = on
@@ -269,7 +269,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.stall_timeout_s = 0.0
     # Debug: every step, compare across processes a fingerprint of the jitted programs each
     # dispatched (names, shapes, shardings); a difference stops the run naming the first one
-    # (`qurl_jax.program_check`). Costs a hash per dispatch and a small collective per step.
+    # (`qurl_jax.parallel.program_check`). Costs a hash per dispatch and a small collective per step.
     c.train.check_collectives = False
 
     c.eval = ml_collections.ConfigDict()
@@ -543,12 +543,12 @@ def _check_paging(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.rollout.kv_pages={r.kv_pages}: a paged KV pool does not "
                           f"take the compressing rollout.kv_policy={r.kv_policy!r}; set one "
                           "of them to 0 / 'dense'")
-    from qurl_jax.rollout_layout import parse_tensor
+    from qurl_jax.parallel.rollout_layout import parse_tensor
 
     tensor = parse_tensor(r.get("tensor", "auto"))
     if -1 in (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) or tensor is None:
         return  # the batch shards are known once the mesh is built: the sampler checks
-    # The rollout's batch shards are its replicas (`qurl_jax.rollout_layout`).
+    # The rollout's batch shards are its replicas (`qurl_jax.parallel.rollout_layout`).
     shards = (c.mesh.data * c.mesh.dcn.data * c.mesh.fsdp * c.mesh.dcn.fsdp * c.mesh.tensor
               * c.mesh.dcn.tensor) // tensor
     if r.kv_pages % shards:
@@ -611,7 +611,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rl.kl_estimator, KL_ESTIMATORS, "rl.kl_estimator")
     _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
     _choice(c.rollout.refill, REFILL, "rollout.refill")
-    from qurl_jax.rollout_layout import parse_tensor
+    from qurl_jax.parallel.rollout_layout import parse_tensor
 
     try:
         parse_tensor(c.rollout.tensor)
@@ -620,7 +620,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rl.filter_metric, FILTER_METRICS, "rl.filter_metric")
     _choice(c.train.preflight, ("auto", "on", "off"), "train.preflight")
     if c.train.preflight_target:
-        from qurl_jax import targets
+        from qurl_jax.parallel import targets
 
         try:
             targets.parse(c.train.preflight_target)
@@ -653,11 +653,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
     _check_paging(c)
-    from qurl_jax.checks import check_context, check_learnable
+    from qurl_jax.config.checks import check_context, check_learnable
 
     check_context(c)
     check_learnable(c)
-    from qurl_jax.checks import check_packing
+    from qurl_jax.config.checks import check_packing
 
     check_packing(c)
     try:

@@ -31,9 +31,9 @@ import os
 
 import ml_collections
 
-from qurl_jax import paths
-from qurl_jax.errors import ConfigError
-from qurl_jax.settings import RunSettings
+from qurl_jax.config.settings import RunSettings
+from qurl_jax.runtime import paths
+from qurl_jax.runtime.errors import ConfigError
 
 
 def model_positions(c: ml_collections.ConfigDict) -> tuple[int, str] | None:
@@ -114,7 +114,7 @@ def check_learnable(c: ml_collections.ConfigDict) -> None:
 
 def slow_settings(c: ml_collections.ConfigDict) -> list[str]:
     """One warning line per setting that makes the rollout decode one row at a time."""
-    from qurl_jax.config import refill_enabled
+    from qurl_jax.config.base import refill_enabled
 
     r = c.rollout
     rows = c.data.prompts_per_step * r.n
@@ -141,8 +141,8 @@ def check_task_data(s: RunSettings) -> None:
     """Reads the run's data as the task will and checks it (module docstring); logs nothing and
     writes nothing; `DataError` (one line naming the field and file) on the first failure. A
     passed check is remembered for the process (`main` and then the trainer ask for the same)."""
-    from qurl_jax import tasks
-    from qurl_jax.errors import DataError
+    from qurl_jax.runtime.errors import DataError
+    from qurl_jax.train import tasks
 
     train, eval_sets, template = tasks.task_examples(s, log=False)
     tokenizer = tasks.task_tokenizer(s.model)
@@ -176,7 +176,7 @@ def check_packing(c: ml_collections.ConfigDict) -> None:
     `train.packing`."""
     if not c.train.packing:
         return
-    from qurl_jax import packed_plan
+    from qurl_jax.learner import packed_plan
 
     longest = c.data.max_prompt_len + c.rollout.max_new_tokens
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 
-from qurl_jax.config import base_config
+from qurl_jax.config.base import base_config
 
 
 def tuple_fields() -> set[str]:

@@ -16,8 +16,8 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from qurl_jax import paths
-from qurl_jax.errors import ConfigError
+from qurl_jax.runtime import paths
+from qurl_jax.runtime.errors import ConfigError
 
 
 class ResumeConfigError(ConfigError):

@@ -9,7 +9,7 @@ section it needs: `ModelSettings` to build the model, `DataSettings` for the pro
 `TrainSettings` for the learner, and `RolloutSettings`, `MeshSizes` (with the others) for the
 memory plan of the run's programs. Each section has one converter, `from_config`, which copies
 values; the typed configs the sections hold (objective, KV policy, optimizer, rollout sampler,
-evaluation) are converted by `qurl_jax.config`, whose converters name a bad field.
+evaluation) are converted by `qurl_jax.config.base`, whose converters name a bad field.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from qurl_jax import quant
-from qurl_jax.config import (
+from qurl_jax.config.base import (
     EvalSettings,
     chain_config,
     eval_settings,
@@ -31,10 +31,10 @@ from qurl_jax.config import (
 from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
-from qurl_jax.learner import Learner, OptimConfig
+from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig
-from qurl_jax.paths import data_path
 from qurl_jax.rl.objectives import ObjectiveConfig
+from qurl_jax.runtime.paths import data_path
 from qurl_jax.sampling.factory import RolloutSamplerSettings
 
 
@@ -166,7 +166,7 @@ class RolloutSettings:
     max_new_tokens: int = 1024
     temperature: float = 1.0
     sampler: RolloutSamplerSettings = RolloutSamplerSettings(rows_per_step=8 * 8)  # data's 8
-    tensor: str = "auto"  # the rollout replicas' tensor degree (`qurl_jax.rollout_layout`)
+    tensor: str = "auto"  # the rollout replicas' tensor degree (`qurl_jax.parallel.rollout_layout`)
     reshard_bucket_mib: int = 1024  # per device per reshard program (0 = the whole actor)
     quantize_vocab: bool = True  # embedding and LM head as int8 codes (`quant.Recipe`)
 

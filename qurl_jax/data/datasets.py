@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from qurl_jax import paths
+from qurl_jax.runtime import paths
 
 # The math task's default `data.prompt_suffix`, appended to every problem.
 PROMPT_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."

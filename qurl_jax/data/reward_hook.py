@@ -38,8 +38,8 @@ from typing import Any
 from absl import logging
 
 from qurl_jax.data.rewards import RewardComputer
-from qurl_jax.errors import ConfigError
-from qurl_jax.paths import data_path
+from qurl_jax.runtime.errors import ConfigError
+from qurl_jax.runtime.paths import data_path
 
 FIELD = "config.reward.function"
 SIGNATURE = "(responses: list[str], answers: list[str][, prompts: list[str]]) -> list[float]"

@@ -2,7 +2,7 @@
 
 Both functions are compiled once with explicit `NamedSharding`s over the mesh
 `(data, fsdp, tensor)`: parameters and optimizer state follow the logical-axis rules of
-`qurl_jax.sharding`, batch arrays are split over `data x fsdp` on their leading axis.
+`qurl_jax.parallel.sharding`, batch arrays are split over `data x fsdp` on their leading axis.
 Parameters and optimizer state are donated to the update, so the step runs in place.
 
 Sequences are laid out as `[prompt (left-padded to P) | response (G slots)]`; the log-prob of
@@ -15,7 +15,7 @@ The update accumulates gradients over `num_micro_batches` slices of the batch wi
 gradient), clips the global norm, and applies AdamW. Memory is bounded by a few knobs (see
 `Learner`): micro-batches, per-layer rematerialisation, response-only log-probs computed in chunks
 of positions, and the model's attention implementation (blockwise above a length threshold);
-`qurl_jax.memory_plan` (`python -m qurl_jax.bench.memory`) compiles both programs for a config and
+`qurl_jax.plan.memory_plan` (`python -m qurl_jax.bench.memory`) compiles both programs for a config and
 reports their memory.
 The training precision (`Learner(precision=...)`, `train.precision`) is bound inside both
 programs, per (micro-)batch: 'fp' runs float matmuls; 'fp8_block' runs every linear layer of the
@@ -27,7 +27,7 @@ the metrics (`update/skipped`), so the trainer can count bad steps without losin
 state.
 
 Packing (`Learner(packing=True)`, `train.packing`): `logprobs` and `update` take the same padded
-batch, but pack its sequences (`qurl_jax.packing`, host-side, each process its own rows) into rows
+batch, but pack its sequences (`qurl_jax.learner.packing`, host-side, each process its own rows) into rows
 of `pack_length` tokens per micro-batch slice before the jitted program runs: the programs then
 compute only real tokens plus at most a bucket's worth of empty rows, and `resp_index` gathers the
 response log-probs back to [B, G], so the objective sees exactly what the padded layout gives it.
@@ -45,10 +45,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from qurl_jax import distributed as dist
-from qurl_jax import packing as packing_lib
 from qurl_jax import quant
-from qurl_jax import sharding as shd
+from qurl_jax.learner import packing as packing_lib
 from qurl_jax.models import (
     ModelConfig,
     Remat,
@@ -57,6 +55,8 @@ from qurl_jax.models import (
     lm_head_logits,
     param_logical_axes,
 )
+from qurl_jax.parallel import distributed as dist
+from qurl_jax.parallel import sharding as shd
 from qurl_jax.rl.objectives import ObjectiveConfig, loss_weight, policy_loss
 
 Batch = dict[str, jax.Array]
@@ -100,7 +100,7 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
                              ) -> tuple[jax.Array, jax.Array | None]:
     """`response_logprobs` of packed rows: f32[B, G] (and entropies) of the sequences whose
     response slots `resp_index` i32[B, G] points into rows {tokens, positions, segment_ids,
-    attn_mask} [R, L] (`qurl_jax.packing`).
+    attn_mask} [R, L] (`qurl_jax.learner.packing`).
 
     The LM head runs on every packed position (in chunks), each predicting the next token of its
     row; a response token's log-prob is then read at the position before it. Padding slots read

@@ -1,7 +1,7 @@
 """Shapes of the learner's packed programs, for planning them before any data exists.
 
 With `train.packing` the learner's programs run on rows of `pack_length` tokens whose count
-depends on the step's lengths (`qurl_jax.packing`). A plan (`qurl_jax.memory_plan`, the
+depends on the step's lengths (`qurl_jax.learner.packing`). A plan (`qurl_jax.plan.memory_plan`, the
 trainer's preflight) has no lengths, so it takes the worst case the packer can produce: every
 sequence longer than half a row, one sequence per row. Then
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from qurl_jax import packing
+from qurl_jax.learner import packing
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ rounded up to a bucket (`bucket_rows`: 8 steps per doubling, so at most 1/8 of t
 padding and a run compiles few shapes); the padding rows are empty (no real token, no loss).
 
 Everything here is host-side numpy on this process's own rows: in a multi-process run every
-process packs its block and the row counts are agreed on (`qurl_jax.learner.Learner`).
+process packs its block and the row counts are agreed on (`qurl_jax.learner.learner.Learner`).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
-from qurl_jax import paths
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from qurl_jax.runtime import paths
 
 Params = dict[str, Any]
 
@@ -383,7 +383,7 @@ def load_hf(path: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[ModelCon
       ValueError naming the missing/unexpected/mis-shaped tensor and its file, the unsupported
       model_type, or the missing config field.
 
-    A URL (gs://...) is copied to a local cache first (`qurl_jax.paths.local_copy`).
+    A URL (gs://...) is copied to a local cache first (`qurl_jax.runtime.paths.local_copy`).
     """
     path = paths.local_copy(path)
     config = config_from_hf(_read_json(os.path.join(path, "config.json")))

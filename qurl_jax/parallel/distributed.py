@@ -33,7 +33,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from qurl_jax.sharding import batch_sharding
+from qurl_jax.parallel.sharding import batch_sharding
 
 # Environment variables that mark a cluster `jax.distributed.initialize()` can join without
 # arguments, by name (all of a tuple's variables must be set).

@@ -42,9 +42,9 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from qurl_jax import sharding as shd
-from qurl_jax.errors import ConfigError, MeshError
+from qurl_jax.parallel import sharding as shd
 from qurl_jax.quant._qtensor import QuantizedTensor
+from qurl_jax.runtime.errors import ConfigError, MeshError
 
 __all__ = ["DEFAULT_BUCKET_MIB", "Reshard", "actor_shardings", "check_concurrent_rows",
            "parse_tensor", "resolve_tensor", "rollout_mesh", "tree_bytes_per_device"]

@@ -19,7 +19,7 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from qurl_jax.errors import MeshError
+from qurl_jax.runtime.errors import MeshError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -37,7 +37,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("cache_length", None),
 )
 
-# The rollout's replicas (`qurl_jax.rollout_layout`, a mesh whose 'data' axis is the replicas and
+# The rollout's replicas (`qurl_jax.parallel.rollout_layout`, a mesh whose 'data' axis is the replicas and
 # whose 'fsdp' axis is 1): no weight sharded over fsdp; heads, MLP and kv heads over the rollout's
 # tensor axis; the embedding and the LM head whole on every device (a vocabulary-sharded head
 # would gather every slot's logits every token); rows, slots and pages over the replicas.

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import jax
 
-from qurl_jax.errors import UserError
+from qurl_jax.runtime.errors import UserError
 
 GIB = 1 << 30
 

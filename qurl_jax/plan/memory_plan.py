@@ -1,14 +1,14 @@
 """Per-device memory of a run's programs, compiled for a target: XLA's buffer sizes and an estimate.
 
 `report(settings, shapes_dir, target)` compiles every program of `PROGRAMS` for a run's typed
-settings (`qurl_jax.settings.RunSettings.from_config` of its config) and returns their figures;
+settings (`qurl_jax.config.settings.RunSettings.from_config` of its config) and returns their figures;
 `preflight(setup, limit_bytes)` is the trainer's check before its first step;
 `python -m qurl_jax.bench.memory --config=... --target=...` is the command line over `report`.
 
 Nothing is loaded or allocated: the model shape comes from `configs/shapes/<model dir name>.json`
 (the `config.json` of the model `model.path` names; a real checkpoint's own `config.json` wins when
 `model.path` exists), parameters and optimizer state are `jax.eval_shape` structures carrying
-their mesh shardings, and the config's mesh is built on the target's devices (`qurl_jax.targets`:
+their mesh shardings, and the config's mesh is built on the target's devices (`qurl_jax.parallel.targets`:
 this host's CPU devices, or compile-only TPU / H100 devices). Each program is lowered and compiled
 by the target's compiler at the config's largest shapes (prompt `data.max_prompt_len` + response
 `rollout.max_new_tokens`), and `compiled.memory_analysis()` gives its per-device argument,
@@ -19,7 +19,7 @@ output, temp and peak bytes:
 - `learner_logprobs`: the log-prob recomputation of the whole rollout batch, in slices of one
   micro-batch;
   with `train.packing` (the default) both run on packed rows at the worst case the packer can
-  give them (`qurl_jax.packed_plan`: one sequence per row of `train.pack_length`; with
+  give them (`qurl_jax.learner.packed_plan`: one sequence per row of `train.pack_length`; with
   `train.tokens_per_micro_batch`, the most token-budget micro-batches);
 - `requantize`: the rollout actor made from the learner's sharded parameters (`rollout.precision`);
 - `rollout_prefill` / `rollout_decode`: the sampler's programs for one rollout chunk
@@ -70,15 +70,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qurl_jax import distributed as dist
-from qurl_jax import native_pick, packed_plan, quant, rollout_layout, targets
-from qurl_jax import sharding as shd
-from qurl_jax.bench import collectives
-from qurl_jax.errors import UserError
-from qurl_jax.learner import Learner
+from qurl_jax import quant
+from qurl_jax.config.settings import MeshSizes, ModelSettings, RunSettings
+from qurl_jax.learner import packed_plan
+from qurl_jax.learner.learner import Learner
 from qurl_jax.models import ModelConfig, PagedKVCache, hf, init_params, param_logical_axes
+from qurl_jax.parallel import distributed as dist
+from qurl_jax.parallel import rollout_layout, targets
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.plan import collectives, native_pick
+from qurl_jax.runtime.errors import UserError
 from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
-from qurl_jax.settings import MeshSizes, ModelSettings, RunSettings
 
 GIB = 1 << 30
 # A program fits a chip when its planned peak is at most this share of the chip's memory (the
@@ -135,7 +137,7 @@ class Setup:
 
     @functools.cached_property
     def rollout_mesh(self) -> Mesh:
-        """The rollout's replicas over the mesh's devices (`qurl_jax.rollout_layout`); 'auto' is
+        """The rollout's replicas over the mesh's devices (`qurl_jax.parallel.rollout_layout`); 'auto' is
         1 here (the plan compiles it; the trainer checks the device's memory)."""
         tensor = rollout_layout.parse_tensor(self.settings.rollout.tensor) or 1
         return rollout_layout.rollout_mesh(self.mesh, tensor)
@@ -195,7 +197,7 @@ def _abstract_batch(setup: Setup, rows: int, keys: tuple[str, ...]) -> dict[str,
 
 
 def _packed_shapes(setup: Setup, program: str) -> packed_plan.PackedShapes | None:
-    """The worst-case packed shapes (`qurl_jax.packed_plan`) of the learner's `program`
+    """The worst-case packed shapes (`qurl_jax.learner.packed_plan`) of the learner's `program`
     ('update': one minibatch; 'logprobs': the whole rollout), None without `train.packing`."""
     learner = setup.learner
     if not learner.packing:
@@ -350,7 +352,7 @@ def requantize(setup: Setup) -> Program:
 
 def reshard(setup: Setup) -> Program:
     """The actor's codes and scales moved from the learner's layout to the rollout's replicas,
-    every step (`qurl_jax.rollout_layout.Reshard`): its largest bucket's program (the whole
+    every step (`qurl_jax.parallel.rollout_layout.Reshard`): its largest bucket's program (the whole
     actor with `rollout.reshard_bucket_mib=0`). While it runs, the buckets before it are
     already on the replicas: the replica's share is in `rollout_decode`'s arguments."""
     r = setup.reshard
@@ -439,7 +441,7 @@ def _eval(setup: Setup, name: str) -> Program:
     samples it) at its largest chunk: `rollout.max_concurrent_rows` rows (without it,
     `eval.max_examples` or else `data.prompts_per_step` problems), as many of `eval.k` samples
     a problem as a call draws (`tasks.samples_per_call`), responses of `eval.max_new_tokens`."""
-    from qurl_jax.tasks import samples_per_call
+    from qurl_jax.train.tasks import samples_per_call
 
     run = setup.settings
     g = run.eval.max_new_tokens

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from qurl_jax.distributed import to_host
+from qurl_jax.parallel.distributed import to_host
 from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
 
 

@@ -6,7 +6,7 @@ std), Dr.GRPO (minus the mean only) and RLOO (minus the mean of the *other* memb
 given either as integer ids i32[B] in [0, B), in any order, or as `group_size` G for the common
 contiguous layout [p0 x G, p1 x G, ...]. Also here: DAPO's dynamic-sampling filter, which reports
 the groups whose rewards are all equal (zero advantage, zero gradient) so the trainer can drop and
-regenerate them (`qurl_jax.rollout`), and DAPO's soft overlong penalty. Formulas:
+regenerate them (`qurl_jax.train.rollout`), and DAPO's soft overlong penalty. Formulas:
 docs/methods.md section 1.
 """
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qurl_jax._enums import coerce_enum_fields
+from qurl_jax.runtime.enums import coerce_enum_fields
 
 Array = jax.Array
 

@@ -37,7 +37,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from qurl_jax.errors import UserError
+from qurl_jax.runtime.errors import UserError
 
 # Sub-directory of the checkpoint directory that unreadable checkpoints are moved to.
 CORRUPT_DIR = "corrupt"

@@ -29,7 +29,7 @@ import threading
 import jax
 from absl import logging
 
-from qurl_jax.metrics import join, local_abspath
+from qurl_jax.runtime.metrics import join, local_abspath
 
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 _HIT = "/jax/compilation_cache/cache_hits"

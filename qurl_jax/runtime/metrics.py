@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from qurl_jax.paths import is_url, join, local_abspath  # noqa: F401 - re-exported
+from qurl_jax.runtime.paths import is_url, join, local_abspath  # noqa: F401 - re-exported
 
 
 def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -172,7 +172,7 @@ class PhaseTimer:
     """Accumulates seconds per named phase: `with timer.phase('rollout'): ...`.
 
     listener: told when each phase starts and ends (`enter(name)` / `leave(name)`), e.g. the
-    stall watchdog (`qurl_jax.watchdog.StallWatchdog`); None = nobody.
+    stall watchdog (`qurl_jax.runtime.watchdog.StallWatchdog`); None = nobody.
     """
 
     def __init__(self, listener: Any = None) -> None:

@@ -1,6 +1,6 @@
 """Plots of a run's `<workdir>/metrics.jsonl`, written as PNGs to `<workdir>/plots/`.
 
-    python -m qurl_jax.report --workdir=DIR
+    python -m qurl_jax.runtime.report --workdir=DIR
 
 One figure per concern, each skipped when the run logged none of its metrics:
 
@@ -438,7 +438,7 @@ def compare_runs(runs: Mapping[str, str | os.PathLike | Sequence[str | os.PathLi
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qurl_jax.report",
+    parser = argparse.ArgumentParser(prog="python -m qurl_jax.runtime.report",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", required=True, help="run directory with metrics.jsonl")
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ whatever chunk or slot it lands in.
 The same code path serves full-precision parameters and quantized rollout parameters: the
 model's `dot_general` hook and the parameter pytree are supplied from outside (`qurl_jax.quant`).
 Under a mesh rows are sharded over ('data', 'fsdp') and the cache's kv heads over 'tensor';
-parameters are expected to be placed already (`qurl_jax.sharding.shard_params`).
+parameters are expected to be placed already (`qurl_jax.parallel.sharding.shard_params`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from qurl_jax.models.transformer import (
     cast_floats,
     put_tokens,
 )
+from qurl_jax.parallel.sharding import activation_pinner, logical_to_mesh_spec
+from qurl_jax.parallel.targets import platform_of
 from qurl_jax.quant import QuantizedTensor, pack_for_decode
 from qurl_jax.sampling._cache import Cache, Paging, cache_layout
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
@@ -61,8 +63,6 @@ from qurl_jax.sampling._host import (
 from qurl_jax.sampling._kv_policy import KVPolicyConfig
 from qurl_jax.sampling._output import finish_reasons
 from qurl_jax.sampling.settings import Decoding, SamplingParams
-from qurl_jax.sharding import activation_pinner, logical_to_mesh_spec
-from qurl_jax.targets import platform_of
 
 DECODE_ATTENTION = ("auto", "xla", "pallas")  # `Engine.decode_attention` choices
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes

@@ -12,12 +12,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qurl_jax.models.transformer import KVCache
+from qurl_jax.parallel.sharding import batch_sharding, logical_to_mesh_spec
 from qurl_jax.sampling._output import SampleOutput
-from qurl_jax.sharding import batch_sharding, logical_to_mesh_spec
 
 Params = dict[str, Any]
 
-ROW_AXES = ("batch",)  # logical axes (`qurl_jax.sharding`) of a per-row vector [R]
+ROW_AXES = ("batch",)  # logical axes (`qurl_jax.parallel.sharding`) of a per-row vector [R]
 
 
 def cache_axes(batch: str | None = "batch") -> KVCache:

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qurl_jax._enums import coerce_enum_fields
+from qurl_jax.runtime.enums import coerce_enum_fields
 
 # The reference normalises keys by (norm + 1e-8), so an all-zero key has cosine 0 with everything.
 _NORM_EPS = 1e-8

@@ -236,13 +236,13 @@ class RefillSampler:
                                  f"max_new_tokens={max_new_tokens}]")
         blocks, local_prompts = 1, prompts
         if process_local and e.mesh is not None and jax.process_count() > 1:
-            from qurl_jax import distributed
+            from qurl_jax.parallel import distributed
 
             block, blocks = distributed.row_block(e.mesh)
             prompts, limits = _gather_blocks(prompts, limits, block, blocks)
         out, rows = self._run(params, prompts, limits, blocks, settings, key=key, n=n)
         if blocks > 1:
-            from qurl_jax import distributed
+            from qurl_jax.parallel import distributed
 
             host = {name: distributed.local_rows(x)[: b * n] for name, x in out.items()}
             tokens, mask = left_pad(local_prompts, rows["p_len"], b, e.pad_id)
@@ -691,7 +691,7 @@ def _gather_blocks(prompts: Sequence[Sequence[int]], limits: np.ndarray, block: 
     prompts): the global batch of a one-process call."""
     from jax.experimental import multihost_utils
 
-    from qurl_jax import distributed
+    from qurl_jax.parallel import distributed
 
     b = len(prompts)
     if distributed.agree_max(b) != b or distributed.agree_max(-b) != -b:

@@ -85,7 +85,7 @@ class Sampler:
             `max_concurrent_rows` is.
           n: samples per prompt (rows b*n .. b*n+n-1 belong to prompt b).
           process_local: `prompts` are this process's block of a global batch spread over the
-            processes of a multi-process run (`qurl_jax.distributed.row_block`; every process
+            processes of a multi-process run (`qurl_jax.parallel.distributed.row_block`; every process
             passes as many prompts and calls `sample` together); the output holds this process's
             rows as host numpy arrays. Rows draw the same tokens as in a one-process call with the
             whole batch (the prompt bucket is agreed over the processes and row i of the global
@@ -94,7 +94,7 @@ class Sampler:
         e = self.engine
         block, blocks = 0, 1
         if process_local and e.mesh is not None and jax.process_count() > 1:
-            from qurl_jax import distributed
+            from qurl_jax.parallel import distributed
 
             block, blocks = distributed.row_block(e.mesh)
         settings = e.check(prompts, n, settings)
@@ -148,7 +148,7 @@ class Sampler:
     def _local_output(chunks: list[dict[str, jax.Array]], tokens: np.ndarray, mask: np.ndarray,
                       real: int, n: int, settings: SamplingParams) -> SampleOutput:
         """A process-local call's output: its rows, read back from this process's devices."""
-        from qurl_jax.distributed import local_rows
+        from qurl_jax.parallel.distributed import local_rows
 
         host = {name: np.concatenate([local_rows(r[name]) for r in chunks])[:real]
                 for name in SampleOutput.PER_ROW}

@@ -22,7 +22,7 @@ __all__ = ["DECODE_ATTENTION", "REFILL_MODES", "RolloutSamplerSettings", "build_
 @dataclasses.dataclass(frozen=True)
 class RolloutSamplerSettings:
     """How a run's rollouts are sampled (typed from `config.rollout`, see
-    `qurl_jax.config.rollout_sampler_settings`).
+    `qurl_jax.config.base.rollout_sampler_settings`).
 
     refill: continuous batching (`RefillSampler`): 'on', 'off' (the static chunked `Sampler`) or
       'auto' = on when rows wait for a slot (max_concurrent_rows < rows_per_step), the only case

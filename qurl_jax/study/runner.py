@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from qurl_jax import report
-from qurl_jax.config import load_config_file, validate
+from qurl_jax.config.base import load_config_file, validate
+from qurl_jax.runtime import report
 
 RKV = {"rollout.kv_policy": "rkv", "rollout.kv_budget": 64, "rollout.kv_interval": 16}
 
@@ -139,8 +139,8 @@ def quick_overrides() -> dict[str, Any]:
 
 def build_warm_start(config_path: str, out: str, base: Mapping[str, Any]) -> str:
     """Builds (or reuses) the warm start every run loads; returns its Hugging Face directory."""
-    from qurl_jax import tasks
-    from qurl_jax.settings import RunSettings
+    from qurl_jax.config.settings import RunSettings
+    from qurl_jax.train import tasks
 
     c = load_config_file(config_path)
     c.update_from_flattened_dict(dict(base))

@@ -1,11 +1,11 @@
 """What the trainer trains on: the policy's weights and tokenizer, prompts, verifier and evaluation.
 
-`build_model_and_task(settings, workdir)` (a `qurl_jax.settings.RunSettings`) returns the model
+`build_model_and_task(settings, workdir)` (a `qurl_jax.config.settings.RunSettings`) returns the model
 configuration, the initial float32 parameters and a `Task`:
 - `model.source='hf'`: a local Hugging Face directory (`load_hf` + its tokenizer); a missing or
   incomplete checkpoint is an error, never a random initialisation.
 - `model.source='tiny'`: the embedded default's tiny model, built in code with its supervised warm
-  start and cached under the workdir (`qurl_jax.warm_start`).
+  start and cached under the workdir (`qurl_jax.train.warm_start`).
 `model_config_for(settings.model)` gives the model configuration alone, without reading weights or
 writing anything, so a run can check its workdir's checkpoint first.
 
@@ -30,8 +30,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from qurl_jax import paths
-from qurl_jax.config import EvalSettings
+from qurl_jax.config.base import EvalSettings
+from qurl_jax.config.settings import DataSettings, ModelSettings, RewardSettings, RunSettings
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains, reward_hook
 from qurl_jax.data.datasets import (
@@ -44,13 +44,13 @@ from qurl_jax.data.datasets import (
 from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
 from qurl_jax.data.tokenizer import build_char_tokenizer
-from qurl_jax.distributed import to_host
-from qurl_jax.errors import DataError
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
+from qurl_jax.parallel.distributed import to_host
+from qurl_jax.runtime import paths
+from qurl_jax.runtime.errors import DataError
 from qurl_jax.sampling import RefillSampler, Sampler
-from qurl_jax.settings import DataSettings, ModelSettings, RewardSettings, RunSettings
-from qurl_jax.warm_start import tiny_model_config, tiny_policy
+from qurl_jax.train.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
 ARITH_TRAIN_SIZE = 4000

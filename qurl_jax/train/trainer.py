@@ -10,7 +10,7 @@
 Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters before the first step;
 the rollout actor is re-quantized from the full-precision learner every step. `Trainer(config,
 workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls (it ends by writing
-the run's plots to `<workdir>/plots/`, `qurl_jax.report`); other JAX code can drive
+the run's plots to `<workdir>/plots/`, `qurl_jax.runtime.report`); other JAX code can drive
 `Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
 with orbax every `train.checkpoint_every` steps and a workdir with a checkpoint resumes from it; a
 checkpoint of another model or optimizer stops the run before anything is written.
@@ -37,27 +37,28 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qurl_jax import (
-    compilation,
-    memory_plan,
-    packing,
-    quant,
-    report,
-    rollout_layout,
-    run_config,
-    targets,
-)
-from qurl_jax import distributed as dist
-from qurl_jax import sharding as shd
-from qurl_jax.checkpoint import Checkpointer
-from qurl_jax.checks import check_task_data, slow_settings
-from qurl_jax.config import (
+from qurl_jax import quant
+from qurl_jax.config import run_config
+from qurl_jax.config.base import (
     sampling_params_from_config,
     validate,
 )
+from qurl_jax.config.checks import check_task_data, slow_settings
+from qurl_jax.config.settings import RunSettings
 from qurl_jax.data import reward_hook
-from qurl_jax.errors import ConfigError
-from qurl_jax.metrics import (
+from qurl_jax.learner import packing
+from qurl_jax.models import init_params, param_logical_axes, positions_from_mask
+from qurl_jax.parallel import distributed as dist
+from qurl_jax.parallel import rollout_layout, targets
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.plan import memory_plan
+from qurl_jax.plan.rollout_speed import compare_rollout_speed
+from qurl_jax.rl import advantages as adv_lib
+from qurl_jax.rl import objectives
+from qurl_jax.runtime import compilation, report
+from qurl_jax.runtime.checkpoint import Checkpointer
+from qurl_jax.runtime.errors import ConfigError
+from qurl_jax.runtime.metrics import (
     MetricWriter,
     PhaseTimer,
     eval_at,
@@ -66,16 +67,11 @@ from qurl_jax.metrics import (
     rollout_share,
     to_floats,
 )
-from qurl_jax.models import init_params, param_logical_axes, positions_from_mask
-from qurl_jax.preemption import PreemptionGuard
-from qurl_jax.rl import advantages as adv_lib
-from qurl_jax.rl import objectives
-from qurl_jax.rollout import Rollout, regenerate_groups
-from qurl_jax.rollout_speed import compare_rollout_speed
 from qurl_jax.sampling import SamplingParams
 from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
-from qurl_jax.settings import RunSettings
-from qurl_jax.tasks import build_model_and_task, model_config_for
+from qurl_jax.train.preemption import PreemptionGuard
+from qurl_jax.train.rollout import Rollout, regenerate_groups
+from qurl_jax.train.tasks import build_model_and_task, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
 SUMMARY_KEYS = ("time/rollout_share", "time/step_s", "rollout/tokens_per_s", "rollout/reward_mean",
@@ -120,7 +116,7 @@ class Trainer:
         c = self.config
         self.mesh = shd.mesh_from_config(c.mesh)
         # Multi-process runs: this process reads, samples and verifies block `_block` of
-        # `_blocks` of every step's prompts (`qurl_jax.distributed`); GRPO groups stay whole.
+        # `_blocks` of every step's prompts (`qurl_jax.parallel.distributed`); GRPO groups stay whole.
         self._block, self._blocks = dist.row_block(self.mesh)
         if c.data.prompts_per_step % self._blocks:
             raise ConfigError(f"config.data.prompts_per_step={c.data.prompts_per_step} must be "
@@ -145,7 +141,7 @@ class Trainer:
             run_config.check(c, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         # The rollout's own layout: replicas of the quantized actor over the same devices
-        # (`qurl_jax.rollout_layout`); the learner, its log-probs and the optimizer stay on
+        # (`qurl_jax.parallel.rollout_layout`); the learner, its log-probs and the optimizer stay on
         # `self.mesh`.
         memory = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
         self.rollout_mesh = rollout_layout.rollout_mesh(self.mesh, rollout_layout.plan_tensor(
@@ -192,7 +188,7 @@ class Trainer:
             wandb_project=c.train.wandb_project if "wandb" in c.train.loggers else None)
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
-        # Set by `python -m qurl_jax.main` (`qurl_jax.watchdog`, `qurl_jax.program_check`).
+        # Set by `python -m qurl_jax.main` (`qurl_jax.runtime.watchdog`, `qurl_jax.parallel.program_check`).
         self.watchdog: Any = None
         self.program_check: Any = None
         self.last_metrics: dict[str, float] = {}
@@ -485,7 +481,7 @@ class Trainer:
 
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
         """Rollout tokens/s of the quantized actor vs the fp32 actor on the same prompts
-        (`qurl_jax.rollout_speed`)."""
+        (`qurl_jax.plan.rollout_speed`)."""
         c = self.config
         prompts, _ = self.task.sample_prompts(num_prompts or c.data.prompts_per_step)
         engines = [("fp", self.eval_sampler, self._on_rollout_layout(self.params))]
@@ -518,7 +514,7 @@ class Trainer:
         after.
 
         With a `preemption` guard that reports a stop request (SIGTERM / SIGINT, see
-        `qurl_jax.preemption`) the run ends after the current step with a checkpoint of it and
+        `qurl_jax.train.preemption`) the run ends after the current step with a checkpoint of it and
         skips the final evaluation, export and plots; the summary's `preempted` is then the step
         of the newest checkpoint.
         """
@@ -618,13 +614,13 @@ class Trainer:
         self.task.close()  # verifier worker processes
 
     def _write_plots(self) -> list[str]:
-        """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.report`); none, with a warning,
+        """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.runtime.report`); none, with a warning,
         when matplotlib is not installed, since the run itself has finished."""
         try:
             paths = report.write_plots(self.workdir)
         except (ImportError, OSError) as e:  # no matplotlib, or a workdir that is a URL
             logging.warning("no plots written (%s); install matplotlib, then run "
-                            "python -m qurl_jax.report --workdir=%s", e, self.workdir)
+                            "python -m qurl_jax.runtime.report --workdir=%s", e, self.workdir)
             return []
         logging.info("wrote %d plots to %s", len(paths),
                      os.path.join(self.workdir, report.PLOTS_DIR))

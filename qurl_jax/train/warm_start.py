@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from qurl_jax.config.settings import DataSettings, ModelSettings, SftSettings
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains
 from qurl_jax.data.datasets import MathExample, build_prompt
@@ -41,7 +42,6 @@ from qurl_jax.models import (
     token_logprobs,
 )
 from qurl_jax.models.hf import load_hf, save_hf
-from qurl_jax.settings import DataSettings, ModelSettings, SftSettings
 
 
 def tiny_model_config(model: ModelSettings) -> ModelConfig:

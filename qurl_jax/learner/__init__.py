@@ -1,0 +1,1 @@
+"""The learner: jitted, sharded log-prob recomputation and the policy update over packed rows."""
