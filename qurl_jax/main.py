@@ -222,8 +222,8 @@ def _main(argv: list[str]) -> None:
     from qurl_jax.train.trainer import Trainer
 
     check_mesh_fits(config.mesh)  # before the workdir or anything in it is written
-    from qurl_jax.config.checks import check_task_data
     from qurl_jax.config.settings import RunSettings
+    from qurl_jax.train.tasks import check_task_data
 
     check_task_data(RunSettings.from_config(config))  # the data too, and before any INFO line
     _check_workdir(_WORKDIR.value)

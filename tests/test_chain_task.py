@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from qurl_jax.config.base import base_config, chain_config, validate
-from qurl_jax.config.settings import RunSettings
+from qurl_jax.config.base import base_config, validate
+from qurl_jax.config.settings import RunSettings, chain_config
 from qurl_jax.data import chains
 from qurl_jax.train import warm_start
 from qurl_jax.train.tasks import CHAIN_EVAL_SIZE, CHAIN_TRAIN_SIZE, build_model_and_task

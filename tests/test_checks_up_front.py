@@ -15,6 +15,7 @@ from qurl_jax.config import checks
 from qurl_jax.config.base import load_config_file, validate
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.runtime.errors import ConfigError, DataError
+from qurl_jax.train import tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "configs/arith_tiny.py"
@@ -67,7 +68,7 @@ def test_no_prompt_fits_a_users_file_before_the_workdir(tmp_path):
 
 def test_no_prompt_fits_the_synthetic_task():
     with pytest.raises(DataError, match=r"config\.data\.max_prompt_len=2: no training prompt fits"):
-        checks.check_task_data(RunSettings.from_config(_config(**{"data.max_prompt_len": 2})))
+        tasks.check_task_data(RunSettings.from_config(_config(**{"data.max_prompt_len": 2})))
 
 
 def test_evaluation_prompts_must_fit_the_sampler(tmp_path):
@@ -78,9 +79,9 @@ def test_evaluation_prompts_must_fit_the_sampler(tmp_path):
                    "eval.files": (held_out,)})
     with pytest.raises(DataError, match=r"config\.eval\.files: 1 of the 3 prompts of evaluation "
                                         r"set 'held_out' are longer than data\.max_prompt_len=200"):
-        checks.check_task_data(RunSettings.from_config(c))
+        tasks.check_task_data(RunSettings.from_config(c))
     c.eval.max_examples = 2  # the evaluation reads the first two only: they fit
-    checks.check_task_data(RunSettings.from_config(c))
+    tasks.check_task_data(RunSettings.from_config(c))
 
 
 @pytest.mark.parametrize("content", ["{broken\n", ""])
@@ -201,7 +202,7 @@ def test_the_check_and_the_task_read_a_file_once_and_a_changed_file_again(tmp_pa
     data = _user_file(tmp_path, ROWS)
     s = RunSettings.from_config(_config(**{"data.task": "math", "data.train_files": (data,),
                                            "data.max_prompt_len": 256}))
-    checks.check_task_data(s)
+    tasks.check_task_data(s)
     train, _, _ = tasks.task_examples(s)
     assert reads == [data] and [ex.answer for ex in train] == ["7", "12"]
     train.clear()  # a caller's list is its own

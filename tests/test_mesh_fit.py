@@ -111,7 +111,7 @@ def test_paper_configs_take_every_device_of_their_slice():
     # The paper configs say fsdp=-1: on 16 devices the 1.5B config spans all 16 and the 7B config
     # splits them 8 (fsdp) x 2 (tensor); a cpu memory plan of either runs on the devices the
     # config was sized for.
-    from qurl_jax.bench.memory import host_devices_for
+    from qurl_jax.bench.paged import host_devices_for
     from qurl_jax.config.base import load_config_file
 
     sized_for = {"deepscaler_r1_1p5b_int8": 8, "jetrl_r1_1p5b_fp8_block": 8,

@@ -117,7 +117,7 @@ def test_balance_blocks_equalises_the_processes_tokens():
 def test_balanced_blocks_need_fewer_micro_batches_at_the_configs_lengths():
     """The 1.5B config's packer on two processes (v5p-16's hosts), its four minibatches of 256:
     every process runs as many token-budget micro-batches as the fullest block needs."""
-    from qurl_jax.bench.learner import long_tailed_batch
+    from qurl_jax.bench.learner_flops import long_tailed_batch
 
     mask = long_tailed_batch(1024, 1024, 8192, 100, seed=0)["attn_mask"]
     lengths = packing.sequence_lengths(mask)

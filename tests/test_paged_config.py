@@ -12,8 +12,8 @@ import jax
 import pytest
 
 from qurl_jax.bench import memory as memory_bench
-from qurl_jax.config.base import base_config, format_config, rollout_sampler_settings, validate
-from qurl_jax.config.settings import RunSettings
+from qurl_jax.config.base import base_config, format_config, validate
+from qurl_jax.config.settings import RunSettings, rollout_sampler_settings
 from qurl_jax.models import ModelConfig, hf
 from qurl_jax.plan import memory_plan
 from qurl_jax.runtime.errors import ConfigError

@@ -320,7 +320,8 @@ def test_bad_arguments_raise(qwen) -> None:
 
 
 def test_trainer_switch() -> None:
-    from qurl_jax.config.base import base_config, refill_enabled, validate
+    from qurl_jax.config.base import base_config, validate
+    from qurl_jax.config.settings import refill_enabled
 
     c = base_config()
     c.data.prompts_per_step, c.rollout.n = 8, 8

@@ -424,7 +424,7 @@ def test_reshard_bucket_mib_reaches_the_settings_and_is_checked() -> None:
 
 
 def test_evaluation_draws_k_samples_in_rounds_a_chunk_can_hold(qwen) -> None:
-    from qurl_jax.train.tasks import samples_per_call
+    from qurl_jax.sampling.factory import samples_per_call
 
     cfg, _ = qwen
     mesh = rl.rollout_mesh(make_mesh(data=1, fsdp=8, tensor=1), 1)  # 8 replicas

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from test_trainer import tiny_config
 
-from qurl_jax.config.base import base_config, kv_policy_from_config, validate
-from qurl_jax.config.settings import RunSettings
+from qurl_jax.config.base import base_config, validate
+from qurl_jax.config.settings import RunSettings, kv_policy_from_config
 from qurl_jax.models import (
     KVCache,
     Transformer,

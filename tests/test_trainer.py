@@ -20,14 +20,8 @@ import numpy as np
 import pytest
 
 from qurl_jax import quant
-from qurl_jax.config.base import (
-    LOSS_MODES,
-    PRECISIONS,
-    base_config,
-    objective_from_config,
-    optim_from_config,
-    validate,
-)
+from qurl_jax.config.base import LOSS_MODES, PRECISIONS, base_config, validate
+from qurl_jax.config.settings import objective_from_config, optim_from_config
 from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.rl.objectives import policy_loss
 from qurl_jax.runtime.checkpoint import CheckpointMismatchError
@@ -113,10 +107,7 @@ def _truncated_batch(t: Trainer, n_rows: int = 8, width: int = 12, resp: int = 4
 @pytest.mark.parametrize("mode", LOSS_MODES)
 def test_one_step_each_loss_mode(int8_trainer, mode):
     t = int8_trainer
-    c = t.config
-    c.unlock()
-    c.rl.loss_mode = mode
-    c.lock()
+    c = validate(tiny_config(**{"rollout.precision": "int8", "rl.loss_mode": mode}))
     t.learner = Learner(t.model_config, objective_from_config(c.rl), optim_from_config(c.optim),
                         t.mesh, temperature=c.rollout.temperature)
     before = jax.device_get(t.params)
@@ -417,22 +408,19 @@ def test_dynamic_sampling_masks_groups_it_cannot_refill(tmp_path):
 @pytest.mark.parametrize("metric, kept", [("accuracy", [False, True]), ("reward", [True, True])])
 def test_dapo_filters_on_accuracy_not_the_shaped_reward(int8_trainer, metric, kept):
     t = int8_trainer
-    c = t.config
-    c.unlock()
-    c.rl.filter_metric, c.rl.overlong_buffer = metric, 2
-    c.lock()
+    settings = t.settings
+    t.settings = dataclasses.replace(settings, rl=dataclasses.replace(
+        settings.rl, filter_metric=metric, overlong_buffer=2))
     try:
         # Group 0 is all wrong, one response overlong (penalised); group 1 is mixed.
         acc = np.array([0, 0, 0, 0, 1, 0, 1, 0], np.float32)
-        lengths = np.array([c.rollout.max_new_tokens, 1, 1, 1, 1, 1, 1, 1], np.int32)
+        lengths = np.array([settings.rollout.max_new_tokens, 1, 1, 1, 1, 1, 1, 1], np.int32)
         r = Rollout(tokens=None, attn_mask=None, resp_mask=None, logp_behav=None,
                     logp_truncation_gap=None, lengths=lengths, rewards=acc, accuracy=acc)
         assert t._shaped_rewards(r)[0] < 0  # the shaped rewards of group 0 are not all equal
         np.testing.assert_array_equal(t._groups_to_keep(r), kept)
     finally:
-        c.unlock()
-        c.rl.filter_metric, c.rl.overlong_buffer = "accuracy", 0
-        c.lock()
+        t.settings = settings
 
 
 def test_streams_are_distinct_per_purpose_step_round_and_seed():
@@ -479,9 +467,8 @@ def test_behaviour_logp_is_the_truncated_distribution_under_top_p(tmp_path):
                                rtol=1e-3)
 
     # The untruncated log-prob stays selectable: then pi_behav is the learner's own softmax.
-    c.unlock()
-    c.rollout.behav_logp = "untruncated"
-    c.lock()
+    t.settings = dataclasses.replace(t.settings, rollout=dataclasses.replace(
+        t.settings.rollout, behav_logp="untruncated"))
     t.task.rewards = _scripted([1, 0, 0, 1, 0, 1, 1, 0])
     r, _ = t.collect(t.params, PhaseTimer())
     logp_prox = np.asarray(t.learner.logprobs(t.params, t._learner_batch(r)))

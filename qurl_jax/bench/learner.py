@@ -24,30 +24,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from qurl_jax.bench.sampler import tail_limits
+from qurl_jax.bench.learner_flops import long_tailed_batch
 from qurl_jax.learner.learner import Learner, OptimConfig
-from qurl_jax.models import ModelConfig, init_params, positions_from_mask
+from qurl_jax.models import ModelConfig, init_params
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.rl.objectives import ObjectiveConfig
-
-
-def long_tailed_batch(rows: int, max_prompt_len: int, max_new_tokens: int, vocab: int,
-                      seed: int = 0) -> dict[str, np.ndarray]:
-    """A padded learner batch (numpy) at the configs' length distribution (module doc)."""
-    rng = np.random.default_rng(seed)
-    resp = tail_limits(rows, max_new_tokens, seed)
-    prompt = np.clip(np.round(rng.uniform(0.06, 0.18, rows) * max_prompt_len), 1,
-                     max_prompt_len).astype(np.int32)
-    p, g = max_prompt_len, max_new_tokens
-    mask = np.concatenate([np.arange(p)[None] >= (p - prompt)[:, None],
-                           np.arange(g)[None] < resp[:, None]], axis=1)
-    return {"tokens": rng.integers(0, vocab, (rows, p + g)).astype(np.int32),
-            "positions": positions_from_mask(mask).astype(np.int32), "attn_mask": mask,
-            "resp_mask": mask[:, p:].astype(np.float32),
-            "logp_behav": -rng.uniform(0.5, 4.0, (rows, g)).astype(np.float32),
-            "advantages": rng.normal(size=rows).astype(np.float32)}
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:

@@ -41,11 +41,11 @@ import sys
 from typing import Any
 
 import jax
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from qurl_jax.bench import paged
+from qurl_jax.bench.paged import host_devices_for
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.parallel import targets
 from qurl_jax.plan import memory_plan
@@ -67,14 +67,6 @@ _KV_CAPACITY = flags.DEFINE_bool(
     "slots vs a paged pool (bench.paged.kv_capacity, from the rollout_decode program's figures).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page of --kv_capacity's pool.")
 flags.mark_flags_as_required(["config"])
-
-
-def host_devices_for(mesh: Any) -> int:
-    """Devices a `cpu` plan of `mesh` (data, fsdp, tensor) runs on: their product, where an
-    axis of -1 (the rest of a slice) stands for one 8-device host per unit of the others."""
-    sizes = [int(mesh[a]) for a in ("data", "fsdp", "tensor")]
-    fixed = int(np.prod([s for s in sizes if s != -1]))
-    return fixed * 8 if -1 in sizes else fixed
 
 
 def decode_row_overhead(settings: RunSettings, shapes_dir: str, target: targets.Target,

@@ -70,6 +70,14 @@ class SimResult:
     peak_pages: int = 0        # most pages held at once (paged only)
 
 
+def host_devices_for(mesh: Any) -> int:
+    """Devices a `cpu` plan of `mesh` (data, fsdp, tensor) runs on: their product, where an
+    axis of -1 (the rest of a slice) stands for one 8-device host per unit of the others."""
+    sizes = [int(mesh[a]) for a in ("data", "fsdp", "tensor")]
+    fixed = int(np.prod([s for s in sizes if s != -1]))
+    return fixed * 8 if -1 in sizes else fixed
+
+
 def _fixed_segments(limits: np.ndarray, slots: int
                     ) -> Iterator[tuple[np.ndarray, np.ndarray, int, bool]]:
     """`slots` fixed slots refilled at once from the rows (response lengths `limits`, in order),
@@ -326,7 +334,6 @@ def describe_capacity(capacity: dict[str, Any]) -> list[str]:
 def simulate(config: Any, *, page_size: int, slot_factor: int, prompt_len: int | None,
              stream_rows: int, seed: int, watermark_pages: int | None,
              log=print) -> dict[str, Any]:
-    from qurl_jax.bench.memory import host_devices_for
     from qurl_jax.bench.sampler import tail_limits
 
     c = config
@@ -382,7 +389,6 @@ def reads_table(config_path: str, slots_list: list[int], actor_bytes: int, seed:
     long-tailed lengths, every prompt max_prompt_len) on one-device replicas of its mesh's
     devices, for each of `slots_list` rows per device, with every-slot and live KV reads; the
     bytes relative to the config's own slots with every slot read."""
-    from qurl_jax.bench.memory import host_devices_for
     from qurl_jax.bench.sampler import tail_limits
     from qurl_jax.config.base import load_config_file
     from qurl_jax.config.settings import RunSettings

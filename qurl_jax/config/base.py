@@ -13,21 +13,25 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-from collections.abc import Sequence
+from typing import Any
 
 import ml_collections
 
+from qurl_jax.config.settings import (
+    RunSettings,
+    chain_config,
+    kv_policy_from_config,
+    objective_from_config,
+)
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
-from qurl_jax.learner.learner import OptimConfig
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.quant import RECIPES
-from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode, ObjectiveConfig
+from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode
 from qurl_jax.runtime import paths
 from qurl_jax.runtime.errors import ConfigError
-from qurl_jax.sampling import KVPolicyConfig, SamplingParams
-from qurl_jax.sampling.factory import DECODE_ATTENTION, RolloutSamplerSettings
+from qurl_jax.sampling.factory import DECODE_ATTENTION
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
@@ -366,102 +370,24 @@ def ignored_fields(c: ml_collections.ConfigDict) -> list[str]:
     return out
 
 
-def objective_from_config(rl: ml_collections.ConfigDict) -> ObjectiveConfig:
-    """The `ObjectiveConfig` of the `rl` config section."""
-    return ObjectiveConfig(
-        mode=rl.loss_mode, eps_low=rl.eps_low, eps_high=rl.eps_high, cap=rl.cap, agg=rl.agg,
-        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
-        dual_clip=rl.dual_clip or None, logratio_clamp=rl.logratio_clamp, mis_lo=rl.mis_lo,
-        mis_hi=rl.mis_hi, mis_level=rl.mis_level, veto_tau=rl.veto_tau or None,
-        sparse_cap=rl.sparse_cap, sparse_mask_band=tuple(rl.sparse_mask_band) or None,
-        sparse_base=rl.sparse_base, batch_normalize=rl.batch_normalize,
-    ).validate()
-
-
-# KVPolicyConfig field -> its rollout config field, so a bad value is reported by its config name.
-_KV_FIELDS = {"policy": "kv_policy", "budget": "kv_budget", "interval": "kv_interval",
-              "window": "kv_window", "pool_kernel": "kv_pool_kernel", "rkv_alpha": "rkv_alpha",
-              "sinks": "kv_sinks", "selection": "kv_selection"}
-
-
-def kv_policy_from_config(rollout: ml_collections.ConfigDict) -> KVPolicyConfig:
-    """The rollout sampler's `KVPolicyConfig`; ValueError names the bad `config.rollout` field."""
-    try:
-        return KVPolicyConfig(**{f: rollout[name] for f, name in _KV_FIELDS.items()})
-    except ValueError as e:
-        message = str(e)
-        for field, name in _KV_FIELDS.items():
-            prefix = f"KVPolicyConfig.{field}:"
-            if message.startswith(prefix):
-                message = f"config.rollout.{name}:" + message[len(prefix):]
-        raise ConfigError(message) from None
-
-
-def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
-    """The learner's `OptimConfig` of the `optim` config section (every field carried over)."""
-    return OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
-                       decay_steps=o.decay_steps, end_lr_ratio=o.end_lr_ratio,
-                       weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
-                       grad_clip=o.grad_clip)
-
-
-def refill_enabled(c: ml_collections.ConfigDict) -> bool:
-    """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
-    a slot, the only case where refilling can help)."""
-    return rollout_sampler_settings(c).refills
-
-
-def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSettings:
-    """The typed settings `sampling.factory.build_rollout_sampler` builds the run's rollout
-    sampler from."""
-    return RolloutSamplerSettings(
-        refill=c.rollout.refill, max_concurrent_rows=c.rollout.max_concurrent_rows,
-        rows_per_step=c.data.prompts_per_step * c.rollout.n,
-        kv_policy=kv_policy_from_config(c.rollout), decode_attention=c.model.decode_attention,
-        kv_pages=c.rollout.kv_pages, kv_page_size=c.rollout.kv_page_size,
-        kv_watermark_pages=None if c.rollout.kv_watermark_pages < 0
-        else c.rollout.kv_watermark_pages)
-
-
-def sampling_params_from_config(rollout: ml_collections.ConfigDict,
-                                eos_ids: Sequence[int]) -> SamplingParams:
-    """The rollout's `SamplingParams` (`config.rollout`'s length limit, temperature, top-k, top-p
-    and behaviour log-prob choice) with the task's EOS ids."""
-    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                          top_k=rollout.top_k, top_p=rollout.top_p, eos_ids=tuple(eos_ids),
-                          behav_logp=rollout.behav_logp)
-
-
 @dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    """The `eval` section, typed (`eval_settings`): the sets the task reads and what
-    `Task.evaluate` needs.
+class Resolved:
+    """A validated config converted once: the typed `settings` the trainer and everything below it
+    read, the resolved config's dotted leaves (`flat`) that `run_config` saves and compares on
+    resume, and one line per setting that only makes the run slow (`checks.slow_settings`)."""
 
-    k: samples per problem for Avg@k / Pass@k; temperature: their sampling temperature;
-    greedy: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
-    max_examples: problems per set (0 = all); files: the math evaluation sets, read by the task
-    beside a synthetic task's own held-out set.
-    """
-
-    k: int = 1
-    temperature: float = 0.6
-    greedy: bool = False
-    max_new_tokens: int = 1024
-    max_examples: int = 0
-    files: tuple[str, ...] = ()
-
-    def sampling(self, eos_ids: Sequence[int], greedy: bool = False) -> SamplingParams:
-        """The `SamplingParams` of an evaluation call (greedy, or at `temperature`)."""
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              greedy=greedy, eos_ids=tuple(eos_ids))
+    settings: RunSettings
+    flat: dict[str, Any]
+    warnings: tuple[str, ...]
 
 
-def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
-    """The run's `EvalSettings` (`config.eval`)."""
-    e = c.eval
-    return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
-                        max_new_tokens=e.max_new_tokens, max_examples=e.max_examples,
-                        files=tuple(map(paths.data_path, e.files)))
+def resolve(c: ml_collections.ConfigDict) -> Resolved:
+    """`validate`s `c` (one `ConfigError` line naming a bad field) and converts it once."""
+    from qurl_jax.config import checks, run_config
+
+    c = validate(c)
+    return Resolved(RunSettings.from_config(c), run_config.flatten(c),
+                    tuple(checks.slow_settings(c)))
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -472,12 +398,6 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
-
-
-def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
-    """The `ChainConfig` of the `data` section's chain_* fields (not validated)."""
-    return ChainConfig(min_steps=data.chain_min_steps, max_steps=data.chain_max_steps,
-                       carry10_share=data.chain_carry10_share)
 
 
 # Range of every numeric field that `validate` checks beyond its type (chain_*, kv_* and the

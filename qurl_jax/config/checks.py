@@ -16,22 +16,14 @@ learn, and the data itself.
 - `slow_settings(c)`: settings that only make a run slow, as warnings: a rollout that decodes one
   row at a time (`max_concurrent_rows=1`, or a paged KV pool that holds one row).
   `config.validate` runs the first two; the trainer logs the third.
-- `check_task_data(s)`: every data check of the run's task (files exist, parse and hold usable
-  rows; some training prompt fits data.max_prompt_len; every evaluation prompt fits it, as the
-  sampler requires), with the run's tokenizer and prompt template and without its weights, the
-  warm start or the verifier; `python -m qurl_jax.main` runs it before the workdir is created, the
-  trainer before its checkpoints. A failure is one `DataError` line naming the field and file.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 
 import ml_collections
 
-from qurl_jax.config.settings import RunSettings
 from qurl_jax.runtime import paths
 from qurl_jax.runtime.errors import ConfigError
 
@@ -114,7 +106,7 @@ def check_learnable(c: ml_collections.ConfigDict) -> None:
 
 def slow_settings(c: ml_collections.ConfigDict) -> list[str]:
     """One warning line per setting that makes the rollout decode one row at a time."""
-    from qurl_jax.config.base import refill_enabled
+    from qurl_jax.config.settings import refill_enabled
 
     r = c.rollout
     rows = c.data.prompts_per_step * r.n
@@ -134,39 +126,6 @@ def slow_settings(c: ml_collections.ConfigDict) -> list[str]:
                 f"the rollout decodes its rows one by one; give it at least {2 * per_row * shards}"
                 " pages (`python -m qurl_jax.bench.memory --kv_capacity` sizes it for a target)")
     return out
-
-
-@functools.lru_cache(maxsize=4)
-def check_task_data(s: RunSettings) -> None:
-    """Reads the run's data as the task will and checks it (module docstring); logs nothing and
-    writes nothing; `DataError` (one line naming the field and file) on the first failure. A
-    passed check is remembered for the process (`main` and then the trainer ask for the same)."""
-    from qurl_jax.runtime.errors import DataError
-    from qurl_jax.train import tasks
-
-    train, eval_sets, template = tasks.task_examples(s, log=False)
-    tokenizer = tasks.task_tokenizer(s.model)
-    max_len = s.data.max_prompt_len
-
-    def encode(problem: str) -> list[int]:
-        text = tasks.prompt_text(problem, tokenizer, template=template, chat=s.data.chat_template)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    tasks.fitting_prompts(train, encode, max_len)
-    for name, examples in eval_sets.items():
-        if s.eval.max_examples:
-            examples = examples[: s.eval.max_examples]
-        lengths = [len(encode(ex.problem)) for ex in examples]
-        long = [n for n in lengths if n > max_len]
-        if long:
-            files = {os.path.splitext(paths.basename(p))[0] for p in s.eval.files}
-            field = "eval.files" if name in files else "data.task"
-            raise DataError(
-                f"config.{field}: {len(long)} of the {len(lengths)} prompts of evaluation set "
-                f"{name!r} are longer than data.max_prompt_len={max_len} (the longest has "
-                f"{max(long)} tokens), and the sampler takes none longer; raise "
-                "data.max_prompt_len or limit eval.max_examples")
-
 
 
 def check_packing(c: ml_collections.ConfigDict) -> None:

@@ -15,27 +15,128 @@ evaluation) are converted by `qurl_jax.config.base`, whose converters name a bad
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import ml_collections
 from jax.sharding import Mesh
 
 from qurl_jax import quant
-from qurl_jax.config.base import (
-    EvalSettings,
-    chain_config,
-    eval_settings,
-    objective_from_config,
-    optim_from_config,
-    rollout_sampler_settings,
-)
 from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig
 from qurl_jax.rl.objectives import ObjectiveConfig
+from qurl_jax.runtime import paths
+from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.runtime.paths import data_path
+from qurl_jax.sampling import KVPolicyConfig, SamplingParams
 from qurl_jax.sampling.factory import RolloutSamplerSettings
+
+
+def objective_from_config(rl: ml_collections.ConfigDict) -> ObjectiveConfig:
+    """The `ObjectiveConfig` of the `rl` config section."""
+    return ObjectiveConfig(
+        mode=rl.loss_mode, eps_low=rl.eps_low, eps_high=rl.eps_high, cap=rl.cap, agg=rl.agg,
+        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
+        dual_clip=rl.dual_clip or None, logratio_clamp=rl.logratio_clamp, mis_lo=rl.mis_lo,
+        mis_hi=rl.mis_hi, mis_level=rl.mis_level, veto_tau=rl.veto_tau or None,
+        sparse_cap=rl.sparse_cap, sparse_mask_band=tuple(rl.sparse_mask_band) or None,
+        sparse_base=rl.sparse_base, batch_normalize=rl.batch_normalize,
+    ).validate()
+
+
+# KVPolicyConfig field -> its rollout config field, so a bad value is reported by its config name.
+_KV_FIELDS = {"policy": "kv_policy", "budget": "kv_budget", "interval": "kv_interval",
+              "window": "kv_window", "pool_kernel": "kv_pool_kernel", "rkv_alpha": "rkv_alpha",
+              "sinks": "kv_sinks", "selection": "kv_selection"}
+
+
+def kv_policy_from_config(rollout: ml_collections.ConfigDict) -> KVPolicyConfig:
+    """The rollout sampler's `KVPolicyConfig`; ValueError names the bad `config.rollout` field."""
+    try:
+        return KVPolicyConfig(**{f: rollout[name] for f, name in _KV_FIELDS.items()})
+    except ValueError as e:
+        message = str(e)
+        for field, name in _KV_FIELDS.items():
+            prefix = f"KVPolicyConfig.{field}:"
+            if message.startswith(prefix):
+                message = f"config.rollout.{name}:" + message[len(prefix):]
+        raise ConfigError(message) from None
+
+
+def optim_from_config(o: ml_collections.ConfigDict) -> OptimConfig:
+    """The learner's `OptimConfig` of the `optim` config section (every field carried over)."""
+    return OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps,
+                       decay_steps=o.decay_steps, end_lr_ratio=o.end_lr_ratio,
+                       weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                       grad_clip=o.grad_clip)
+
+
+def refill_enabled(c: ml_collections.ConfigDict) -> bool:
+    """Whether the rollout uses the refilling sampler (`rollout.refill`; 'auto': when rows wait for
+    a slot, the only case where refilling can help)."""
+    return rollout_sampler_settings(c).refills
+
+
+def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSettings:
+    """The typed settings `sampling.factory.build_rollout_sampler` builds the run's rollout
+    sampler from."""
+    return RolloutSamplerSettings(
+        refill=c.rollout.refill, max_concurrent_rows=c.rollout.max_concurrent_rows,
+        rows_per_step=c.data.prompts_per_step * c.rollout.n,
+        kv_policy=kv_policy_from_config(c.rollout), decode_attention=c.model.decode_attention,
+        kv_pages=c.rollout.kv_pages, kv_page_size=c.rollout.kv_page_size,
+        kv_watermark_pages=None if c.rollout.kv_watermark_pages < 0
+        else c.rollout.kv_watermark_pages)
+
+
+def sampling_params_from_config(rollout: ml_collections.ConfigDict,
+                                eos_ids: Sequence[int]) -> SamplingParams:
+    """The rollout's `SamplingParams` (`config.rollout`'s length limit, temperature, top-k, top-p
+    and behaviour log-prob choice) with the task's EOS ids."""
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_k=rollout.top_k, top_p=rollout.top_p, eos_ids=tuple(eos_ids),
+                          behav_logp=rollout.behav_logp)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """The `eval` section, typed (`eval_settings`): the sets the task reads and what
+    `Task.evaluate` needs.
+
+    k: samples per problem for Avg@k / Pass@k; temperature: their sampling temperature;
+    greedy: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
+    max_examples: problems per set (0 = all); files: the math evaluation sets, read by the task
+    beside a synthetic task's own held-out set.
+    """
+
+    k: int = 1
+    temperature: float = 0.6
+    greedy: bool = False
+    max_new_tokens: int = 1024
+    max_examples: int = 0
+    files: tuple[str, ...] = ()
+
+    def sampling(self, eos_ids: Sequence[int], greedy: bool = False) -> SamplingParams:
+        """The `SamplingParams` of an evaluation call (greedy, or at `temperature`)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              greedy=greedy, eos_ids=tuple(eos_ids))
+
+
+def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
+    """The run's `EvalSettings` (`config.eval`)."""
+    e = c.eval
+    return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
+                        max_new_tokens=e.max_new_tokens, max_examples=e.max_examples,
+                        files=tuple(map(paths.data_path, e.files)))
+
+
+def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
+    """The `ChainConfig` of the `data` section's chain_* fields (not validated)."""
+    return ChainConfig(min_steps=data.chain_min_steps, max_steps=data.chain_max_steps,
+                       carry10_share=data.chain_carry10_share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +270,22 @@ class RolloutSettings:
     tensor: str = "auto"  # the rollout replicas' tensor degree (`qurl_jax.parallel.rollout_layout`)
     reshard_bucket_mib: int = 1024  # per device per reshard program (0 = the whole actor)
     quantize_vocab: bool = True  # embedding and LM head as int8 codes (`quant.Recipe`)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    behav_logp: str = "sampled"  # which log-prob of a sampled token is pi_behav
+    invariant_scaling: float = 1.0  # QuRL's s (1.0 = off), applied once before the first step
+    invariant_scaling_targets: tuple[str, ...] = ("qkv",)
 
     @property
     def recipe(self) -> quant.Recipe:
         """The rollout actor's `quant.Recipe`: `precision`'s, with `quantize_vocab`."""
         return quant.get_recipe(self.precision, quantize_vocab=self.quantize_vocab)
+
+    def sampling(self, eos_ids: Sequence[int]) -> SamplingParams:
+        """The rollout's `SamplingParams` with the task's EOS ids."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_k=self.top_k, top_p=self.top_p, eos_ids=tuple(eos_ids),
+                              behav_logp=self.behav_logp)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
@@ -183,7 +295,10 @@ class RolloutSettings:
                    temperature=r.temperature, sampler=rollout_sampler_settings(c),
                    tensor=str(r.get("tensor", "auto")),
                    reshard_bucket_mib=int(r.get("reshard_bucket_mib", 1024)),
-                   quantize_vocab=bool(r.get("quantize_vocab", True)))
+                   quantize_vocab=bool(r.get("quantize_vocab", True)), top_k=r.top_k,
+                   top_p=r.top_p, behav_logp=r.behav_logp,
+                   invariant_scaling=r.invariant_scaling,
+                   invariant_scaling_targets=tuple(r.invariant_scaling_targets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,15 +353,80 @@ class MeshSizes:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    dcn: tuple[int, int, int] = (1, 1, 1)  # slices per axis (data, fsdp, tensor) across DCN
 
     @classmethod
     def from_config(cls, mesh: ml_collections.ConfigDict) -> MeshSizes:
-        return cls(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor)
+        dcn = mesh.get("dcn") or {}
+        return cls(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor,
+                   dcn=tuple(int(dcn.get(a, 1)) for a in ("data", "fsdp", "tensor")))
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The `mesh` section as `sharding.mesh_from_config` takes it."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
+                "dcn": dict(zip(("data", "fsdp", "tensor"), self.dcn, strict=True))}
 
     @classmethod
     def of(cls, mesh: Mesh) -> MeshSizes:
         """The total sizes of a built mesh's axes (-1 resolved, slices folded in)."""
         return cls(**{axis: int(size) for axis, size in mesh.shape.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+    """The RL algorithm around the objective (`rl`): the `advantage` estimator, `ppo_epochs` passes
+    of `num_minibatches` optimizer steps, DAPO's dynamic sampling (`dynamic_sampling`,
+    `max_gen_batches` rounds, groups compared on `filter_metric`) and overlong shaping
+    (`overlong_buffer` tokens, `overlong_factor`), and the reference policy's `kl_coef`."""
+
+    advantage: str = "grpo"
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    kl_coef: float = 0.0
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 3
+    filter_metric: str = "accuracy"
+    overlong_buffer: int = 0
+    overlong_factor: float = 1.0
+
+    @classmethod
+    def from_config(cls, rl: ml_collections.ConfigDict) -> RLSettings:
+        return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """The run around its steps (`train`, `eval.before`): `num_steps`; checkpoints every
+    `checkpoint_every` steps, `keep_checkpoints` kept; evaluation before the first step
+    (`eval_before`) and every `eval_every`; metric `loggers` (and `wandb_project`); a progress
+    bar; the end-of-run speed report and Hugging Face export; `max_bad_steps` non-finite updates
+    in a row before stopping; `apply_updates` (False: the control run); the memory preflight
+    (`preflight`, `preflight_target`, `memory_limit_gib`)."""
+
+    num_steps: int = 100
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    eval_every: int = 0
+    eval_before: bool = True
+    loggers: tuple[str, ...] = ("tensorboard",)
+    wandb_project: str = "qurl_jax"
+    progress: bool = True
+    report_speed: bool = False
+    export_hf: str = ""
+    max_bad_steps: int = 3
+    apply_updates: bool = True
+    preflight: str = "auto"
+    preflight_target: str = ""
+    memory_limit_gib: float = 0.0
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> LoopSettings:
+        """Of the whole config (its `train` section and `eval.before`)."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"eval_before"}
+        return cls(eval_before=c.eval.before,
+                   **{name: tuple(v) if isinstance(v := c.train[name], list | tuple) else v
+                      for name in fields})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +441,8 @@ class RunSettings:
     eval: EvalSettings = EvalSettings()
     rollout: RolloutSettings = RolloutSettings()
     train: TrainSettings = TrainSettings()
+    rl: RLSettings = RLSettings()
+    loop: LoopSettings = LoopSettings()
     mesh: MeshSizes = MeshSizes()
 
     @property
@@ -276,4 +458,5 @@ class RunSettings:
                    reward=RewardSettings.from_config(c.reward),
                    sft=SftSettings.from_config(c.sft), eval=eval_settings(c),
                    rollout=RolloutSettings.from_config(c), train=TrainSettings.from_config(c),
+                   rl=RLSettings.from_config(c.rl), loop=LoopSettings.from_config(c),
                    mesh=MeshSizes.from_config(c.mesh))

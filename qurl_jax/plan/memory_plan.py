@@ -440,8 +440,8 @@ def _eval(setup: Setup, name: str) -> Program:
     full-precision actor in the compute dtype on the rollout's replicas, as `Trainer.evaluate`
     samples it) at its largest chunk: `rollout.max_concurrent_rows` rows (without it,
     `eval.max_examples` or else `data.prompts_per_step` problems), as many of `eval.k` samples
-    a problem as a call draws (`tasks.samples_per_call`), responses of `eval.max_new_tokens`."""
-    from qurl_jax.train.tasks import samples_per_call
+    a problem as a call draws (`sampling.factory.samples_per_call`), responses of `eval.max_new_tokens`."""
+    from qurl_jax.sampling.factory import samples_per_call
 
     run = setup.settings
     g = run.eval.max_new_tokens

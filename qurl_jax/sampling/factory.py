@@ -22,7 +22,7 @@ __all__ = ["DECODE_ATTENTION", "REFILL_MODES", "RolloutSamplerSettings", "build_
 @dataclasses.dataclass(frozen=True)
 class RolloutSamplerSettings:
     """How a run's rollouts are sampled (typed from `config.rollout`, see
-    `qurl_jax.config.base.rollout_sampler_settings`).
+    `qurl_jax.config.settings.rollout_sampler_settings`).
 
     refill: continuous batching (`RefillSampler`): 'on', 'off' (the static chunked `Sampler`) or
       'auto' = on when rows wait for a slot (max_concurrent_rows < rows_per_step), the only case
@@ -101,3 +101,14 @@ def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettin
     return Sampler(model_config, jax.lax.dot_general,
                    max_concurrent_rows=settings.max_concurrent_rows,
                    decode_attention=settings.decode_attention, **engine_kwargs)
+
+
+def samples_per_call(sampler: Any, n: int) -> int:
+    """Samples per prompt one `sampler.sample` call can draw: n, or for a static `Sampler`
+    whose chunk cannot hold n rows of a prompt on every batch shard (`max_concurrent_rows` <
+    n x shards), the largest divisor of n it can (1 at worst: the sampler then says why)."""
+    rows = getattr(sampler, "max_concurrent_rows", 0)
+    if not rows or isinstance(sampler, RefillSampler):  # all rows at once, or refilled slots
+        return n
+    shards = sampler.engine.sharding.batch_shards
+    return next((m for m in range(n, 0, -1) if n % m == 0 and m * shards <= rows), 1)

@@ -30,8 +30,13 @@ import jax
 import numpy as np
 from absl import logging
 
-from qurl_jax.config.base import EvalSettings
-from qurl_jax.config.settings import DataSettings, ModelSettings, RewardSettings, RunSettings
+from qurl_jax.config.settings import (
+    DataSettings,
+    EvalSettings,
+    ModelSettings,
+    RewardSettings,
+    RunSettings,
+)
 from qurl_jax.data import arithmetic as arith
 from qurl_jax.data import chains, reward_hook
 from qurl_jax.data.datasets import (
@@ -49,7 +54,8 @@ from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.parallel.distributed import to_host
 from qurl_jax.runtime import paths
 from qurl_jax.runtime.errors import DataError
-from qurl_jax.sampling import RefillSampler, Sampler
+from qurl_jax.sampling import Sampler
+from qurl_jax.sampling.factory import samples_per_call
 from qurl_jax.train.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
@@ -208,17 +214,6 @@ class Task:
         self.reward.close()
 
 
-def samples_per_call(sampler: Any, n: int) -> int:
-    """Samples per prompt one `sampler.sample` call can draw: n, or for a static `Sampler`
-    whose chunk cannot hold n rows of a prompt on every batch shard (`max_concurrent_rows` <
-    n x shards), the largest divisor of n it can (1 at worst: the sampler then says why)."""
-    rows = getattr(sampler, "max_concurrent_rows", 0)
-    if not rows or isinstance(sampler, RefillSampler):  # all rows at once, or refilled slots
-        return n
-    shards = sampler.engine.sharding.batch_shards
-    return next((m for m in range(n, 0, -1) if n % m == 0 and m * shards <= rows), 1)
-
-
 # ------------------------------------------------------------------------------------ building
 def _reward_computer(data: DataSettings, reward: RewardSettings,
                      reward_fn: Callable[..., Any] | None = None
@@ -273,7 +268,7 @@ def _read_version(path: str, keys: tuple[str, str] | None, version: tuple[int, i
 
 def _read_math_file(path: str, keys: tuple[str, str] | None) -> tuple[list[MathExample], Any]:
     """`load_math_file`, remembered for the latest few unchanged local files: the up-front data
-    check (`checks.check_task_data`) and the task then read a large file once, not twice."""
+    check (`check_task_data`) and the task then read a large file once, not twice."""
     version = _file_version(path)
     if version is None:
         return load_math_file(path, keys=keys)
@@ -360,3 +355,36 @@ def build_model_and_task(s: RunSettings, workdir: str,
                 prompts_per_step=data.prompts_per_step, max_prompt_len=data.max_prompt_len,
                 seed=s.seed, format_weight=s.reward.format_weight, answer_of=answer_of)
     return model_config, params, task
+
+
+@functools.lru_cache(maxsize=4)
+def check_task_data(s: RunSettings) -> None:
+    """Reads the run's data as the task will and checks it (files exist, parse and hold usable
+    rows; some training prompt fits data.max_prompt_len; every evaluation prompt fits it, as the
+    sampler requires), with the run's tokenizer and prompt template and without its weights, the
+    warm start or the verifier; `python -m qurl_jax.main` runs it before the workdir is created,
+    the trainer before its checkpoints); logs nothing and
+    writes nothing; `DataError` (one line naming the field and file) on the first failure. A
+    passed check is remembered for the process (`main` and then the trainer ask for the same)."""
+    train, eval_sets, template = task_examples(s, log=False)
+    tokenizer = task_tokenizer(s.model)
+    max_len = s.data.max_prompt_len
+
+    def encode(problem: str) -> list[int]:
+        text = prompt_text(problem, tokenizer, template=template, chat=s.data.chat_template)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    fitting_prompts(train, encode, max_len)
+    for name, examples in eval_sets.items():
+        if s.eval.max_examples:
+            examples = examples[: s.eval.max_examples]
+        lengths = [len(encode(ex.problem)) for ex in examples]
+        long = [n for n in lengths if n > max_len]
+        if long:
+            files = {os.path.splitext(paths.basename(p))[0] for p in s.eval.files}
+            field = "eval.files" if name in files else "data.task"
+            raise DataError(
+                f"config.{field}: {len(long)} of the {len(lengths)} prompts of evaluation set "
+                f"{name!r} are longer than data.max_prompt_len={max_len} (the longest has "
+                f"{max(long)} tokens), and the sampler takes none longer; raise "
+                "data.max_prompt_len or limit eval.max_examples")

@@ -39,12 +39,7 @@ from absl import logging
 
 from qurl_jax import quant
 from qurl_jax.config import run_config
-from qurl_jax.config.base import (
-    sampling_params_from_config,
-    validate,
-)
-from qurl_jax.config.checks import check_task_data, slow_settings
-from qurl_jax.config.settings import RunSettings
+from qurl_jax.config.base import resolve
 from qurl_jax.data import reward_hook
 from qurl_jax.learner import packing
 from qurl_jax.models import init_params, param_logical_axes, positions_from_mask
@@ -71,7 +66,7 @@ from qurl_jax.sampling import SamplingParams
 from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
 from qurl_jax.train.preemption import PreemptionGuard
 from qurl_jax.train.rollout import Rollout, regenerate_groups
-from qurl_jax.train.tasks import build_model_and_task, model_config_for
+from qurl_jax.train.tasks import build_model_and_task, check_task_data, model_config_for
 
 # Per-step metrics averaged over the run for the end-of-run summary.
 SUMMARY_KEYS = ("time/rollout_share", "time/step_s", "rollout/tokens_per_s", "rollout/reward_mean",
@@ -107,38 +102,39 @@ class Trainer:
         """`reward_fn`: your own reward function (responses, answers[, prompts]) -> list of
         floats, in place of `reward.function` or the task's verifier (`qurl_jax.data.reward_hook`;
         checked before anything is written)."""
-        self.config = validate(config)
+        resolved = resolve(config)  # validated and converted once: nothing below reads `config`
+        self._flat_config = resolved.flat  # saved and compared on resume (`run_config`)
         if reward_fn is not None:
             reward_hook.takes_prompts(reward_fn, "reward_fn")
         # The typed sections the code below reads (the tasks, the model, the warm start).
-        self.settings = RunSettings.from_config(self.config)
+        self.settings = resolved.settings
         self.workdir = local_abspath(workdir)
-        c = self.config
-        self.mesh = shd.mesh_from_config(c.mesh)
+        s = self.settings
+        self.mesh = shd.mesh_from_config(s.mesh.spec)
         # Multi-process runs: this process reads, samples and verifies block `_block` of
         # `_blocks` of every step's prompts (`qurl_jax.parallel.distributed`); GRPO groups stay whole.
         self._block, self._blocks = dist.row_block(self.mesh)
-        if c.data.prompts_per_step % self._blocks:
-            raise ConfigError(f"config.data.prompts_per_step={c.data.prompts_per_step} must be "
+        if s.data.prompts_per_step % self._blocks:
+            raise ConfigError(f"config.data.prompts_per_step={s.data.prompts_per_step} must be "
                               f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = self.settings.rollout.recipe
         self.objective = self.settings.train.objective
         self.model_config = model_config_for(self.settings.model)
         self.learner = self.settings.train.learner(self.model_config, self.mesh,
-                                                   temperature=c.rollout.temperature,
+                                                   temperature=s.rollout.temperature,
                                                    rollout_rows=self.settings.rollout_rows)
         check_task_data(self.settings)  # the data files and prompt lengths, before any write
-        for warning in slow_settings(c):
+        for warning in resolved.warnings:
             logging.warning("%s", warning)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                         interval=c.train.checkpoint_every,
-                                         keep=c.train.keep_checkpoints)
+                                         interval=s.loop.checkpoint_every,
+                                         keep=s.loop.keep_checkpoints)
         # A changed field that changes the math, or a checkpoint of another model or optimizer,
         # stops the run here, before the warm-start cache, metrics or a checkpoint are written.
         abstract = self._abstract_state()  # also sizes the rollout layout below
         self.checkpointer.check_compatible(abstract)
         if self.checkpointer.steps():
-            run_config.check(c, self.workdir)
+            run_config.check(self._flat_config, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
         # The rollout's own layout: replicas of the quantized actor over the same devices
         # (`qurl_jax.parallel.rollout_layout`); the learner, its log-probs and the optimizer stay on
@@ -158,8 +154,8 @@ class Trainer:
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(self.settings,
                                                                           self.workdir, reward_fn)
-        engine_kwargs = dict(max_prompt_len=c.data.max_prompt_len,
-                             max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
+        engine_kwargs = dict(max_prompt_len=s.data.max_prompt_len,
+                             max_new_tokens=max(s.rollout.max_new_tokens, s.eval.max_new_tokens),
                              pad_id=self.task.pad_id, mesh=self.rollout_mesh)
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
         # the learner's log-probs (logp_prox) stay dense.
@@ -170,22 +166,22 @@ class Trainer:
         pool = (f", a paged KV pool of {sampler_settings.kv_pages} pages of "
                 f"{sampler_settings.kv_page_size} tokens" if sampler_settings.kv_pages else "")
         logging.info("rollout sampler: %s, %s concurrent rows%s", type(self.sampler).__name__,
-                     c.rollout.max_concurrent_rows or "all", pool)
+                     s.rollout.sampler.max_concurrent_rows or "all", pool)
         self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
                                                **engine_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)
-        self.ref_params = self.learner.shard_params(scaled) if c.rl.kl_coef else None
+        self.ref_params = self.learner.shard_params(scaled) if s.rl.kl_coef else None
         self.params = self.learner.shard_params(scaled)
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
         self._restore()
         if dist.is_primary():
-            run_config.save(c, self.workdir)  # the resolved config of the run, for inspection
+            run_config.save(self._flat_config, self.workdir)  # the resolved config of the run, for inspection
         self.writer = MetricWriter(
             self.workdir, resume_step=self.step_count, enabled=dist.is_primary(),
-            tensorboard="tensorboard" in c.train.loggers,
-            wandb_project=c.train.wandb_project if "wandb" in c.train.loggers else None)
+            tensorboard="tensorboard" in s.loop.loggers,
+            wandb_project=s.loop.wandb_project if "wandb" in s.loop.loggers else None)
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
         # Set by `python -m qurl_jax.main` (`qurl_jax.runtime.watchdog`, `qurl_jax.parallel.program_check`).
@@ -195,8 +191,8 @@ class Trainer:
 
     @property
     def sampling(self) -> SamplingParams:
-        """The rollout's sampling settings, read from `config.rollout` at each use."""
-        return sampling_params_from_config(self.config.rollout, self.task.eos_ids)
+        """The rollout's sampling settings (`settings.rollout`) with the task's EOS ids."""
+        return self.settings.rollout.sampling(self.task.eos_ids)
 
     # ------------------------------------------------------------------------------------ set-up
     def _abstract_state(self) -> dict[str, Any]:
@@ -211,12 +207,12 @@ class Trainer:
         written. With `train.preflight_target` they are compiled for that target's devices (its
         chip's compiler; the limit is `memory_plan.FIT_FRACTION` of its memory), else for the
         run's own mesh."""
-        c = self.config
-        target = targets.parse(c.train.preflight_target) if c.train.preflight_target else None
+        s = self.settings
+        target = targets.parse(s.loop.preflight_target) if s.loop.preflight_target else None
         platform = target.platform if target else targets.platform_of(self.mesh)
-        if c.train.preflight == "off" or (c.train.preflight == "auto" and platform == "cpu"):
+        if s.loop.preflight == "off" or (s.loop.preflight == "auto" and platform == "cpu"):
             return
-        limit = int(c.train.memory_limit_gib * memory_plan.GIB)
+        limit = int(s.loop.memory_limit_gib * memory_plan.GIB)
         if target is not None:
             setup = memory_plan.build_setup(self.settings, self.model_config, target.devices())
             limit = limit or memory_plan.budget_bytes(target)
@@ -230,10 +226,10 @@ class Trainer:
         memory_plan.preflight(setup, limit, log=logging.info)
 
     def _maybe_invariant_scaling(self, params: Any) -> Any:
-        s = self.config.rollout.invariant_scaling
+        s = self.settings.rollout.invariant_scaling
         if s == 1.0:
             return params
-        targets = tuple(self.config.rollout.invariant_scaling_targets)
+        targets = tuple(self.settings.rollout.invariant_scaling_targets)
         logging.info("invariant scaling s=%.3g on %s", s, targets)
         return quant.invariant_scaling(params, s=s, targets=targets)
 
@@ -251,43 +247,43 @@ class Trainer:
     def _save(self, force: bool = False) -> None:
         self.checkpointer.save(
             self.step_count, {"params": self.params, "opt_state": self.opt_state},
-            {"step": self.step_count, "data": self.task.state(), "seed": self.config.seed},
+            {"step": self.step_count, "data": self.task.state(), "seed": self.settings.seed},
             force=force)
 
     def key(self, purpose: Stream, index: int = 0) -> jax.Array:
         """This step's key for `purpose` (see `stream_key`)."""
-        return stream_key(self.config.seed, purpose, self.step_count, index)
+        return stream_key(self.settings.seed, purpose, self.step_count, index)
 
     # ------------------------------------------------------------------------------------ rollout
     def _rollout(self, rollout_params: Any, round_: int, timer: PhaseTimer) -> Rollout:
         """Samples the next prompts (generation round `round_` of this step); the verifier starts
         on the reward thread, so the rewards are pending when this returns."""
-        c, sampling = self.config, self.sampling
-        prompts, answers = self.task.next_prompts(c.data.prompts_per_step,
+        s, sampling = self.settings, self.sampling
+        prompts, answers = self.task.next_prompts(s.data.prompts_per_step,
                                                   shard=(self._block, self._blocks))
         with timer.phase("rollout"):
             out = self.sampler.sample(rollout_params, prompts, sampling,
-                                      key=self.key(Stream.ROLLOUT, round_), n=c.rollout.n,
+                                      key=self.key(Stream.ROLLOUT, round_), n=s.rollout.n,
                                       process_local=self._blocks > 1)
             out = jax.device_get(out)
         texts = self.task.decode(out.tokens, out.mask)
         pending = self._reward_thread.submit(
-            self.task.rewards, texts, [a for a in answers for _ in range(c.rollout.n)])
+            self.task.rewards, texts, [a for a in answers for _ in range(s.rollout.n)])
         return Rollout.from_sample(out, sampling, pending)
 
     def _shaped_rewards(self, r: Rollout) -> np.ndarray:
         """f32[N] rewards plus DAPO's overlong penalty (when rl.overlong_buffer > 0)."""
-        c = self.config
-        if c.rl.overlong_buffer <= 0:
+        s = self.settings
+        if s.rl.overlong_buffer <= 0:
             return r.rewards
-        penalty = adv_lib.overlong_penalty(jnp.asarray(r.lengths), c.rollout.max_new_tokens,
-                                           c.rl.overlong_buffer, c.rl.overlong_factor)
+        penalty = adv_lib.overlong_penalty(jnp.asarray(r.lengths), s.rollout.max_new_tokens,
+                                           s.rl.overlong_buffer, s.rl.overlong_factor)
         return r.rewards + np.asarray(penalty, np.float32)
 
     def _groups_to_keep(self, r: Rollout) -> np.ndarray:
         """bool[B]: groups whose `rl.filter_metric` is not all equal (a resolved rollout)."""
-        n = self.config.rollout.n
-        values = r.accuracy if self.config.rl.filter_metric == "accuracy" else \
+        n = self.settings.rollout.n
+        values = r.accuracy if self.settings.rl.filter_metric == "accuracy" else \
             self._shaped_rewards(r)
         return np.array(adv_lib.groups_to_keep(jnp.asarray(values), group_size=n))[::n]
 
@@ -303,16 +299,16 @@ class Trainer:
         many rounds as the one that needs the most (the rounds are collective); the statistics
         are over all processes' rows.
         """
-        c = self.config
-        n = c.rollout.n
+        s = self.settings
+        n = s.rollout.n
         r = self._rollout(rollout_params, 0, timer)
         generated = [r]
         keep = None
-        if c.rl.dynamic_sampling:
+        if s.rl.dynamic_sampling:
             with timer.phase("reward"):
                 r.resolve()
             keep = self._groups_to_keep(r)
-            while len(generated) < c.rl.max_gen_batches and \
+            while len(generated) < s.rl.max_gen_batches and \
                     dist.host_sums({"dropped": float((~keep).sum())})["dropped"]:
                 extra = self._rollout(rollout_params, len(generated), timer)
                 generated.append(extra)
@@ -330,7 +326,7 @@ class Trainer:
                  "rollout/generated_tokens": sums["generated"],
                  "rollout/logp_truncation_gap": sums["gap"] / max(sums["sampled"], 1.0),
                  "rollout/kv_bytes_per_row": float(self.sampler.engine.kv_bytes_per_row(
-                     r.tokens.shape[1] - c.rollout.max_new_tokens, c.rollout.max_new_tokens))}
+                     r.tokens.shape[1] - s.rollout.max_new_tokens, s.rollout.max_new_tokens))}
         if keep is not None:
             r.resp_mask = r.resp_mask * np.repeat(keep, n)[:, None].astype(np.float32)
             stats.update({"rollout/gen_batches": float(len(generated)),
@@ -402,8 +398,8 @@ class Trainer:
         return out
 
     def _advantages(self, rewards: np.ndarray) -> np.ndarray:
-        estimator = _ADVANTAGES[self.config.rl.advantage]
-        return np.asarray(estimator(jnp.asarray(rewards), group_size=self.config.rollout.n))
+        estimator = _ADVANTAGES[self.settings.rl.advantage]
+        return np.asarray(estimator(jnp.asarray(rewards), group_size=self.settings.rollout.n))
 
     def _learner_batch(self, r: Rollout) -> dict[str, jax.Array]:
         """The learner's inputs except the advantages (those wait for the verifier)."""
@@ -419,19 +415,19 @@ class Trainer:
         With `train.apply_updates` False (the control run) each update is computed on copies of
         the parameters and optimizer state and then discarded.
         """
-        c = self.config
+        s = self.settings
         size = batch["tokens"].shape[0]
-        mb = size // c.rl.num_minibatches
+        mb = size // s.rl.num_minibatches
         # Every epoch's order before the first update, and the metrics fetched once after the
         # last: the host enqueues all updates (and the minibatch gathers between them) without
         # waiting for one to finish.
         orders = [np.asarray(jax.random.permutation(self.key(Stream.MINIBATCH, epoch), size))
-                  for epoch in range(c.rl.ppo_epochs)]
+                  for epoch in range(s.rl.ppo_epochs)]
         balance = self._block_balance(batch)
         pending = []
         for order in orders:
-            for i in range(c.rl.num_minibatches):
-                idx = np.sort(order[i * mb:(i + 1) * mb]) if c.rl.num_minibatches > 1 else None
+            for i in range(s.rl.num_minibatches):
+                idx = np.sort(order[i * mb:(i + 1) * mb]) if s.rl.num_minibatches > 1 else None
                 if idx is not None and balance is not None:
                     lengths, count = balance  # each process packs its block of the minibatch
                     idx = packing.balance_blocks(idx, lengths[idx], count)
@@ -441,7 +437,7 @@ class Trainer:
                     jax.block_until_ready(pending[-1])
                 mini = batch if idx is None else self.learner.shard_batch(
                     {k: v[idx] for k, v in batch.items()})
-                if c.train.apply_updates:
+                if s.loop.apply_updates:
                     self.params, self.opt_state, m = self.learner.update(
                         self.params, self.opt_state, mini)
                 else:
@@ -461,7 +457,7 @@ class Trainer:
         """(every sequence's real tokens, row blocks) when processes pack their own blocks of
         each minibatch (packing, minibatches, more than one block), for `packing.balance_blocks`;
         else None. The lengths come from a small collective every process runs."""
-        if not self.learner.packing or self.config.rl.num_minibatches <= 1:
+        if not self.learner.packing or self.settings.rl.num_minibatches <= 1:
             return None
         if self._blocks <= 1:
             return None
@@ -482,8 +478,8 @@ class Trainer:
     def rollout_speed(self, num_prompts: int | None = None) -> dict[str, float]:
         """Rollout tokens/s of the quantized actor vs the fp32 actor on the same prompts
         (`qurl_jax.plan.rollout_speed`)."""
-        c = self.config
-        prompts, _ = self.task.sample_prompts(num_prompts or c.data.prompts_per_step)
+        s = self.settings
+        prompts, _ = self.task.sample_prompts(num_prompts or s.data.prompts_per_step)
         engines = [("fp", self.eval_sampler, self._on_rollout_layout(self.params))]
         if self.recipe.quantizes:
             engines.append((self.recipe.name, self.sampler, self._reshard(quant.requantize(
@@ -491,7 +487,7 @@ class Trainer:
         # Plain sampling at the rollout's temperature, every row to the length limit.
         settings = SamplingParams(max_new_tokens=self.sampling.max_new_tokens,
                                   temperature=self.sampling.temperature)
-        n = c.rollout.n
+        n = s.rollout.n
         try:  # a static sampler's chunk must hold n x batch shards rows
             self.eval_sampler.rows_per_chunk(len(prompts), n)
         except ValueError:  # the same rows as single samples: the same work
@@ -518,15 +514,15 @@ class Trainer:
         skips the final evaluation, export and plots; the summary's `preempted` is then the step
         of the newest checkpoint.
         """
-        c = self.config
-        total = c.train.num_steps if num_steps is None else num_steps
+        s = self.settings
+        total = s.loop.num_steps if num_steps is None else num_steps
         summary: dict[str, Any] = {"start_step": self.step_count}
-        if self.step_count == 0 and self.task.has_eval and c.eval.before:
+        if self.step_count == 0 and self.task.has_eval and s.loop.eval_before:
             summary["eval_before"] = self.evaluate()
             self._write_eval(summary["eval_before"])
         elif self.step_count and self.task.has_eval and dist.is_primary():  # resumed: step 0's
             summary["eval_before"] = eval_at(read_metrics(self.workdir), 0)
-        progress = _Progress(total, self.step_count, bar=c.train.progress and dist.is_primary())
+        progress = _Progress(total, self.step_count, bar=s.loop.progress and dist.is_primary())
         stopped = None
         while self.step_count < total:
             metrics = self.step()
@@ -541,7 +537,7 @@ class Trainer:
             if self._bad_steps:
                 logging.warning("step %d: non-finite loss or gradient, update skipped "
                                 "(%d in a row)", self.step_count, self._bad_steps)
-                if self._bad_steps >= c.train.max_bad_steps:
+                if self._bad_steps >= s.loop.max_bad_steps:
                     stopped = f"{self._bad_steps} consecutive non-finite updates"
                     logging.error("stopping: %s; last good checkpoint kept", stopped)
                     break
@@ -556,7 +552,7 @@ class Trainer:
                 break
             if self.checkpointer.should_save(self.step_count):
                 self._save()
-            if c.train.eval_every and self.step_count % c.train.eval_every == 0 \
+            if s.loop.eval_every and self.step_count % s.loop.eval_every == 0 \
                     and self.step_count < total:
                 self._write_eval(self.evaluate())
         progress.close()
@@ -586,12 +582,12 @@ class Trainer:
                             for k in SUMMARY_KEYS if any(k in r for r in steps)}
         if "time/rollout_share" in summary["means"]:  # of all step time, as time_split.png
             summary["means"]["time/rollout_share"] = rollout_share(steps)
-        if c.train.report_speed:
+        if s.loop.report_speed:
             summary["rollout_speed"] = self.rollout_speed()
-        if c.train.export_hf and stopped is None:
+        if s.loop.export_hf and stopped is None:
             params = dist.to_host(self.params)  # gathered from every process (a collective)
             if dist.is_primary():
-                self.task.export(c.train.export_hf, self.model_config, params)
+                self.task.export(s.loop.export_hf, self.model_config, params)
         self._close()
         if dist.is_primary():
             summary["plots"] = self._write_plots()
