@@ -3,28 +3,28 @@
 Flags are parsed by absl with `ml_collections.config_flags`, so any field can be overridden
 (`--config.rl.loss_mode=tis --config.rollout.precision=fp8`); `--print_config` lists every field
 with its value and one-line doc and exits. Unknown or ill-typed overrides are rejected while
-parsing, and `qurl_jax.config.base.validate` checks values, all before JAX compiles anything. Bad input
-(`qurl_jax.runtime.errors`: a config file or field, a data file, the workdir, a mesh that does not fit the
-devices, a checkpoint of another model) ends the run with one line naming it, `qurl_jax: <what>:
-<message>`, and exit code 2; `--verbose` adds the traceback. A workdir that already holds a
-checkpoint resumes from it.
-A list field also takes comma-separated values, `--config.data.train_files=/a.jsonl,/b.jsonl`
-(`qurl_jax.config.overrides`).
+parsing, and `qurl_jax.config.base.validate` checks values, all before JAX compiles anything. Bad
+input (`qurl_jax.runtime.errors`: a config file or field, a data file, the workdir, a mesh that does
+not fit the devices, a checkpoint of another model) ends the run with one line naming it, `qurl_jax:
+<what>: <message>`, and exit code 2; `--verbose` adds the traceback. A workdir that already holds a
+checkpoint resumes from it. A list field also takes comma-separated values,
+`--config.data.train_files=/a.jsonl,/b.jsonl` (`qurl_jax.config.overrides`).
 
 SIGTERM (a spot VM's or scheduler's preemption notice) or Ctrl-C ends the run after the current
 step with a checkpoint and the line "preempted at step N; checkpoint saved; rerun the same command
-to resume", exit code 128 + the signal; a second signal aborts at once (`qurl_jax.train.preemption`).
+to resume", exit code 128 + the signal; a second signal aborts at once
+(`qurl_jax.train.preemption`).
 
-Multi-process runs (`qurl_jax.parallel.distributed`): every process runs the same command. Without flags,
-`jax.distributed.initialize()` is called only where a cluster is detected (Cloud TPU VM or GKE TPU
-workers, SLURM under `srun`, Open MPI, xpk GPU pods); `--coordinator_address=HOST:PORT
+Multi-process runs (`qurl_jax.parallel.distributed`): every process runs the same command. Without
+flags, `jax.distributed.initialize()` is called only where a cluster is detected (Cloud TPU VM or
+GKE TPU workers, SLURM under `srun`, Open MPI, xpk GPU pods); `--coordinator_address=HOST:PORT
 --num_processes=N --process_id=I` (and `--local_device_ids=0,1,...`) join one explicitly. A peer
 that dies makes the others abort within `--heartbeat_timeout_s`; restarting every process resumes
 from the last checkpoint. Only process 0 prints the summary and writes metrics and logs.
 
 Compiled programs are kept in JAX's persistent compilation cache at
-`config.train.compilation_cache_dir` (default `<workdir>/compile_cache`; `qurl_jax.runtime.compilation`),
-so a restarted run loads them instead of compiling again.
+`config.train.compilation_cache_dir` (default `<workdir>/compile_cache`;
+`qurl_jax.runtime.compilation`), so a restarted run loads them instead of compiling again.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _load_config():
 
 
 def main(argv: list[str]) -> None:
-    """Runs the command; bad input ends it with one line (`qurl_jax.runtime.errors`), exit code 2."""
+    """Runs the command; bad input ends it with one line (`qurl_jax.runtime.errors`), exit 2."""
     from qurl_jax.runtime.errors import UserError
 
     try:

@@ -1,4 +1,5 @@
-"""Shared by the tests that compile for a TPU or H100 target without one (`qurl_jax.parallel.targets`)."""
+"""Shared by the tests that compile for a TPU or H100 target without one
+(`qurl_jax.parallel.targets`)."""
 
 import pytest
 

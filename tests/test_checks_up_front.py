@@ -1,6 +1,6 @@
-"""Checks before anything is written (`qurl_jax.config.checks`): the data (files, rows, prompt lengths,
-a user's own file too) and prompt + response against the model's positions fail in one line with
-exit code 2 before the workdir, compile_cache/ or checkpoints/ exist and before any INFO line;
+"""Checks before anything is written (`qurl_jax.config.checks`): the data (files, rows, prompt
+lengths, a user's own file too) and prompt + response against the model's positions fail in one line
+with exit code 2 before the workdir, compile_cache/ or checkpoints/ exist and before any INFO line;
 settings under which nothing learns are errors, settings that only make the rollout slow are
 warnings. Each subprocess case exits before JAX compiles anything (seconds)."""
 

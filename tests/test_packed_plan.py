@@ -1,5 +1,5 @@
-"""The memory plan and preflight of packed learner programs (`qurl_jax.learner.packed_plan`): worst-case
-shapes, the compiled programs taking them, and one-line errors naming train.pack_length /
+"""The memory plan and preflight of packed learner programs (`qurl_jax.learner.packed_plan`):
+worst-case shapes, the compiled programs taking them, and one-line errors naming train.pack_length /
 train.tokens_per_micro_batch. Tiny shapes; the learner programs are compiled, never run."""
 
 import numpy as np

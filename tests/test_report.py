@@ -1,5 +1,5 @@
-"""Per-run plots (qurl_jax.runtime.report) from a synthetic metrics.jsonl: a resumed run (steps logged
-twice), nan/inf values, evaluation rows, and metrics some runs never log."""
+"""Per-run plots (qurl_jax.runtime.report) from a synthetic metrics.jsonl: a resumed run (steps
+logged twice), nan/inf values, evaluation rows, and metrics some runs never log."""
 
 from __future__ import annotations
 

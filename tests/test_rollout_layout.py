@@ -1,5 +1,5 @@
-"""Tests for qurl_jax.parallel.rollout_layout: the rollout's replicas over the learner's devices and the
-once-per-step reshard of the quantized actor into them.
+"""Tests for qurl_jax.parallel.rollout_layout: the rollout's replicas over the learner's devices and
+the once-per-step reshard of the quantized actor into them.
 
 Expected values come from one-device samplers on the one-device requantized actor (themselves
 tested against transformers in test_sampler.py): the actor requantized on the learner's FSDP

@@ -1,7 +1,7 @@
-"""Compile targets (`qurl_jax.parallel.targets`): target strings, and a run's programs compiled by a TPU's
-and an H100's own compilers on compile-only devices, so a lowering that only one platform refuses
-fails here, on a machine without either. Installs nothing: the TPU case is skipped without libtpu
-(`pip install -e .[tpu-compile]`, which setup.sh installs), the GPU matrix without the CUDA
+"""Compile targets (`qurl_jax.parallel.targets`): target strings, and a run's programs compiled by a
+TPU's and an H100's own compilers on compile-only devices, so a lowering that only one platform
+refuses fails here, on a machine without either. Installs nothing: the TPU case is skipped without
+libtpu (`pip install -e .[tpu-compile]`, which setup.sh installs), the GPU matrix without the CUDA
 plugin (`.[gpu-compile]`)."""
 
 import importlib.util

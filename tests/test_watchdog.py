@@ -1,6 +1,6 @@
-"""The stall watchdog (`qurl_jax.runtime.watchdog`) and the program recorder of `train.check_collectives`
-(`qurl_jax.parallel.program_check`), in one process; their two-process behaviour is in
-tests/test_multiprocess_hangs.py."""
+"""The stall watchdog (`qurl_jax.runtime.watchdog`) and the program recorder of
+`train.check_collectives` (`qurl_jax.parallel.program_check`), in one process; their two-process
+behaviour is in tests/test_multiprocess_hangs.py."""
 
 from __future__ import annotations
 

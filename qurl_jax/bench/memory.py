@@ -1,16 +1,17 @@
-"""Per-device memory of a config's programs, compiled by a target's compiler (qurl_jax.plan.memory_plan).
+"""Per-device memory of a config's programs, compiled by a target's compiler
+(qurl_jax.plan.memory_plan).
 
     python -m qurl_jax.bench.memory --config=configs/deepscaler_r1_1p5b_int8.py \
         [--target=cpu|tpu:v5p-16|gpu:h100-8] [--programs=learner_update,...] [--json=PATH]
         [--kv_capacity [--page_size=16]]
 
-`--target` (`qurl_jax.parallel.targets`) picks the compiler: `cpu` (default) builds the config's mesh on
-this host's CPU devices (their count set to the mesh size), `tpu:...` / `gpu:...` on compile-only
-devices of that slice (needs `pip install -e .[tpu-compile]` / `.[gpu-compile]`; no accelerator).
-Prints each program's compiled argument / output / temp / peak bytes per device (the compiler's
-memory plan) against the budget (85% of the chip's memory; 60 GiB on `cpu`) and an analytic
-estimate; `--json` also writes them, with the target's name, platform and device kind. A bad flag
-or target ends with one line naming it and a non-zero exit.
+`--target` (`qurl_jax.parallel.targets`) picks the compiler: `cpu` (default) builds the config's
+mesh on this host's CPU devices (their count set to the mesh size), `tpu:...` / `gpu:...` on
+compile-only devices of that slice (needs `pip install -e .[tpu-compile]` / `.[gpu-compile]`; no
+accelerator). Prints each program's compiled argument / output / temp / peak bytes per device (the
+compiler's memory plan) against the budget (85% of the chip's memory; 60 GiB on `cpu`) and an
+analytic estimate; `--json` also writes them, with the target's name, platform and device kind. A
+bad flag or target ends with one line naming it and a non-zero exit.
 
 With `rollout_decode` among the programs on a mesh of more than one device, it also prints the
 collectives the decode loop runs per generated token per device (count, bytes, kinds, the biggest

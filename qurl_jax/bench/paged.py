@@ -425,7 +425,7 @@ def reads_table(config_path: str, slots_list: list[int], actor_bytes: int, seed:
 
 # ---------------------------------------------------------------------------------- compiles
 def _devices(target: str) -> list[Any]:
-    """One compile-only device of `target` ('h100' or 'v5p'), through `qurl_jax.parallel.targets`."""
+    """One compile-only device of `target` ('h100' or 'v5p'), through `parallel.targets`."""
     from qurl_jax.parallel import targets
 
     names = {"h100": "gpu:h100-1", "v5p": "tpu:v5p-8"}

@@ -249,17 +249,17 @@ def base_config() -> ml_collections.ConfigDict:
     # than the device has (naming the knob to change): 'auto' when the programs are compiled for
     # an accelerator only, 'on' also for the CPU (then memory_limit_gib must be set), 'off'.
     c.train.preflight = "auto"
-    # What the preflight compiles for (`qurl_jax.parallel.targets`): '' = this run's own devices, or a
-    # machine this host need not have, by its compiler on compile-only devices (`tpu:v5p-16`,
+    # What the preflight compiles for (`qurl_jax.parallel.targets`): '' = this run's own devices, or
+    # a machine this host need not have, by its compiler on compile-only devices (`tpu:v5p-16`,
     # `gpu:h100-8`; needs `pip install -e .[tpu-compile]` / `.[gpu-compile]`), e.g. to check on a
     # workstation that the run fits the slice it is meant for.
     c.train.preflight_target = ""
     # Per device; 0 = the device's own limit (a preflight target: 85% of its chip's memory).
     c.train.memory_limit_gib = 0.0
-    # JAX's persistent compilation cache (`qurl_jax.runtime.compilation`), which `python -m qurl_jax.main`
-    # turns on: 'auto' = <workdir>/compile_cache, '' = none, else a directory or URL (share one
-    # across runs of the same shapes). A restarted run, and the first step after the memory
-    # preflight, load their programs from it instead of compiling them again.
+    # JAX's persistent compilation cache (`qurl_jax.runtime.compilation`), which `python -m
+    # qurl_jax.main` turns on: 'auto' = <workdir>/compile_cache, '' = none, else a directory or URL
+    # (share one across runs of the same shapes). A restarted run, and the first step after the
+    # memory preflight, load their programs from it instead of compiling them again.
     c.train.compilation_cache_dir = "auto"
     # Metric sinks besides <workdir>/metrics.jsonl: 'tensorboard' (<workdir>/tensorboard) and/or
     # 'wandb' (Weights & Biases; skipped with a warning when not installed; WANDB_MODE=offline).
@@ -273,7 +273,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.stall_timeout_s = 0.0
     # Debug: every step, compare across processes a fingerprint of the jitted programs each
     # dispatched (names, shapes, shardings); a difference stops the run naming the first one
-    # (`qurl_jax.parallel.program_check`). Costs a hash per dispatch and a small collective per step.
+    # (`qurl_jax.parallel.program_check`). Costs a hash per dispatch and a small collective per
+    # step.
     c.train.check_collectives = False
 
     c.eval = ml_collections.ConfigDict()

@@ -139,6 +139,11 @@ def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:
                        carry10_share=data.chain_carry10_share)
 
 
+def _copy_fields(cls: type, section: ml_collections.ConfigDict) -> Any:
+    """`cls` with each of its fields read from the config `section`'s field of the same name."""
+    return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass(frozen=True)
 class TinyShape:
     """The in-code model's shape (`model.tiny`; its vocabulary is the character tokenizer's)."""
@@ -156,7 +161,7 @@ class TinyShape:
 
     @classmethod
     def from_config(cls, tiny: ml_collections.ConfigDict) -> TinyShape:
-        return cls(**{f.name: tiny[f.name] for f in dataclasses.fields(cls)})
+        return _copy_fields(cls, tiny)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +258,7 @@ class SftSettings:
 
     @classmethod
     def from_config(cls, sft: ml_collections.ConfigDict) -> SftSettings:
-        return cls(**{f.name: sft[f.name] for f in dataclasses.fields(cls)})
+        return _copy_fields(cls, sft)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,7 +397,7 @@ class RLSettings:
 
     @classmethod
     def from_config(cls, rl: ml_collections.ConfigDict) -> RLSettings:
-        return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)})
+        return _copy_fields(cls, rl)
 
 
 @dataclasses.dataclass(frozen=True)

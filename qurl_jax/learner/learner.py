@@ -15,22 +15,23 @@ The update accumulates gradients over `num_micro_batches` slices of the batch wi
 gradient), clips the global norm, and applies AdamW. Memory is bounded by a few knobs (see
 `Learner`): micro-batches, per-layer rematerialisation, response-only log-probs computed in chunks
 of positions, and the model's attention implementation (blockwise above a length threshold);
-`qurl_jax.plan.memory_plan` (`python -m qurl_jax.bench.memory`) compiles both programs for a config and
-reports their memory.
-The training precision (`Learner(precision=...)`, `train.precision`) is bound inside both
-programs, per (micro-)batch: 'fp' runs float matmuls; 'fp8_block' runs every linear layer of the
-recipe in block-scaled FP8 in the forward and backward (`quant.bind_train_precision`), the same
-quantization the sampler's 'fp8_block' rollout applies, so pi_prox and pi_behav come from the same
-quantized policy (Jet-RL). It composes with remat, the layer scan, micro-batches and the mesh.
-A non-finite loss or gradient leaves parameters and optimizer state unchanged and is reported in
+`qurl_jax.plan.memory_plan` (`python -m qurl_jax.bench.memory`) compiles both programs for a config
+and reports their memory. The training precision (`Learner(precision=...)`, `train.precision`) is
+bound inside both programs, per (micro-)batch: 'fp' runs float matmuls; 'fp8_block' runs every
+linear layer of the recipe in block-scaled FP8 in the forward and backward
+(`quant.bind_train_precision`), the same quantization the sampler's 'fp8_block' rollout applies, so
+pi_prox and pi_behav come from the same quantized policy (Jet-RL). It composes with remat, the layer
+scan, micro-batches and the mesh. A non-finite loss or gradient leaves parameters and optimizer
+state unchanged and is reported in
 the metrics (`update/skipped`), so the trainer can count bad steps without losing the last good
 state.
 
 Packing (`Learner(packing=True)`, `train.packing`): `logprobs` and `update` take the same padded
-batch, but pack its sequences (`qurl_jax.learner.packing`, host-side, each process its own rows) into rows
-of `pack_length` tokens per micro-batch slice before the jitted program runs: the programs then
-compute only real tokens plus at most a bucket's worth of empty rows, and `resp_index` gathers the
-response log-probs back to [B, G], so the objective sees exactly what the padded layout gives it.
+batch, but pack its sequences (`qurl_jax.learner.packing`, host-side, each process its own rows)
+into rows of `pack_length` tokens per micro-batch slice before the jitted program runs: the programs
+then compute only real tokens plus at most a bucket's worth of empty rows, and `resp_index` gathers
+the response log-probs back to [B, G], so the objective sees exactly what the padded layout gives
+it.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ This one rule covers a left-padded learner sequence (pads are invalid keys; real
 increasing positions), a prefill, a one-token decode step against a KV cache (every valid cached
 key is in the past), and a compressed KV cache whose slots hold an arbitrary subset of the past.
 
-Packed rows (several sequences one after another in one row, `qurl_jax.learner.packing`) add segment ids
-i32[B, T] to self-attention (S == T): a query sees only keys of its own segment,
+Packed rows (several sequences one after another in one row, `qurl_jax.learner.packing`) add segment
+ids i32[B, T] to self-attention (S == T): a query sees only keys of its own segment,
 
     allowed[b, t, s] &= segment_ids[b, s] == segment_ids[b, t]
 

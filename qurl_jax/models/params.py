@@ -2,8 +2,8 @@
 
 `init_params` returns the unboxed linen `params` dict (float32 master weights);
 `param_logical_axes` returns a pytree of the same structure whose leaves are
-`jax.sharding.PartitionSpec`s of *logical* axis names, which `qurl_jax.parallel.sharding` maps to the mesh.
-`token_logprobs_and_entropy` is the project's one log-softmax-and-gather;
+`jax.sharding.PartitionSpec`s of *logical* axis names, which `qurl_jax.parallel.sharding` maps to
+the mesh. `token_logprobs_and_entropy` is the project's one log-softmax-and-gather;
 `chunked_token_logprobs` applies it to final hidden states chunk by chunk (the learner's memory-
 bounded response log-probs).
 """

@@ -3,7 +3,8 @@
 Parameters are the plain linen `params` collection: a nested dict of float32 arrays whose module
 names follow Hugging Face (`embed_tokens`, `layers_{i}/self_attn/q_proj/kernel`, ...), with every
 kernel stored as [in_features, out_features]. Each parameter is declared with logical axis names
-(`embed`, `heads`, `kv_heads`, `mlp`, `vocab`, ...) that `qurl_jax.parallel.sharding` maps to mesh axes.
+(`embed`, `heads`, `kv_heads`, `mlp`, `vocab`, ...) that `qurl_jax.parallel.sharding` maps to mesh
+axes.
 
 Every matrix product (q/k/v/o, gate/up/down and the LM head) goes through one injectable
 `dot_general(lhs, rhs, dimension_numbers)` hook with the signature of `jax.lax.dot_general`. The
@@ -42,8 +43,8 @@ from qurl_jax.quant._qtensor import QuantizedTensor
 
 DotGeneral = Callable[..., jax.Array]
 # (activation, its logical axis names) -> the activation pinned to a sharding. The learner passes
-# one built from `qurl_jax.parallel.sharding`'s rules so the partitioner keeps activations split over the
-# batch (FSDP: gather weights, not activations); None leaves the partitioner free.
+# one built from `qurl_jax.parallel.sharding`'s rules so the partitioner keeps activations split
+# over the batch (FSDP: gather weights, not activations); None leaves the partitioner free.
 ShardActivation = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 # Logical axes of the residual stream f[B, T, E].
 RESIDUAL_AXES = ("batch", "length", "embed")
@@ -477,8 +478,8 @@ class Transformer(nn.Module):
         (`attention.pallas_tpu_attention` on a TPU).
       mask: bool[B, T] real tokens; None means all real. Padded keys are never attended to.
       segment_ids: optional i32[B, T] (no cache): packed rows, several sequences one after another
-        in a row (`qurl_jax.learner.packing`); a token attends only to its own segment, and `positions`
-        restart at 0 in every segment, so each sequence computes what it would alone.
+        in a row (`qurl_jax.learner.packing`); a token attends only to its own segment, and
+        `positions` restart at 0 in every segment, so each sequence computes what it would alone.
       cache: optional KVCache; row r's T new keys/values go to slots [n_used[r], n_used[r] + T)
         (the caller leaves room), recorded at their `positions` (pads as empty slots); next_pos
         moves one past the last real position. The queries attend to every cached key at or

@@ -340,7 +340,8 @@ def check_concurrent_rows(settings: Any, rollout_mesh: Mesh, num_kv_heads: int) 
     n x replicas rows; a refilling sampler's slots are split evenly over the replicas. Without it
     the first rollout stops with a traceback from inside the sampler. (The evaluation sampler,
     static always, draws `eval.k` samples in rounds when a chunk cannot hold them,
-    `sampling.factory.samples_per_call`: one row per replica, which either rollout sampler's rows hold.)"""
+    `sampling.factory.samples_per_call`: one row per replica, which either rollout sampler's
+    rows hold.)"""
     r = settings.rollout
     rows = r.sampler.max_concurrent_rows
     if rows == 0:  # every row of a call at once: batch padding makes whole groups

@@ -37,10 +37,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("cache_length", None),
 )
 
-# The rollout's replicas (`qurl_jax.parallel.rollout_layout`, a mesh whose 'data' axis is the replicas and
-# whose 'fsdp' axis is 1): no weight sharded over fsdp; heads, MLP and kv heads over the rollout's
-# tensor axis; the embedding and the LM head whole on every device (a vocabulary-sharded head
-# would gather every slot's logits every token); rows, slots and pages over the replicas.
+# The rollout's replicas (`qurl_jax.parallel.rollout_layout`, a mesh whose 'data' axis is the
+# replicas and whose 'fsdp' axis is 1): no weight sharded over fsdp; heads, MLP and kv heads over
+# the rollout's tensor axis; the embedding and the LM head whole on every device (a
+# vocabulary-sharded head would gather every slot's logits every token); rows, slots and pages over
+# the replicas.
 ROLLOUT_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),

@@ -1,18 +1,18 @@
 """Per-device memory of a run's programs, compiled for a target: XLA's buffer sizes and an estimate.
 
 `report(settings, shapes_dir, target)` compiles every program of `PROGRAMS` for a run's typed
-settings (`qurl_jax.config.settings.RunSettings.from_config` of its config) and returns their figures;
-`preflight(setup, limit_bytes)` is the trainer's check before its first step;
+settings (`qurl_jax.config.settings.RunSettings.from_config` of its config) and returns their
+figures; `preflight(setup, limit_bytes)` is the trainer's check before its first step;
 `python -m qurl_jax.bench.memory --config=... --target=...` is the command line over `report`.
 
 Nothing is loaded or allocated: the model shape comes from `configs/shapes/<model dir name>.json`
 (the `config.json` of the model `model.path` names; a real checkpoint's own `config.json` wins when
 `model.path` exists), parameters and optimizer state are `jax.eval_shape` structures carrying
-their mesh shardings, and the config's mesh is built on the target's devices (`qurl_jax.parallel.targets`:
-this host's CPU devices, or compile-only TPU / H100 devices). Each program is lowered and compiled
-by the target's compiler at the config's largest shapes (prompt `data.max_prompt_len` + response
-`rollout.max_new_tokens`), and `compiled.memory_analysis()` gives its per-device argument,
-output, temp and peak bytes:
+their mesh shardings, and the config's mesh is built on the target's devices
+(`qurl_jax.parallel.targets`: this host's CPU devices, or compile-only TPU / H100 devices). Each
+program is lowered and compiled by the target's compiler at the config's largest shapes (prompt
+`data.max_prompt_len` + response `rollout.max_new_tokens`), and `compiled.memory_analysis()` gives
+its per-device argument, output, temp and peak bytes:
 
 - `learner_update`: one optimizer step on one minibatch (rollout batch / `rl.num_minibatches`
   rows), gradients accumulated over `rl.num_micro_batches` micro-batches in a scan;
@@ -137,8 +137,8 @@ class Setup:
 
     @functools.cached_property
     def rollout_mesh(self) -> Mesh:
-        """The rollout's replicas over the mesh's devices (`qurl_jax.parallel.rollout_layout`); 'auto' is
-        1 here (the plan compiles it; the trainer checks the device's memory)."""
+        """The rollout's replicas over the mesh's devices (`qurl_jax.parallel.rollout_layout`);
+        'auto' is 1 here (the plan compiles it; the trainer checks the device's memory)."""
         tensor = rollout_layout.parse_tensor(self.settings.rollout.tensor) or 1
         return rollout_layout.rollout_mesh(self.mesh, tensor)
 
@@ -440,7 +440,8 @@ def _eval(setup: Setup, name: str) -> Program:
     full-precision actor in the compute dtype on the rollout's replicas, as `Trainer.evaluate`
     samples it) at its largest chunk: `rollout.max_concurrent_rows` rows (without it,
     `eval.max_examples` or else `data.prompts_per_step` problems), as many of `eval.k` samples
-    a problem as a call draws (`sampling.factory.samples_per_call`), responses of `eval.max_new_tokens`."""
+    a problem as a call draws (`sampling.factory.samples_per_call`), responses of
+    `eval.max_new_tokens`."""
     from qurl_jax.sampling.factory import samples_per_call
 
     run = setup.settings

@@ -15,10 +15,10 @@ where. `StallWatchdog` turns that into an abort the scheduler can restart from t
 - the limit: `timeout_s` when given, else max(`factor` x the slowest phase seen so far, `floor_s`);
   until the first step has ended (its programs compile), at least `first_step_s`;
 - a SIGTERM (the preemption notice) normally ends the run at the next step boundary
-  (`qurl_jax.train.preemption`); when no step ends within max(`sigterm_grace_s`, 2 x the slowest step
-  seen) of it, the run is stalled
-  and takes the same exit. The signal is seen through Python's signal wakeup fd, which the
-  interpreter writes from its C-level handler even while the main thread is inside XLA.
+  (`qurl_jax.train.preemption`); when no step ends within max(`sigterm_grace_s`, 2 x the slowest
+  step seen) of it, the run is stalled and takes the same exit. The signal is seen through Python's
+  signal wakeup fd, which the interpreter writes from its C-level handler even while the main thread
+  is inside XLA.
 
 A lost peer is not this module's business: the coordination service's heartbeat aborts the
 survivors (`qurl_jax.parallel.distributed`).

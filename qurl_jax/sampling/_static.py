@@ -85,11 +85,12 @@ class Sampler:
             `max_concurrent_rows` is.
           n: samples per prompt (rows b*n .. b*n+n-1 belong to prompt b).
           process_local: `prompts` are this process's block of a global batch spread over the
-            processes of a multi-process run (`qurl_jax.parallel.distributed.row_block`; every process
-            passes as many prompts and calls `sample` together); the output holds this process's
-            rows as host numpy arrays. Rows draw the same tokens as in a one-process call with the
-            whole batch (the prompt bucket is agreed over the processes and row i of the global
-            batch keeps its key). Without a mesh spanning several processes it is a plain call.
+            processes of a multi-process run (`qurl_jax.parallel.distributed.row_block`; every
+            process passes as many prompts and calls `sample` together); the output holds this
+            process's rows as host numpy arrays. Rows draw the same tokens as in a one-process call
+            with the whole batch (the prompt bucket is agreed over the processes and row i of the
+            global batch keeps its key). Without a mesh spanning several processes it is a plain
+            call.
         """
         e = self.engine
         block, blocks = 0, 1

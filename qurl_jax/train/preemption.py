@@ -13,8 +13,8 @@ small collective there, the largest of every process's "a stop was requested" fl
 process stops after the same step. The guard owns SIGTERM there too, instead of the SIGTERM
 notifier `jax.distributed.initialize` installs (whose sync point,
 `multihost_utils.reached_preemption_sync_point`, gave the same step): a Python handler is what
-lets the stall watchdog (`qurl_jax.runtime.watchdog`) see a SIGTERM that arrives while the main thread is
-stuck inside XLA, and what makes a second SIGTERM end the process at once (JAX's notifier
+lets the stall watchdog (`qurl_jax.runtime.watchdog`) see a SIGTERM that arrives while the main
+thread is stuck inside XLA, and what makes a second SIGTERM end the process at once (JAX's notifier
 swallowed every further one).
 """
 

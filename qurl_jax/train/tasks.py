@@ -1,7 +1,7 @@
 """What the trainer trains on: the policy's weights and tokenizer, prompts, verifier and evaluation.
 
-`build_model_and_task(settings, workdir)` (a `qurl_jax.config.settings.RunSettings`) returns the model
-configuration, the initial float32 parameters and a `Task`:
+`build_model_and_task(settings, workdir)` (a `qurl_jax.config.settings.RunSettings`) returns the
+model configuration, the initial float32 parameters and a `Task`:
 - `model.source='hf'`: a local Hugging Face directory (`load_hf` + its tokenizer); a missing or
   incomplete checkpoint is an error, never a random initialisation.
 - `model.source='tiny'`: the embedded default's tiny model, built in code with its supervised warm

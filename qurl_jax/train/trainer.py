@@ -112,7 +112,8 @@ class Trainer:
         s = self.settings
         self.mesh = shd.mesh_from_config(s.mesh.spec)
         # Multi-process runs: this process reads, samples and verifies block `_block` of
-        # `_blocks` of every step's prompts (`qurl_jax.parallel.distributed`); GRPO groups stay whole.
+        # `_blocks` of every step's prompts (`qurl_jax.parallel.distributed`); GRPO groups stay
+        # whole.
         self._block, self._blocks = dist.row_block(self.mesh)
         if s.data.prompts_per_step % self._blocks:
             raise ConfigError(f"config.data.prompts_per_step={s.data.prompts_per_step} must be "
@@ -177,14 +178,16 @@ class Trainer:
         self.step_count = 0
         self._restore()
         if dist.is_primary():
-            run_config.save(self._flat_config, self.workdir)  # the resolved config of the run, for inspection
+            # The resolved config of the run, for inspection and the resume check.
+            run_config.save(self._flat_config, self.workdir)
         self.writer = MetricWriter(
             self.workdir, resume_step=self.step_count, enabled=dist.is_primary(),
             tensorboard="tensorboard" in s.loop.loggers,
             wandb_project=s.loop.wandb_project if "wandb" in s.loop.loggers else None)
         self._reward_thread = concurrent.futures.ThreadPoolExecutor(1, "qurl-reward")
         self._bad_steps = 0
-        # Set by `python -m qurl_jax.main` (`qurl_jax.runtime.watchdog`, `qurl_jax.parallel.program_check`).
+        # Set by `python -m qurl_jax.main` (`qurl_jax.runtime.watchdog`,
+        # `qurl_jax.parallel.program_check`).
         self.watchdog: Any = None
         self.program_check: Any = None
         self.last_metrics: dict[str, float] = {}
@@ -610,8 +613,8 @@ class Trainer:
         self.task.close()  # verifier worker processes
 
     def _write_plots(self) -> list[str]:
-        """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.runtime.report`); none, with a warning,
-        when matplotlib is not installed, since the run itself has finished."""
+        """The run's PNG plots in `<workdir>/plots/` (`qurl_jax.runtime.report`); none, with a
+        warning, when matplotlib is not installed, since the run itself has finished."""
         try:
             paths = report.write_plots(self.workdir)
         except (ImportError, OSError) as e:  # no matplotlib, or a workdir that is a URL
