@@ -1,15 +1,16 @@
-"""bench.interconnect: the rollout's decode step on a whole slice, collectives included."""
+"""plan.interconnect (and its command line, bench.interconnect): the rollout's decode step on a
+whole slice, collectives included."""
 
 import dataclasses
 import json
 
 import pytest
 
-from qurl_jax.bench import interconnect, roofline
+from qurl_jax.bench import interconnect as interconnect_cli
 from qurl_jax.config.base import base_config
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.models import ModelConfig, hf
-from qurl_jax.plan import collectives
+from qurl_jax.plan import collectives, interconnect, roofline
 from tests.compile_only import compiler_or_skip
 
 # A vocabulary and MLP wider than the model, as in real LMs, so that a layout that moves logits
@@ -84,23 +85,23 @@ def test_sharded_actor_pays_collectives_a_replica_does_not(tmp_path) -> None:
     assert replica["tokens_per_s"] == pytest.approx(
         replica["slice_rows"] / replica["step_ms"] * 1e3)
     assert any("decode loop, per token per device" in line for line in lines)
-    table = interconnect.markdown_table([sharded, replica]).splitlines()
+    table = interconnect_cli.markdown_table([sharded, replica]).splitlines()
     assert len(table) == 4 and "| 1.00x |" in table[2]
 
 
 def test_cli_rejects_a_chip_without_link_figures() -> None:
     with pytest.raises(SystemExit, match="bad flag --target=cpu"):
-        interconnect.main(["--config=configs/arith_tiny.py", "--target=cpu"])
+        interconnect_cli.main(["--config=configs/arith_tiny.py", "--target=cpu"])
     with pytest.raises(SystemExit, match=r"bad flag --set=rollout.nope=1: .*no config field"):
-        interconnect.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
+        interconnect_cli.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
                            "--set", "rollout.nope=1", "--reshard"])
     config = base_config()
-    interconnect.set_field(config, "rollout.quantize_vocab=False")
+    interconnect_cli.set_field(config, "rollout.quantize_vocab=False")
     assert config.rollout.quantize_vocab is False
     with pytest.raises(TypeError):
-        interconnect.set_field(config, "rollout.quantize_vocab=yes please")
+        interconnect_cli.set_field(config, "rollout.quantize_vocab=yes please")
     with pytest.raises(SystemExit, match="bad flag --layouts=config"):
-        interconnect.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
+        interconnect_cli.main(["--config=configs/arith_tiny.py", "--target=tpu:v5p-8",
                            "--layouts=config"])
 
 

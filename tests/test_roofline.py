@@ -1,16 +1,17 @@
-"""bench.roofline: the counted decode-step flops, the live slots of the tail_limits distribution,
-the ragged adjustment of a hand-made record, the table, and a compile for an H100 (skipped without
-the CUDA plugin)."""
+"""plan.roofline (and its command line, bench.roofline): the counted decode-step flops, the live
+slots of the tail_limits distribution, the ragged adjustment of a hand-made record, the table,
+and a compile for an H100 (skipped without the CUDA plugin)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from qurl_jax.bench import roofline
+from qurl_jax.bench import roofline as roofline_cli
 from qurl_jax.bench.sampler import tail_limits
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.parallel import targets
+from qurl_jax.plan import roofline
 
 TINY = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, dtype="bfloat16")
@@ -28,7 +29,7 @@ def test_table_gives_the_ratio_to_bf16_and_the_measurement() -> None:
                  bound="memory", predicted_step_ms=1.0, predicted_tokens_per_s=t,
                  measured_tokens_per_s=meas)
             for a, b, t, meas in (("bf16", 6.0, 1000.0, 900.0), ("int8", 4.8, 1250.0, None))]
-    table = roofline.markdown_table(rows).splitlines()
+    table = roofline_cli.markdown_table(rows).splitlines()
     assert "| 1.00x | 900 |" in table[2]
     assert "| 1.25x |  |" in table[3]
 
@@ -113,7 +114,7 @@ def test_table_shows_dense_and_ragged_side_by_side() -> None:
     for actor, weights in (("bf16", 15.2e9), ("int8", 7.6e9)):
         dense = _record(actor, weights)
         records += [dense, roofline.ragged_record(dense, live)]
-    head, _, bf16, int8 = roofline.markdown_table(records).splitlines()
+    head, _, bf16, int8 = roofline_cli.markdown_table(records).splitlines()
     assert "vs bf16 (dense)" in head and "vs bf16 (ragged)" in head and "ragged / dense" in head
     cells = [c.strip() for c in int8.split("|")[1:-1]]
     tokens = [r["predicted_tokens_per_s"] for r in records]  # bf16 dense, ragged; int8 same
@@ -124,4 +125,4 @@ def test_table_shows_dense_and_ragged_side_by_side() -> None:
 
 def test_cli_rejects_an_unknown_attention() -> None:
     with pytest.raises(SystemExit, match="--attention=paged"):
-        roofline.main(["--target=gpu:h100-1", "--attention=paged"])
+        roofline_cli.main(["--target=gpu:h100-1", "--attention=paged"])

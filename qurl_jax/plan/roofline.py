@@ -53,11 +53,9 @@ Two records per case and actor (`--attention`, default both):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import Any
 
@@ -262,99 +260,3 @@ def predict(target: targets.Target, model: str, batch: int, actor: str,
         record["cost_analysis_flops"] = float(cost.get("flops", np.nan))
         record["cost_analysis_bytes_accessed"] = float(cost.get("bytes accessed", np.nan))
     return record
-
-
-def markdown_table(records: list[dict[str, Any]]) -> str:
-    """Predicted decode tokens/s per case and actor under each attention the records hold (dense
-    first, then ragged), its ratio to bf16 under the same attention, ragged over dense where both
-    are there, and the measurement. A record without `attention` is dense."""
-    attention = lambda r: r.get("attention", "dense")  # noqa: E731
-    modes = [a for a in ATTENTIONS if any(attention(r) == a for r in records)]
-    by = {(r["target"], r["model"], r["batch"], r["actor"], attention(r)): r for r in records}
-    cases = list(dict.fromkeys(k[:4] for k in by))
-    head = ["target", "model", "batch", "actor"]
-    for a in modes:
-        head += [f"bytes/step {a} (GiB, {'>=' if a == 'dense' else 'adjusted'})", f"bound {a}",
-                 f"predicted step {a}", f"predicted tokens/s {a}", f"vs bf16 ({a})"]
-    if len(modes) == 2:
-        head.append("ragged / dense")
-    head.append("measured tokens/s")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for case in cases:
-        cells = [str(c) for c in case]
-        for a in modes:
-            r, ref = by.get((*case, a)), by.get((*case[:3], "bf16", a))
-            if r is None:
-                cells += [""] * 5
-                continue
-            ratio = (f"{r['predicted_tokens_per_s'] / ref['predicted_tokens_per_s']:.2f}x"
-                     if ref else "")
-            cells += [f"{r.get('bytes_per_step', r['argument_bytes']) / 2**30:.2f}", r["bound"],
-                      f"{r['predicted_step_ms']:.2f} ms", f"{r['predicted_tokens_per_s']:,.0f}",
-                      ratio]
-        if len(modes) == 2:
-            d, g = by.get((*case, "dense")), by.get((*case, "ragged"))
-            cells.append(f"{g['predicted_tokens_per_s'] / d['predicted_tokens_per_s']:.2f}x"
-                         if d and g else "")
-        measured = next((by[(*case, a)].get("measured_tokens_per_s") for a in modes
-                         if (*case, a) in by and by[(*case, a)].get("measured_tokens_per_s")),
-                        None)
-        cells.append(f"{measured:,.0f}" if measured else "")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", help="gpu:h100-1, tpu:v5p-8 (one device of it is used)")
-    p.add_argument("--actors", default=",".join(ACTORS))
-    p.add_argument("--cases", default=";".join(f"{m},{b}" for m, b in CASES),
-                   help="model,batch;model,batch")
-    p.add_argument("--attention", default=",".join(ATTENTIONS),
-                   help="dense, ragged or both: the records to write (ragged is derived from the "
-                        "dense compile, adjusted analytically)")
-    p.add_argument("--schedule", default="refill", choices=SCHEDULES,
-                   help="how the ragged live slots are averaged (`live_slots`)")
-    p.add_argument("--json", help="write the records here (after every case)")
-    p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these files")
-    args = p.parse_args(argv)
-    if args.table:
-        print(markdown_table([r for path in args.table for r in json.load(open(path))]))
-        return
-    try:
-        target = targets.parse(args.target or "")
-    except targets.TargetError as e:
-        sys.exit(str(e))
-    if target.chip is None or target.chip.name not in CHIPS:
-        sys.exit(f"--target={args.target}: peak figures known for {', '.join(CHIPS)} only")
-    modes = args.attention.split(",")
-    if not modes or any(a not in ATTENTIONS for a in modes):
-        sys.exit(f"--attention={args.attention}: expected a list of {', '.join(ATTENTIONS)}")
-    actors = args.actors.split(",")
-    if any(a not in ACTORS for a in actors):
-        sys.exit(f"--actors={args.actors}: expected a list of {', '.join(ACTORS)}")
-    targets.use_cpu_unless_accelerator_attached()
-    live = live_slots(PROMPT_LEN, NEW_TOKENS, args.schedule)
-    records = []
-    for case in args.cases.split(";"):
-        model, batch = case.split(",")
-        for actor in actors:
-            dense = predict(target, model, int(batch), actor)
-            made = {"dense": dense, "ragged": {**ragged_record(dense, live),
-                                               "live_schedule": args.schedule}}
-            for a in modes:
-                r = made[a]
-                records.append(r)
-                how = (f"compiled in {r['compile_s']} s" if a == "dense" else
-                       f"{live:.1f} of {r['cache_slots']} slots live, adjusted analytically")
-                print(f"{target.name} {model} x{batch} {actor} {a}: "
-                      f"{r['bytes_per_step'] / 2**30:.2f} GiB/step, "
-                      f"{r['predicted_tokens_per_s']:,.0f} tokens/s predicted "
-                      f"({r['bound']}-bound; {how})", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(records, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
