@@ -110,7 +110,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0  # 0 = off
     c.rollout.top_p = 1.0
     c.rollout.max_concurrent_rows = 0  # rows decoded at once (bounds the KV cache); 0 = all
-    # The rollout's replicas of the quantized actor over the run's devices (rollout_layout.py):
+    # The rollout's replicas of the actor over the run's devices (`parallel.rollout_layout`):
     # each split over this many devices ('auto': the smallest power of two within one process's
     # devices at which a replica, its KV and the learner's state fit a device; 1 where it fits).
     c.rollout.tensor = "auto"

@@ -1,7 +1,7 @@
 """The RL trainer: one step reads like QuRL's algorithm.
 
     params --requantize--> codes on the learner's FSDP layout --reshard--> rollout_params on the
-           rollout's replicas (rollout_layout.py) --sample(n per prompt)--> tokens, logp_behav
+           rollout's replicas (parallel.rollout_layout) --sample(n per prompt)--> tokens, logp_behav
            --verify--> rewards, accuracy --group--> advantages
            (DAPO: drop groups whose accuracy is all equal, regenerate from more rounds)
            --learner forward (fp32, packed rows)--> logp_prox (and logp_ref for the KL)
