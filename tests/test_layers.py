@@ -10,7 +10,9 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "qurl_jax"
+import qurl_jax
+
+ROOT = pathlib.Path(qurl_jax.__file__).parent
 
 # Bottom to top: a module may import its own package and any package below it.
 LAYERS = ("runtime", "cpu_kernels", "quant", "rl", "data", "parallel", "models", "sampling",
