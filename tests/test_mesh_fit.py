@@ -97,7 +97,7 @@ def _on_16_host_devices(code: str) -> subprocess.CompletedProcess:
 def test_sixteen_devices_and_fsdp_minus_one_run_as_written():
     # A launch example on a machine with more devices than the config's fixed mesh: fsdp=-1 spans
     # every device, and each batch block maps to the single process.
-    code = ("from qurl_jax import sharding, distributed\n"
+    code = ("from qurl_jax.parallel import distributed, sharding\n"
             "from qurl_jax.config.base import load_config_file\n"
             "c = load_config_file('configs/arith_tiny.py')\n"
             "c.unlock(); c.mesh.fsdp = -1\n"
@@ -120,7 +120,7 @@ def test_paper_configs_take_every_device_of_their_slice():
         c = load_config_file(f"{REPO}/configs/{name}.py")
         assert c.mesh.fsdp == -1, name
         assert host_devices_for(c.mesh) == devices, name
-    code = ("from qurl_jax import sharding\n"
+    code = ("from qurl_jax.parallel import sharding\n"
             "from qurl_jax.config.base import load_config_file\n"
             "for n in ('deepscaler_r1_1p5b_int8', 'dapo_qwen2p5_7b_fp8'):\n"
             "    print(n, dict(sharding.mesh_from_config(load_config_file(f'configs/{n}.py').mesh)"

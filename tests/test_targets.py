@@ -122,7 +122,7 @@ def test_cli_start_up_stays_on_cpu_without_an_accelerator():
     # With libtpu installed and no TPU attached, an entry point must not start the TPU backend
     # (libtpu's warnings, its start-up time): JAX_PLATFORMS unset, the CLI runs on the CPU.
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    code = ("from qurl_jax import targets; targets.use_cpu_unless_accelerator_attached(); "
+    code = ("from qurl_jax.parallel import targets; targets.use_cpu_unless_accelerator_attached(); "
             "import jax; print(jax.devices()[0].platform)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
