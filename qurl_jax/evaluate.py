@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -156,8 +157,18 @@ def main(argv: list[str]) -> None:
             raise ConfigError("--config is missing: name the run's config file")
         if not _WORKDIR.value:
             raise ConfigError("--workdir is missing: name the run's workdir")
-        step, metrics = evaluate_run(_CONFIG.value, _WORKDIR.value, _STEP.value,
-                                     _EVAL_FILES.value)
+        from qurl_jax.runtime.quiet import quiet_libraries
+        from qurl_jax.train.preemption import PreemptionGuard, Stopped
+
+        quiet_libraries()  # orbax's INFO line per restored array, as main keeps them out
+        guard = PreemptionGuard().install()  # SIGTERM / Ctrl-C: one line, 128 + the signal
+        try:
+            step, metrics = evaluate_run(_CONFIG.value, _WORKDIR.value, _STEP.value,
+                                         _EVAL_FILES.value)
+        except Stopped as e:
+            print(f"qurl_jax: {signal.Signals(e.signum).name} received during the evaluation: "
+                  "stopped; nothing written", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
     except UserError as e:
         if _VERBOSE.value:
             traceback.print_exc()

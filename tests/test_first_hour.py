@@ -1,0 +1,48 @@
+"""A new user's first hour (issue 49): quiet good runs, messages that name what to fix."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+from qurl_jax.train.trainer import Trainer
+from tests.test_trainer import REPO, tiny_config
+
+TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
+        "--config.model.tiny.hidden_size=32", "--config.model.tiny.intermediate_size=64",
+        "--config.model.tiny.head_dim=16", "--config.model.tiny.num_heads=2",
+        "--config.model.tiny.num_kv_heads=1", "--config.eval.max_examples=4",
+        "--config.eval.max_new_tokens=4", "--config.rollout.max_new_tokens=4",
+        "--config.data.max_prompt_len=32")
+OURS = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "qurl_jax", "**", "*.py"),
+                                               recursive=True)}
+
+
+def _library_info_lines(text: str) -> list[str]:
+    """absl INFO lines ("I1127 09:14:35.8 123 file.py:139] ...") from files not of qurl_jax."""
+    lines = []
+    for line in text.splitlines():
+        m = re.match(r"^I\d{4} [\d:.]+\s+\d+ (\S+?):\d+\]", line)
+        if m and m.group(1) not in OURS:
+            lines.append(line)
+    return lines
+
+
+def test_evaluate_keeps_orbax_info_out_as_main_does(tmp_path):
+    workdir = str(tmp_path / "run")
+    c = tiny_config(**{"sft.steps": 0, "eval.max_examples": 4, "eval.max_new_tokens": 4})
+    t = Trainer(c, workdir)
+    t.step_count = 1  # a checkpoint to restore (its values do not matter here)
+    t._save(force=True)
+    t._close()
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "qurl_jax.evaluate", f"--config={REPO}/configs/arith_tiny.py",
+         f"--workdir={workdir}", *TINY],
+        cwd=REPO, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+        capture_output=True, text=True, timeout=600)
+    text = evaluated.stdout + evaluated.stderr
+    assert evaluated.returncode == 0, text[-3000:]
+    assert "evaluation at step 1" in evaluated.stdout
+    noisy = _library_info_lines(text)
+    assert not noisy, "\n".join(noisy[:5])
