@@ -178,14 +178,14 @@ def main(argv: list[str]) -> None:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    from qurl_jax.config.overrides import expand_lists
+    from qurl_jax.config.overrides import expand_lists, flag_error
 
     try:
         return flags.FLAGS(expand_lists(argv))
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
         cause = e.args[0] if e.args and isinstance(e.args[0], BaseException) else e
         text = str(cause.args[0] if isinstance(cause, KeyError) and cause.args else cause)
-        print(f"qurl_jax: bad flag: {' '.join(text.split())}", file=sys.stderr, flush=True)
+        print(f"qurl_jax: bad flag: {flag_error(argv, text)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -93,7 +93,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
         print(_USAGE + "\nflags:\n" + flags.FLAGS.main_module_help(), flush=True)
         sys.exit(0)
-    from qurl_jax.config.overrides import expand_lists
+    from qurl_jax.config.overrides import expand_lists, flag_error
 
     try:
         return flags.FLAGS(expand_lists(argv))  # list fields also as a,b,c
@@ -105,7 +105,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         text = str(cause.args[0] if isinstance(cause, KeyError) and cause.args else cause)
         if text.startswith("Error whilst parsing config file"):  # raised by get_config itself
             _bad_input("bad config file", text.strip().splitlines()[-1])
-        _bad_input("bad flag", text)
+        _bad_input("bad flag", flag_error(argv, text))
     except Exception as e:  # noqa: BLE001 - executing the config file failed: the user's code
         trace = traceback.extract_tb(e.__traceback__)
         where = next((f"{t.filename}:{t.lineno}: " for t in reversed(trace)

@@ -46,3 +46,24 @@ def test_evaluate_keeps_orbax_info_out_as_main_does(tmp_path):
     assert "evaluation at step 1" in evaluated.stdout
     noisy = _library_info_lines(text)
     assert not noisy, "\n".join(noisy[:5])
+
+
+def _main_line(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qurl_jax.main",
+                           f"--config={REPO}/configs/arith_tiny.py", "--workdir=/nonexistent/w",
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_flag_messages_name_the_full_field_and_say_flag_once():
+    from tests.cli import assert_one_line
+
+    line = assert_one_line(_main_line("--config.rollout.presicion=int8"), "bad flag")
+    assert "--config.rollout.presicion: no such field 'presicion'" in line
+    assert "precision" in line  # the suggestion stays
+    line = assert_one_line(_main_line("--config.rollout.n=abc"), "bad flag")
+    assert line.startswith("qurl_jax: bad flag: --config.rollout.n=abc: ")
+    assert "flag --" not in line.replace("bad flag: --", "")
+    line = assert_one_line(_main_line("--config.model.source=hf",
+                                      "--config.model.path=/nonexistent/model"), "bad config")
+    assert "config.model.path='/nonexistent/model' does not exist" in line
