@@ -67,3 +67,23 @@ def test_flag_messages_name_the_full_field_and_say_flag_once():
     line = assert_one_line(_main_line("--config.model.source=hf",
                                       "--config.model.path=/nonexistent/model"), "bad config")
     assert "config.model.path='/nonexistent/model' does not exist" in line
+
+
+def test_a_compile_only_tpu_target_keeps_libtpus_off_vm_lines_out_of_the_terminal():
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu not installed")
+    code = ("from qurl_jax.parallel import targets; import sys; "
+            "t = targets.parse('tpu:v5e-8'); print(len(t.devices()), t.device_kind()); "
+            "print('after', file=sys.stderr)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=dict(env, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("8 TPU v5")
+    assert "E0000" not in out.stderr and "unexpected worker hostname" not in out.stderr, out.stderr
+    assert "Failed to find host bounds" not in out.stderr
+    assert "after" in out.stderr  # stderr itself is back
