@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from qurl_jax.train.trainer import Trainer
 from tests.test_trainer import REPO, tiny_config
 
@@ -72,8 +74,6 @@ def test_flag_messages_name_the_full_field_and_say_flag_once():
 def test_a_compile_only_tpu_target_keeps_libtpus_off_vm_lines_out_of_the_terminal():
     import importlib.util
 
-    import pytest
-
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu not installed")
     code = ("from qurl_jax.parallel import targets; import sys; "
@@ -87,3 +87,54 @@ def test_a_compile_only_tpu_target_keeps_libtpus_off_vm_lines_out_of_the_termina
     assert "E0000" not in out.stderr and "unexpected worker hostname" not in out.stderr, out.stderr
     assert "Failed to find host bounds" not in out.stderr
     assert "after" in out.stderr  # stderr itself is back
+
+
+def _documented_word_problem_flags() -> list[str]:
+    """The `--config.*` flags of usage.md's "Word problems" block, as written there."""
+    with open(os.path.join(REPO, "docs", "usage.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = text.split("**Word problems", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return re.findall(r"--config\.\S+=\S+", block)
+
+
+def test_the_documented_word_problem_flags_take_word_problems(tmp_path):
+    """The own-task command with the section's additions accepts natural-language prompts
+    (without them: the one-line error about data.max_prompt_len), and the warm start is short."""
+    import json
+
+    from qurl_jax.config.base import validate
+    from qurl_jax.config.checks import check_task_data
+    from qurl_jax.config.settings import RunSettings
+    from qurl_jax.runtime.errors import DataError
+    from tests.test_own_task import OWN_TASK
+
+    rows = [{"query": f"Tom has {a} apples and buys {b} more at the market. How many apples does "
+                      "he have now?", "solution": str(a + b)} for a in range(9) for b in range(9)]
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    own = [f for f in OWN_TASK if "train_files" not in f and "eval.files" not in f] + [
+        f"--config.data.train_files={data}", f"--config.eval.files={data}"]
+
+    def settings(flags):
+        import importlib.util
+
+        path = os.path.join(REPO, "configs", "arith_tiny.py")
+        spec = importlib.util.spec_from_file_location("arith_tiny", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        c = module.get_config()
+        for flag in flags:
+            key, value = flag.removeprefix("--config.").split("=", 1)
+            section, name = key.split(".")
+            old = c[section][name]
+            c[section][name] = (value if isinstance(old, str) else (value,)
+                                if isinstance(old, tuple) else type(old)(value))
+        return RunSettings.from_config(validate(c))
+
+    documented = _documented_word_problem_flags()
+    assert documented, "usage.md lost its word-problem flags"
+    s = settings(own + documented)
+    check_task_data(s)  # every prompt fits
+    assert s.sft.steps <= 500
+    with pytest.raises(DataError, match="max_prompt_len"):  # as written before: no prompt fits
+        check_task_data(settings(own))
