@@ -138,3 +138,37 @@ def test_the_documented_word_problem_flags_take_word_problems(tmp_path):
     assert s.sft.steps <= 500
     with pytest.raises(DataError, match="max_prompt_len"):  # as written before: no prompt fits
         check_task_data(settings(own))
+
+
+def _pinned_jax() -> str:
+    with open(os.path.join(REPO, "requirements.txt"), encoding="utf-8") as f:
+        return re.search(r"^jax==(\S+)$", f.read(), re.M).group(1)
+
+
+def test_documented_install_lines_name_the_pinned_jax():
+    """Every `pip install ... jax[...]` line of the docs, the launch README and pyproject's extras
+    installs the jax that requirements.txt pins; the one-accelerator page has a GPU and a TPU
+    line."""
+    pin = _pinned_jax()
+    files = [os.path.join(REPO, "README.md"), os.path.join(REPO, "launch", "README.md"),
+             *glob.glob(os.path.join(REPO, "docs", "*.md"))]
+    lines = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                command = re.match(r"^\s*(\$ )?(python3? -m )?pip install", line)
+                if command and "jax[" in line:  # a command, not prose about one
+                    lines.append((os.path.relpath(path, REPO), line.strip()))
+    assert len(lines) >= 3, lines
+    for where, line in lines:
+        for extra, version in re.findall(r"jax\[([a-z0-9]+)\](?:==([\w.]+))?", line):
+            assert version == pin, f"{where}: {line}"
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
+        extras = re.findall(r'"jax\[[a-z0-9]+\]==([\w.]+)"', f.read())
+    assert extras and set(extras) == {pin}
+    page = open(os.path.join(REPO, "docs", "one_accelerator.md"), encoding="utf-8").read()
+    assert f'"jax[cuda12]=={pin}"' in page and f'"jax[tpu]=={pin}"' in page
+    with open(os.path.join(REPO, "launch", "install.sh"), encoding="utf-8") as f:
+        install = f.read()
+    # The launch script installs the same two from the same pin.
+    assert '"jax[cuda12]==${JAX_VERSION}"' in install and '"jax[tpu]==${JAX_VERSION}"' in install
