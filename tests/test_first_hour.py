@@ -161,7 +161,7 @@ def test_documented_install_lines_name_the_pinned_jax():
                     lines.append((os.path.relpath(path, REPO), line.strip()))
     assert len(lines) >= 3, lines
     for where, line in lines:
-        for extra, version in re.findall(r"jax\[([a-z0-9]+)\](?:==([\w.]+))?", line):
+        for _extra, version in re.findall(r"jax\[([a-z0-9]+)\](?:==([\w.]+))?", line):
             assert version == pin, f"{where}: {line}"
     with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
         extras = re.findall(r'"jax\[[a-z0-9]+\]==([\w.]+)"', f.read())
