@@ -161,7 +161,7 @@ def main(argv: list[str]) -> None:
         from qurl_jax.train.preemption import PreemptionGuard, Stopped
 
         quiet_libraries()  # orbax's INFO line per restored array, as main keeps them out
-        guard = PreemptionGuard().install()  # SIGTERM / Ctrl-C: one line, 128 + the signal
+        PreemptionGuard().install()  # SIGTERM / Ctrl-C: one line, 128 + the signal
         try:
             step, metrics = evaluate_run(_CONFIG.value, _WORKDIR.value, _STEP.value,
                                          _EVAL_FILES.value)
