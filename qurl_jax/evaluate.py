@@ -168,7 +168,10 @@ def main(argv: list[str]) -> None:
         except Stopped as e:
             print(f"qurl_jax: {signal.Signals(e.signum).name} received during the evaluation: "
                   "stopped; nothing written", file=sys.stderr, flush=True)
-            sys.exit(e.exit_code)
+            sys.stdout.flush()
+            # Not sys.exit: the interpreter's shutdown can crash while a thread is still inside
+            # XLA (a compile the signal interrupted); the verifier processes are closed already.
+            os._exit(e.exit_code)
     except UserError as e:
         if _VERBOSE.value:
             traceback.print_exc()
@@ -190,7 +193,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
+    try:  # Ctrl-C while the libraries load (before any handler): one line, not a traceback
+        from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
-    use_cpu_unless_accelerator_attached()  # before JAX starts a backend
-    app.run(main, flags_parser=_parse_flags)
+        use_cpu_unless_accelerator_attached()  # before JAX starts a backend
+        app.run(main, flags_parser=_parse_flags)
+    except KeyboardInterrupt:
+        print("qurl_jax: interrupted before the evaluation started; nothing written", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -229,7 +229,11 @@ def _main(argv: list[str]) -> None:
         _train(config, guard)
     except preemption.Stopped as e:
         print(e.line(), file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+        logging.flush()
+        sys.stdout.flush()
+        # Not sys.exit: the interpreter's shutdown can crash while a thread is still inside XLA
+        # (a compile the signal interrupted); checkpoints and verifier processes are closed.
+        os._exit(e.exit_code)
 
 
 def _train(config, guard) -> None:
@@ -255,6 +259,7 @@ def _train(config, guard) -> None:
         summary = trainer.train(preemption=guard)
     except Stopped:
         trainer.checkpointer.close()  # a checkpoint still being written is finished, not lost
+        trainer.task.close()  # the verifier processes
         raise
     if stall:
         stall.stop()
@@ -268,7 +273,11 @@ def _train(config, guard) -> None:
 
 
 if __name__ == "__main__":
-    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
+    try:  # Ctrl-C while the libraries load (before any handler): one line, not a traceback
+        from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
-    use_cpu_unless_accelerator_attached()  # before JAX starts a backend
-    app.run(main, flags_parser=_parse_flags)
+        use_cpu_unless_accelerator_attached()  # before JAX starts a backend
+        app.run(main, flags_parser=_parse_flags)
+    except KeyboardInterrupt:
+        print("qurl_jax: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
+        sys.exit(130)

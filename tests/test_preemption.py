@@ -9,6 +9,7 @@ it from outside, as a scheduler does.
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from qurl_jax.runtime.metrics import read_metrics
 from qurl_jax.train.preemption import PreemptionGuard, Stopped
 from qurl_jax.train.trainer import Trainer
-from tests.test_trainer import _last_rows, _main, tiny_config
+from tests.test_trainer import REPO, _last_rows, _main, tiny_config
 
 
 def _trainer(workdir: str, signal_after: int | None = None, signum: int = signal.SIGTERM):
@@ -226,3 +227,28 @@ def test_cli_second_sigint_aborts_at_once(tmp_path):
     assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT), out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
 
+
+
+def test_cli_ctrl_c_during_evaluate_is_one_line_and_130(tmp_path):
+    from tests.test_first_hour import TINY
+
+    workdir = str(tmp_path / "run")
+    t = Trainer(tiny_config(**{"sft.steps": 0}), workdir)
+    t.step_count = 1  # a checkpoint to evaluate
+    t._save(force=True)
+    t._close()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qurl_jax.evaluate", "--config=configs/arith_tiny.py",
+         f"--workdir={workdir}", *TINY, "--config.eval.max_examples=256",
+         "--config.eval.max_new_tokens=64", "--config.rollout.max_new_tokens=64"],
+        cwd=REPO, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(15)  # past the imports: in the set-up or the evaluation
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    ours = [line for line in out.splitlines() if line.startswith("qurl_jax: ")]
+    assert len(ours) == 1 and "SIGINT received during the evaluation" in ours[0], out[-3000:]
+    assert not os.path.exists(os.path.join(workdir, "eval"))
