@@ -237,4 +237,4 @@ def test_time_split_is_scaled_to_the_steps_that_compiled_nothing(steps):
     plot = report._time_split(_time_split(steps), "run")
     low, high = plot.axes[0].get_ylim()
     assert low == 0 and 3.0 <= high < 4.0  # steady steps take 3 s; the first took 390 s
-    assert "off the scale, compiling: step 1: 390 s" in plot.title
+    assert "compiling, off the scale: step 1: 390 s" in plot.title

@@ -359,9 +359,9 @@ def _time_split(data: Mapping[str, Series], run: str) -> _Plot | None:
     handles, names = ax.get_legend_handles_labels()  # top of the stack first
     ax.legend(handles[::-1], names[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     if off:
-        listed = ", ".join(f"step {step}: {t:.0f} s" for step, t in off[:4])
-        more = f" and {len(off) - 4} more" if len(off) > 4 else ""
-        plot.title += f"\noff the scale, compiling: {listed}{more}"
+        listed = ", ".join(f"step {step}: {t:.0f} s" for step, t in off[:3])
+        more = f", +{len(off) - 3} more" if len(off) > 3 else ""
+        plot.title += f"\ncompiling, off the scale: {listed}{more}"
     if plot.window:  # the stack is smoothed, there are no thin raw lines
         plot.title += f"\nmoving average over {plot.window} steps without compiles"
         plot.window = 0
