@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -156,8 +157,21 @@ def main(argv: list[str]) -> None:
             raise ConfigError("--config is missing: name the run's config file")
         if not _WORKDIR.value:
             raise ConfigError("--workdir is missing: name the run's workdir")
-        step, metrics = evaluate_run(_CONFIG.value, _WORKDIR.value, _STEP.value,
-                                     _EVAL_FILES.value)
+        from qurl_jax.runtime.quiet import quiet_libraries
+        from qurl_jax.train.preemption import PreemptionGuard, Stopped
+
+        quiet_libraries()  # orbax's INFO line per restored array, as main keeps them out
+        PreemptionGuard().install()  # SIGTERM / Ctrl-C: one line, 128 + the signal
+        try:
+            step, metrics = evaluate_run(_CONFIG.value, _WORKDIR.value, _STEP.value,
+                                         _EVAL_FILES.value)
+        except Stopped as e:
+            print(f"qurl_jax: {signal.Signals(e.signum).name} received during the evaluation: "
+                  "stopped; nothing written", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # Not sys.exit: the interpreter's shutdown can crash while a thread is still inside
+            # XLA (a compile the signal interrupted); the verifier processes are closed already.
+            os._exit(e.exit_code)
     except UserError as e:
         if _VERBOSE.value:
             traceback.print_exc()
@@ -167,19 +181,24 @@ def main(argv: list[str]) -> None:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    from qurl_jax.config.overrides import expand_lists
+    from qurl_jax.config.overrides import expand_lists, flag_error
 
     try:
         return flags.FLAGS(expand_lists(argv))
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
         cause = e.args[0] if e.args and isinstance(e.args[0], BaseException) else e
         text = str(cause.args[0] if isinstance(cause, KeyError) and cause.args else cause)
-        print(f"qurl_jax: bad flag: {' '.join(text.split())}", file=sys.stderr, flush=True)
+        print(f"qurl_jax: bad flag: {flag_error(argv, text)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
+    try:  # Ctrl-C while the libraries load (before any handler): one line, not a traceback
+        from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
-    use_cpu_unless_accelerator_attached()  # before JAX starts a backend
-    app.run(main, flags_parser=_parse_flags)
+        use_cpu_unless_accelerator_attached()  # before JAX starts a backend
+        app.run(main, flags_parser=_parse_flags)
+    except KeyboardInterrupt:
+        print("qurl_jax: interrupted before the evaluation started; nothing written",
+              file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -13,7 +13,9 @@ checkpoint resumes from it. A list field also takes comma-separated values,
 SIGTERM (a spot VM's or scheduler's preemption notice) or Ctrl-C ends the run after the current
 step with a checkpoint and the line "preempted at step N; checkpoint saved; rerun the same command
 to resume", exit code 128 + the signal; a second signal aborts at once
-(`qurl_jax.train.preemption`).
+(`qurl_jax.train.preemption`). Outside the step loop (set-up, warm start, evaluation, the first
+step's compiles, the speed check) the first signal stops the run within seconds with one line and
+the same exit code; checkpoints already saved are kept.
 
 Multi-process runs (`qurl_jax.parallel.distributed`): every process runs the same command. Without
 flags, `jax.distributed.initialize()` is called only where a cluster is detected (Cloud TPU VM or
@@ -29,7 +31,6 @@ Compiled programs are kept in JAX's persistent compilation cache at
 
 from __future__ import annotations
 
-import logging as std_logging
 import os
 import sys
 import traceback
@@ -75,15 +76,6 @@ values and one-line docs with
 EXIT_BAD_INPUT = 2
 
 
-class _QuietLibraries(std_logging.Filter):
-    """Drops INFO chatter from orbax/JAX internals (one line per array on every save); warnings and
-    errors still pass, and qurl_jax's own INFO lines are kept."""
-
-    def filter(self, record: std_logging.LogRecord) -> bool:
-        noisy = any(part in record.pathname for part in ("orbax", "jax/_src", "tensorboardX"))
-        return record.levelno >= std_logging.WARNING or not noisy
-
-
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
@@ -100,7 +92,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
         print(_USAGE + "\nflags:\n" + flags.FLAGS.main_module_help(), flush=True)
         sys.exit(0)
-    from qurl_jax.config.overrides import expand_lists
+    from qurl_jax.config.overrides import expand_lists, flag_error
 
     try:
         return flags.FLAGS(expand_lists(argv))  # list fields also as a,b,c
@@ -112,7 +104,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         text = str(cause.args[0] if isinstance(cause, KeyError) and cause.args else cause)
         if text.startswith("Error whilst parsing config file"):  # raised by get_config itself
             _bad_input("bad config file", text.strip().splitlines()[-1])
-        _bad_input("bad flag", text)
+        _bad_input("bad flag", flag_error(argv, text))
     except Exception as e:  # noqa: BLE001 - executing the config file failed: the user's code
         trace = traceback.extract_tb(e.__traceback__)
         where = next((f"{t.filename}:{t.lineno}: " for t in reversed(trace)
@@ -188,7 +180,9 @@ def _main(argv: list[str]) -> None:
 
     if len(argv) > 1:
         raise FlagError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_handler().addFilter(_QuietLibraries())
+    from qurl_jax.runtime.quiet import quiet_libraries
+
+    quiet_libraries()
     from qurl_jax.config.base import format_config, ignored_fields, validate
 
     config = _load_config()
@@ -217,9 +211,7 @@ def _main(argv: list[str]) -> None:
         config.lock()
     from qurl_jax.parallel.sharding import check_mesh_fits
     from qurl_jax.runtime import compilation
-    from qurl_jax.runtime.metrics import format_summary
     from qurl_jax.train import preemption
-    from qurl_jax.train.trainer import Trainer
 
     check_mesh_fits(config.mesh)  # before the workdir or anything in it is written
     from qurl_jax.config.settings import RunSettings
@@ -232,19 +224,42 @@ def _main(argv: list[str]) -> None:
         compilation.cache_dir(config.train.compilation_cache_dir, _WORKDIR.value))
 
     guard = preemption.PreemptionGuard().install()
+    try:
+        _train(config, guard)
+    except preemption.Stopped as e:
+        print(e.line(), file=sys.stderr, flush=True)
+        logging.flush()
+        sys.stdout.flush()
+        # Not sys.exit: the interpreter's shutdown can crash while a thread is still inside XLA
+        # (a compile the signal interrupted); checkpoints and verifier processes are closed.
+        os._exit(e.exit_code)
+
+
+def _train(config, guard) -> None:
+    """Builds the trainer (warm start included) and runs it under the preemption `guard`."""
     import jax
 
-    from qurl_jax.parallel import program_check
+    from qurl_jax.parallel import distributed, program_check
     from qurl_jax.runtime import watchdog
+    from qurl_jax.runtime.metrics import format_summary
+    from qurl_jax.train.preemption import Stopped
+    from qurl_jax.train.trainer import Trainer
 
     # Before the trainer builds its programs, so that every one is recorded.
     check = program_check.ProgramCheck(program_check.install()) \
         if config.train.check_collectives else None
     stall = watchdog.for_run(config.train.stall_timeout_s, _WORKDIR.value,
                              jax.process_count(), jax.process_index())
+    if stall:
+        guard.listeners.append(lambda signum: stall.note_sigterm())
     trainer = Trainer(config, _WORKDIR.value)
     trainer.watchdog, trainer.program_check = stall, check
-    summary = trainer.train(preemption=guard)
+    try:
+        summary = trainer.train(preemption=guard)
+    except Stopped:
+        trainer.checkpointer.close()  # a checkpoint still being written is finished, not lost
+        trainer.task.close()  # the verifier processes
+        raise
     if stall:
         stall.stop()
     if summary.get("stopped") == "preempted":
@@ -257,7 +272,12 @@ def _main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
+    try:  # Ctrl-C while the libraries load (before any handler): one line, not a traceback
+        from qurl_jax.parallel.targets import use_cpu_unless_accelerator_attached
 
-    use_cpu_unless_accelerator_attached()  # before JAX starts a backend
-    app.run(main, flags_parser=_parse_flags)
+        use_cpu_unless_accelerator_attached()  # before JAX starts a backend
+        app.run(main, flags_parser=_parse_flags)
+    except KeyboardInterrupt:
+        print("qurl_jax: interrupted before training started; nothing to save", file=sys.stderr,
+              flush=True)
+        sys.exit(130)

@@ -9,14 +9,15 @@ it from outside, as a scheduler does.
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from qurl_jax.runtime.metrics import read_metrics
-from qurl_jax.train.preemption import PreemptionGuard
+from qurl_jax.train.preemption import PreemptionGuard, Stopped
 from qurl_jax.train.trainer import Trainer
-from tests.test_trainer import _last_rows, _main, tiny_config
+from tests.test_trainer import REPO, _last_rows, _main, tiny_config
 
 
 def _trainer(workdir: str, signal_after: int | None = None, signum: int = signal.SIGTERM):
@@ -91,13 +92,88 @@ def test_second_signal_restores_the_default_action():
     before = signal.getsignal(signal.SIGINT)
     guard = PreemptionGuard().install()
     try:
-        guard._handle(signal.SIGTERM, None)
+        with guard.finishing_steps():
+            guard._handle(signal.SIGTERM, None)
         assert guard.signum == signal.SIGTERM and guard.reached(7)
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second one kills at once
         assert signal.getsignal(signal.SIGINT) == guard._handle
     finally:
         guard.uninstall()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_outside_the_step_loop_stops_at_once():
+    guard = PreemptionGuard().install()
+    try:
+        with pytest.raises(Stopped) as e:
+            guard._handle(signal.SIGINT, None)
+        assert e.value.exit_code == 130 and guard.signum == signal.SIGINT
+        assert "SIGINT received outside the step loop" in e.value.line()
+        assert "rerun the same command to resume" in e.value.line()
+    finally:
+        guard.uninstall()
+
+
+def test_the_listener_ends_a_process_whose_main_thread_is_inside_xla():
+    """The interpreter writes the signal to the wakeup fd at once, but runs the Python handler only
+    when the main thread next runs Python (not during a compile): here only the byte arrives."""
+    exits = []
+    guard = PreemptionGuard(stop_grace_s=0.2, exit_fn=exits.append).install()
+    try:
+        os.write(guard._wakeup[1], bytes([signal.SIGTERM]))
+        deadline = time.time() + 10
+        while not exits and time.time() < deadline:
+            time.sleep(0.05)
+        assert exits == [143]
+        # Inside the step loop the step is finished instead: no exit.
+        with guard.finishing_steps():
+            os.write(guard._wakeup[1], bytes([signal.SIGTERM]))
+            time.sleep(0.8)
+        assert exits == [143]
+    finally:
+        guard.uninstall()
+
+
+def test_a_signal_during_the_evaluation_before_rl_stops_the_train_call(tmp_path):
+    t = Trainer(tiny_config(**{"train.num_steps": 3}), str(tmp_path))
+    evaluate = t.evaluate
+
+    def evaluate_then_signal():
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the evaluation runs
+        return evaluate()
+
+    t.evaluate = evaluate_then_signal
+    guard = PreemptionGuard().install()
+    try:
+        with pytest.raises(Stopped):
+            t.train(preemption=guard)
+    finally:
+        guard.uninstall()
+        t._close()
+    assert t.step_count == 0
+
+
+def test_cli_sigterm_during_the_warm_start_exits_143_in_seconds(tmp_path):
+    """A first SIGTERM in the supervised warm start (before the trainer's step loop) used to be
+    logged and ignored until the warm start's end."""
+    workdir = str(tmp_path / "run")
+    proc = _main(workdir, "--config.sft.steps=100000")
+    lines = []
+    for line in proc.stdout:  # until the warm start runs
+        lines.append(line)
+        if "supervised warm start:" in line:
+            break
+    time.sleep(1.0)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    out = "".join(lines) + out
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert took < 30, took
+    ours = [line for line in out.splitlines() if line.startswith("qurl_jax: ")]
+    assert len(ours) == 1 and "SIGTERM received outside the step loop" in ours[0], out[-3000:]
+    assert "Traceback" not in out
 
 
 def _wait_for_step(workdir: str, step: int, proc: subprocess.Popen, limit_s: float = 600) -> None:
@@ -151,3 +227,28 @@ def test_cli_second_sigint_aborts_at_once(tmp_path):
     assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT), out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
 
+
+
+def test_cli_ctrl_c_during_evaluate_is_one_line_and_130(tmp_path):
+    from tests.test_first_hour import TINY
+
+    workdir = str(tmp_path / "run")
+    t = Trainer(tiny_config(**{"sft.steps": 0}), workdir)
+    t.step_count = 1  # a checkpoint to evaluate
+    t._save(force=True)
+    t._close()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qurl_jax.evaluate", "--config=configs/arith_tiny.py",
+         f"--workdir={workdir}", *TINY, "--config.eval.max_examples=256",
+         "--config.eval.max_new_tokens=64", "--config.rollout.max_new_tokens=64"],
+        cwd=REPO, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(15)  # past the imports: in the set-up or the evaluation
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    ours = [line for line in out.splitlines() if line.startswith("qurl_jax: ")]
+    assert len(ours) == 1 and "SIGINT received during the evaluation" in ours[0], out[-3000:]
+    assert not os.path.exists(os.path.join(workdir, "eval"))

@@ -60,6 +60,10 @@ def test_validate_accepts_a_model_url_and_data_urls(memory_root):
     assert [e.answer for e in examples] == ["2", "4"] and stats.loaded == 2
     assert examples[0].source == "train"
     c.model.path = f"{memory_root}/missing"
+    with pytest.raises(ValueError, match="does not exist"):
+        validate(c)
+    fsspec.filesystem("memory").makedirs(f"{memory_root}/empty", exist_ok=True)
+    c.model.path = f"{memory_root}/empty"
     with pytest.raises(ValueError, match="has no config.json"):
         validate(c)
 

@@ -198,3 +198,43 @@ def test_importing_report_does_not_import_matplotlib():
     proc = _python("-c", "import sys, qurl_jax.runtime.report; print('matplotlib' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def _series(values, start: int = 1) -> report.Series:
+    values = np.asarray(values, np.float64)
+    return report.Series(np.arange(start, start + len(values)), values)
+
+
+def test_the_moving_average_does_not_dip_at_the_last_step():
+    """A steady 0.6 whose last step happens to score 0 is not a collapse of the run's end."""
+    values = np.full(60, 0.6)
+    values[-1] = 0.0
+    plot = report._Plot("t")
+    ax = plot.axes[0]
+    plot.line(ax, _series(values), "accuracy", "linear")
+    thick = [line for line in ax.lines if line.get_linewidth() > 1.5]
+    assert len(thick) == 1
+    # A window that shrank towards the end averaged the last step alone: 0.0 there, 0.4 before.
+    # The whole window (5 steps) moves by a fifth of the outlier only, and stops 2 steps early.
+    assert min(thick[0].get_ydata()) >= 0.6 - 0.6 / 5 - 1e-9
+    assert thick[0].get_xdata()[-1] == 58
+    raw = [line for line in ax.lines if line.get_linewidth() < 1.0]
+    assert raw[0].get_ydata()[-1] == 0.0  # the thin line still shows the last step
+
+
+def _time_split(steps: int) -> dict[str, report.Series]:
+    rollout = np.full(steps, 2.0)
+    update = np.full(steps, 1.0)
+    rollout[0], update[0] = 300.0, 90.0  # the first step compiles
+    programs = np.zeros(steps)
+    programs[0] = 12.0
+    return {"time/rollout_s": _series(rollout), "time/update_s": _series(update),
+            "compile/programs": _series(programs)}
+
+
+@pytest.mark.parametrize("steps", [10, 80])  # raw, and smoothed
+def test_time_split_is_scaled_to_the_steps_that_compiled_nothing(steps):
+    plot = report._time_split(_time_split(steps), "run")
+    low, high = plot.axes[0].get_ylim()
+    assert low == 0 and 3.0 <= high < 4.0  # steady steps take 3 s; the first took 390 s
+    assert "compiling, off the scale: step 1: 390 s" in plot.title

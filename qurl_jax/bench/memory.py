@@ -11,7 +11,13 @@ compile-only devices of that slice (needs `pip install -e .[tpu-compile]` / `.[g
 accelerator). Prints each program's compiled argument / output / temp / peak bytes per device (the
 compiler's memory plan) against the budget (85% of the chip's memory; 60 GiB on `cpu`) and an
 analytic estimate; `--json` also writes them, with the target's name, platform and device kind. A
-bad flag or target ends with one line naming it and a non-zero exit.
+bad flag or target ends with one line naming it and a non-zero exit. A program the compiler refuses
+for want of device memory (XLA:TPU's RESOURCE_EXHAUSTED) does not fit, with the compiler's line. The
+last line is the verdict: FITS (the largest program and its margin) or DOES NOT FIT (each program
+over the budget, by how much, and the config fields that shrink it, as the trainer's preflight
+names them), with exit code 3 then. A config mesh smaller than the target (`mesh.fsdp=4` on
+`tpu:v5e-8`) uses part of it, as a run there would (it warns and leaves the rest idle): the report
+says so and plans the devices it uses, as the slice of that size (`tpu:v5e-4`).
 
 With `rollout_decode` among the programs on a mesh of more than one device, it also prints the
 collectives the decode loop runs per generated token per device (count, bytes, kinds, the biggest
@@ -51,6 +57,10 @@ from qurl_jax.config.settings import RunSettings
 from qurl_jax.parallel import targets
 from qurl_jax.plan import memory_plan
 
+# The exit code when a program does not fit (the verdict line says which); bad flags exit 1 with
+# their one line too, and a report where everything fits exits 0.
+EXIT_DOES_NOT_FIT = 3
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file with get_config() (see configs/).", lock_config=True)
 _TARGET = flags.DEFINE_string(
@@ -88,6 +98,8 @@ def decode_row_overhead(settings: RunSettings, shapes_dir: str, target: targets.
         other = memory_plan.report(smaller, shapes_dir, target, log=lambda _: None,
                                    programs=("rollout_decode",))
     except (ValueError, memory_plan.PlanError):
+        return None
+    if "decode_kv" not in other:  # the compiler refused the half-size program
         return None
     rows = [kv["rows"], other["decode_kv"]["rows"]]
     non_kv = [f["programs"]["rollout_decode"]["peak_bytes"] - f["decode_kv"]["cache_bytes"]
@@ -170,16 +182,16 @@ def check_suggestion(settings: RunSettings, shapes_dir: str, target: targets.Tar
             max_concurrent_rows=suggested["rollout.max_concurrent_rows"])
         paged = dataclasses.replace(settings,
                                     rollout=dataclasses.replace(rollout, sampler=sampler))
-        try:
-            figures = memory_plan.report(paged, shapes_dir, target, log=lambda _: None,
-                                         programs=("rollout_prefill", "rollout_decode"))
-        except jax.errors.JaxRuntimeError as e:
+        figures = memory_plan.report(paged, shapes_dir, target, log=lambda _: None,
+                                     programs=("rollout_prefill", "rollout_decode"))
+        refused = next(iter(figures.get("refused", {}).values()), None)
+        if refused is not None:  # the compiler refused a program for want of device memory
             parsed = targets.parse(target) if isinstance(target, str) else target
-            over = _refused_over_bytes(str(e), memory_plan.budget_bytes(parsed))
+            over = _refused_over_bytes(refused, memory_plan.budget_bytes(parsed))
             if over is None or decode_kv is None:
-                raise
+                raise memory_plan.PlanError(f"the suggested pool: {refused}")
             checks.append({"kv_pages": suggested["rollout.kv_pages"],
-                           "refused": str(e).strip().splitlines()[0][:300], "over_bytes": over})
+                           "refused": refused[:300], "over_bytes": over})
             kv = decode_kv
         else:
             peaks = {name: f["peak_bytes"] for name, f in figures["programs"].items()}
@@ -250,15 +262,20 @@ def main(argv: list[str]) -> None:
         print("\n" + "\n".join(paged.describe_capacity(figures["kv_capacity"])))
         suggested, checked = figures["kv_capacity"]["suggested_config"], None
         if suggested is not None:
-            check = check_suggestion(settings, shapes_dir, target, suggested,
-                                     figures["decode_kv"]["token_bytes"],
-                                     decode_kv=figures["decode_kv"])
+            try:
+                check = check_suggestion(settings, shapes_dir, target, suggested,
+                                         figures["decode_kv"]["token_bytes"],
+                                         decode_kv=figures["decode_kv"])
+            except memory_plan.PlanError as e:
+                sys.exit(f"qurl_jax: --kv_capacity: {e}")
             figures["kv_capacity"]["suggestion_check"] = check
             suggested, checked = check["suggested_config"], check["fits"]
         print(describe_suggestion(suggested, checked))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(figures, f, indent=2)
+    if not all(figures["fits"].values()):
+        sys.exit(EXIT_DOES_NOT_FIT)
 
 
 if __name__ == "__main__":

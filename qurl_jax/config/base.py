@@ -494,6 +494,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if c.model.source == "hf":
         if not c.model.path:
             raise ConfigError("config.model.path is empty; set it to a Hugging Face directory")
+        if not paths.exists(c.model.path):
+            raise ConfigError(f"config.model.path={c.model.path!r} does not exist")
         if not paths.isfile(paths.join(c.model.path, "config.json")):
             raise ConfigError(f"config.model.path={c.model.path!r} has no config.json")
     else:

@@ -52,3 +52,19 @@ def expand_lists(argv: Sequence[str]) -> list[str]:
             arg = f"{name}={tuple(_element(p) for p in parts)!r}"
         out.append(arg)
     return out
+
+
+def flag_error(argv: Sequence[str], text: str) -> str:
+    """The one-line message of a flag `ml_collections` or absl refused: an unknown field named
+    by its full path (`--config.rollout.presicion: no such field 'presicion' ...`, where they name
+    the leaf only), and without absl's leading "flag " (the line already says "bad flag")."""
+    text = " ".join(text.split())
+    if text.startswith("flag --"):
+        text = text[len("flag "):]
+    if text.startswith("'"):  # an unknown field: "'leaf' Did you mean ...?" or "'leaf'"
+        leaf = text[1:].split("'", 1)[0]
+        for arg in argv:
+            name = arg.split("=", 1)[0]
+            if name.startswith("--config.") and leaf in name.split(".")[1:]:
+                return f"{name}: no such field {text}"
+    return text

@@ -17,7 +17,9 @@ takes (responses, answers[, prompts])), raising `ConfigError` in one line. `hook
 the function in a `RewardComputer`: each response is scored in a verifier worker process by a call
 with lists of one element, under `reward.timeout_s`; a call that raises, returns something other
 than one finite number, runs too long or kills its worker scores 0 and is counted in the
-verifier's statistics, and the run goes on. A Python function that worker processes cannot import
+verifier's statistics (the first failure is logged with its response), and the run goes on, unless
+every call of a batch raised or killed its worker: then the run stops with one line naming the first
+(`qurl_jax.data.rewards.ALL_FAILED`). A Python function that worker processes cannot import
 (a lambda, a closure, one defined in `__main__`) runs in threads of the trainer's process instead,
 with the same error accounting but no time limit.
 """
@@ -152,12 +154,20 @@ def score_one(target: str | Callable[..., Any], response: str, item: tuple[str, 
     if isinstance(out, int | float) and not isinstance(out, bool):
         values: Sequence[Any] = [out]
     else:
-        values = list(out)
+        try:
+            values = list(out)
+        except TypeError:
+            raise ValueError(f"bad reward function: it returned {type(out).__name__}, not one "
+                             "float per response") from None
     if len(values) != 1:
-        raise ValueError(f"the reward function returned {len(values)} values for 1 response")
-    value = float(values[0])
+        raise ValueError(f"bad reward function: it returned {len(values)} values for 1 response "
+                         "(one float per response)")
+    try:
+        value = float(values[0])
+    except (TypeError, ValueError):
+        raise ValueError(f"bad reward function: it returned {values[0]!r}, not a float") from None
     if not math.isfinite(value):
-        raise ValueError(f"the reward function returned {value}")
+        raise ValueError(f"bad reward function: it returned {value}")
     return value
 
 
@@ -192,9 +202,9 @@ def hook_computer(fn_or_spec: str | Callable[..., Any], *, workers: int, timeout
     if isinstance(target, str) or _importable(target):
         # The workers import this module, not math_verify, before their first call.
         return RewardComputer(item, num_workers=workers, timeout_s=timeout_s,
-                              preload=(__name__,))
+                              preload=(__name__,), stop_if_all_fail=True)
     logging.warning("reward_fn %s cannot be imported by the verifier processes (a lambda, a "
                     "closure or a function of __main__): it runs in threads, without the "
                     "%.3g s time limit; define it in a module to run it under the limit",
                     getattr(target, "__qualname__", target), timeout_s)
-    return RewardComputer(item, num_workers=workers, use_processes=False)
+    return RewardComputer(item, num_workers=workers, use_processes=False, stop_if_all_fail=True)

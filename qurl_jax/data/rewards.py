@@ -8,6 +8,11 @@ subprocess with a hard wall-clock limit (`VerifierPool`, on pebble's process poo
 crashed check, or one for which no worker could be started, scores 0 and is counted.
 `RewardComputer` scores a batch on a pool of such workers from a thread pool and returns a
 `concurrent.futures.Future`, so the CPU-bound checking overlaps the accelerator's work.
+
+A failing reward is never silent: the first call that raises (or returns a bad value), times out or
+kills its worker is logged once with its exception and the response that caused it, and a batch in
+which every call raised or killed its worker (`ALL_FAILED`: the function is broken, not one odd
+response) ends the run with a `RewardError` naming that first failure.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import pickle
 import threading
 from collections.abc import Callable, Sequence
 
+from absl import logging
+
 from qurl_jax.data._process_pool import WORKER_ENV, VerifierPool
+from qurl_jax.runtime.errors import RewardError
 
 Answer = str | Sequence[str]
 RewardFn = Callable[[str, Answer], float]
@@ -27,6 +35,16 @@ RewardFn = Callable[[str, Answer], float]
 DEFAULT_TIMEOUT_S = 5.0
 # What a verifier worker does before it takes work: math_verify's imports and first parse.
 DEFAULT_PRELOAD = ("qurl_jax.data.rewards:warm_up_math_verify",)
+# The failures that, when every call of a batch ends in one, stop the run (`RewardError`): the
+# function raised or returned something other than one finite number, or killed its worker.
+# Timeouts are counted and logged but never stop a run (a slow machine can time out every call).
+ALL_FAILED = ("errors", "crashes")
+_SHOWN_CHARS = 200  # of the response in the first failure's log line
+
+
+def _shown(response: str) -> str:
+    text = response if len(response) <= _SHOWN_CHARS else response[:_SHOWN_CHARS] + "..."
+    return repr(text)
 
 
 def _golds(answer: Answer) -> list[str]:
@@ -172,6 +190,10 @@ class RewardComputer:
     pure-Python rewards such as `exact_match_reward`). `submit` returns a
     `concurrent.futures.Future[list[float]]` immediately; `__call__` waits for it. Batches
     submitted one after another complete in order.
+
+    The first failure is logged once (`first_failure`: its kind, message and response); with
+    `stop_if_all_fail` a batch in which every call failed as `ALL_FAILED` says raises
+    `RewardError` from the future instead of returning rewards.
     """
 
     def __init__(
@@ -183,6 +205,7 @@ class RewardComputer:
         failure_reward: float = 0.0,
         memory_limit_mb: int | None = 4096,
         preload: Sequence[str] = DEFAULT_PRELOAD,
+        stop_if_all_fail: bool = False,
     ) -> None:
         """Args: see the class docstring; `reward_fn(response, answer) -> float` must be picklable
         (a module-level function or a functools.partial of one) when `use_processes`; `preload`:
@@ -214,6 +237,8 @@ class RewardComputer:
         self._stats_lock = threading.Lock()
         self._stats = {"calls": 0, "timeouts": 0, "errors": 0, "crashes": 0,
                        "worker_failures": 0}
+        self.stop_if_all_fail = stop_if_all_fail
+        self.first_failure: str | None = None  # "<kind>: <message> (response '...')"
 
     @property
     def stats(self) -> dict[str, int]:
@@ -226,23 +251,44 @@ class RewardComputer:
         with self._stats_lock:
             self._stats[key] += 1
 
-    def _score(self, response: str, answer: Answer) -> float:
+    def _failed(self, key: str, message: str | None, response: str) -> tuple[str, str]:
+        """Counts a failure of kind `key`; logs the first one (with its response) once."""
+        self._count(key)
+        what = {"errors": "raised or returned a bad value", "timeouts": "timed out",
+                "crashes": "killed its worker", "worker_failures": "found no worker"}[key]
+        line = f"{what}: {message or f'over {self.timeout_s:g} s'} (response {_shown(response)})"
+        with self._stats_lock:
+            first, self.first_failure = self.first_failure is None, self.first_failure or line
+        if first:
+            logging.warning("reward: the first failing call %s; it scores %g, and every failure "
+                            "is counted in verifier/%s (this is logged once)", line,
+                            self.failure_reward, key)
+        return key, line
+
+    def _score(self, response: str, answer: Answer) -> tuple[float, tuple[str, str] | None]:
+        """(reward, None) or (failure_reward, (the kind of failure, what happened))."""
         self._count("calls")
         if self._pool is None:
             try:
-                return float(self.reward_fn(response, answer))
-            except Exception:  # noqa: BLE001 - a failing reward scores failure_reward
-                self._count("errors")
-                return self.failure_reward
+                return float(self.reward_fn(response, answer)), None
+            except Exception as e:  # noqa: BLE001 - a failing reward scores failure_reward
+                return self.failure_reward, self._failed("errors", f"{type(e).__name__}: {e}",
+                                                         response)
         status, value = self._pool.call(self.reward_fn, response, answer)
         if status == "ok":
-            return float(value)
-        self._count({"timeout": "timeouts", "error": "errors", "crash": "crashes",
-                     "unavailable": "worker_failures"}[status])
-        return self.failure_reward
+            return float(value), None
+        key = {"timeout": "timeouts", "error": "errors", "crash": "crashes",
+               "unavailable": "worker_failures"}[status]
+        return self.failure_reward, self._failed(key, value, response)
 
     def _score_batch(self, responses: list[str], answers: list[Answer]) -> list[float]:
-        return list(self._items.map(self._score, responses, answers))
+        scored = list(self._items.map(self._score, responses, answers))
+        if self.stop_if_all_fail and scored and all(f and f[0] in ALL_FAILED for _, f in scored):
+            raise RewardError(
+                f"every one of the {len(scored)} reward calls of this batch failed; the first "
+                f"{scored[0][1][1]}. A reward function takes (responses, answers[, prompts]) "
+                "and returns one float per response")
+        return [value for value, _ in scored]
 
     def submit(
         self, responses: Sequence[str], answers: Sequence[Answer]

@@ -33,16 +33,23 @@ Google's tables write "GB" for these capacities; the chips' runtimes report GiB-
 
 On a machine with libtpu installed but no TPU attached, JAX still starts the TPU backend in every
 process and libtpu logs warnings; `use_cpu_unless_accelerator_attached()` (called by the entry
-points before JAX starts a backend) keeps such a process on the CPU.
+points before JAX starts a backend) keeps such a process on the CPU. Building a compile-only TPU
+topology still starts libtpu, which prints an `E0000 ... unexpected worker hostname` error and a
+warning about the accelerator type it cannot determine (it looks for the TPU VM it is not on);
+`_topology_devices` keeps those known lines out of the terminal and passes any other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import os
 import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -187,6 +194,35 @@ def compiler_installed(platform: str) -> bool:
     return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
+# What libtpu prints when it starts on a machine that is not a TPU VM (compile-only topologies):
+# harmless there, and alarming ("E0000 ... INVALID_ARGUMENT").
+_LIBTPU_OFF_TPU_VM = ("Failed to find host bounds for accelerator type",
+                      "WARNING: Logging before InitGoogle()", "unexpected worker hostname",
+                      "=== Source Location Trace", "libtpu_init_utils.cc")
+
+
+@contextlib.contextmanager
+def _without_libtpu_off_vm_lines() -> Iterator[None]:
+    """Captures this process's stderr (the file descriptor: libtpu writes from C++) while libtpu
+    starts, then writes back every line but `_LIBTPU_OFF_TPU_VM`'s."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            kept = [line for line in text.splitlines()
+                    if line.strip() and not any(k in line for k in _LIBTPU_OFF_TPU_VM)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+                sys.stderr.flush()
+
+
 @functools.cache
 def _topology_devices(target: Target) -> tuple[jax.Device, ...]:
     from jax.experimental import topologies
@@ -200,7 +236,8 @@ def _topology_devices(target: Target) -> tuple[jax.Device, ...]:
         # libtpu takes a machine-wide lock for the chips it drives; compile-only devices drive
         # none, so other processes (pytest workers, a run beside it) may load it too.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
+        with _without_libtpu_off_vm_lines():
+            topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
     else:
         spec = (XLA_SPECS_DIR / f"{chip.name}_sxm.txtpb").read_text()
         topology = topologies.get_topology_desc(chip.name, platform="cuda", target_config=spec,

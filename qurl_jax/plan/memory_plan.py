@@ -580,6 +580,25 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
             "temp_bytes": int(m.temp_size_in_bytes), "peak_bytes": int(peak)}
 
 
+def _whole_slice_of(target: targets.Target, settings: RunSettings, used: int, total: int
+                    ) -> targets.Target:
+    """The slice of `target`'s chip with the `used` devices a mesh smaller than the target takes:
+    a compile-only topology compiles for a whole slice, and libtpu refuses a program over a subset
+    of one (a RET_CHECK on the device ids). `PlanError` naming `mesh` when there is no such slice
+    (fewer chips than the smallest)."""
+    chip = target.chip
+    assert chip is not None
+    count = used * chip.cores_per_name_unit if chip.platform == "tpu" else used
+    try:
+        return targets.parse(f"{chip.platform}:{chip.name}-{count}")
+    except targets.TargetError:
+        m = settings.mesh
+        raise PlanError(
+            f"target {target.name!r}: mesh data={m.data} fsdp={m.fsdp} tensor={m.tensor} uses "
+            f"{used} of its {total} devices, and no {chip.name} slice has {used}; set one mesh "
+            f"axis to -1 (--config.mesh.fsdp=-1) to plan all {total}") from None
+
+
 def budget_bytes(target: targets.Target) -> int:
     """What a program may plan per device on `target`: `FIT_FRACTION` of the chip's memory, or
     `CPU_BUDGET_GIB` on the `cpu` target."""
@@ -606,7 +625,18 @@ def report(settings: RunSettings, shapes_dir: str,
     try:
         setup = build_setup(settings, model_config, devices)
     except shd.MeshError as e:
-        raise PlanError(f"target {target.name!r}: {e}") from None
+        raise PlanError(f"target {target.name!r}: {e}; set one mesh axis to -1 "
+                        "(--config.mesh.fsdp=-1) to use the target's devices") from None
+    requested = target
+    if target.compile_only and setup.mesh.size < len(devices):
+        target = _whole_slice_of(target, settings, setup.mesh.size, len(devices))
+        devices = target.devices()
+        setup = build_setup(settings, model_config, devices)
+        m = settings.mesh
+        log(f"mesh data={m.data} fsdp={m.fsdp} tensor={m.tensor} uses {setup.mesh.size} of the "
+            f"{len(requested.devices())} devices of {requested.name}: a run there leaves the "
+            "others idle (with a warning; set one mesh axis to -1 to use them all), so this "
+            f"plans the devices it uses, as {target.name}")
     c = setup.settings
     budget = budget_bytes(target)
     described = target.describe()
@@ -622,13 +652,30 @@ def report(settings: RunSettings, shapes_dir: str,
         f"({setup.mesh.size} devices); sequence {setup.prompt_len} + {setup.response_len}; "
         f"rollout {setup.rollout_rows} rows, minibatch {setup.minibatch_rows}, micro-batch "
         f"{setup.micro_batch_rows}")
+    if requested is not target:
+        described["requested_target"] = requested.name
     out: dict[str, Any] = {**described, "devices": setup.mesh.size,
                            "budget_bytes_per_device": budget, "programs": {}, "compile_s": {},
                            "fits": {}}
+    log("per program: the compiler's plan (what decides the fit), then the analytic estimate "
+        "(the arrays the program must hold, by formula: no fusion temporaries or collective "
+        "buffers, so a compiled peak well above it is the compiler's working memory)")
+    out["refused"] = {}
     for name, build in ((n, b) for n, b in PROGRAMS.items() if not programs or n in programs):
         start = time.perf_counter()
         program = build(setup)
-        compiled = program.lowered.compile()
+        try:
+            compiled = program.lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            line = next(x for x in str(e).splitlines() if "RESOURCE_EXHAUSTED" in x).strip()
+            out["refused"][name] = line[:400]
+            out["fits"][name] = False
+            out["compile_s"][name] = round(time.perf_counter() - start, 1)
+            log(f"\n{name}: DOES NOT FIT: the compiler refused it for want of device memory "
+                f"({line[:400]})")
+            continue
         figures = compiled_memory(compiled)
         seconds = time.perf_counter() - start
         fits = figures["peak_bytes"] <= budget
@@ -639,7 +686,10 @@ def report(settings: RunSettings, shapes_dir: str,
         log("  compiled: " + "  ".join(f"{k.removesuffix('_bytes')} {v / GIB:.2f}"
                                        for k, v in figures.items())
             + f"  -> {'fits' if fits else 'DOES NOT FIT'} in {budget / GIB:.2f} GiB")
-        log(f"  estimate: {program.estimate.total / GIB:.2f}")
+        ratio = figures["peak_bytes"] / max(program.estimate.total, 1)
+        log(f"  estimate: {program.estimate.total / GIB:.2f}"
+            + (f" (the compiled peak is {ratio:.1f}x: compiler temporaries the formula does "
+               "not count)" if ratio > 1.5 else ""))
         for part, formula, value in program.estimate.parts:
             log(f"    {value / GIB:7.2f}  {part:50s} {formula}")
         log("    with " + ", ".join(f"{k}={v}" for k, v in program.estimate.symbols.items()))
@@ -654,7 +704,34 @@ def report(settings: RunSettings, shapes_dir: str,
                     + "\n  ".join(collectives.describe(found)))
     if "rollout_decode" in out["programs"]:
         out["decode_kv"] = decode_kv(setup)
+    out["verdict"] = verdict(out, target.name, lambda name: knobs(name, setup))
+    log("\n" + out["verdict"])
     return out
+
+
+def verdict(figures: dict[str, Any], target_name: str, knobs_of: Callable[[str], str]) -> str:
+    """The report's last line: whether every program fits `target_name`'s budget, the largest
+    and its margin; else each program that does not, by how much, and the config fields that
+    shrink it."""
+    budget = figures["budget_bytes_per_device"]
+    planned = figures["programs"]
+    over = [n for n, ok in figures["fits"].items() if not ok]
+    if not over:
+        name = max(planned, key=lambda n: planned[n]["peak_bytes"])
+        peak = planned[name]["peak_bytes"]
+        return (f"verdict: FITS on {target_name}: all {len(planned)} programs within "
+                f"{budget / GIB:.2f} GiB per device; the largest, {name}, peaks at "
+                f"{peak / GIB:.2f} GiB ({(budget - peak) / GIB:.2f} GiB to spare)")
+    parts = []
+    for name in over:
+        if name in planned:
+            peak = planned[name]["peak_bytes"]
+            what = f"{name} needs {peak / GIB:.2f} GiB ({(peak - budget) / GIB:.2f} over)"
+        else:
+            what = f"{name} was refused by the compiler"
+        parts.append(f"{what}: change {knobs_of(name)}")
+    return (f"verdict: DOES NOT FIT on {target_name} ({budget / GIB:.2f} GiB per device): "
+            + "; ".join(parts))
 
 
 # The config fields that shrink each program, named by the preflight's error.

@@ -38,6 +38,13 @@ class MeshError(UserError):
     what = "bad mesh"
 
 
+class RewardError(UserError):
+    """A reward function that failed on every call of a batch (the message names the first
+    failure and the response that caused it)."""
+
+    what = "bad reward function"
+
+
 class FlagError(UserError):
     """A command-line flag other than a config field (`--num_processes`, ...)."""
 

@@ -221,6 +221,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"compile: {comp['programs']:.0f} programs, {comp['seconds']:.1f} s "
                      f"(persistent cache: {comp['cache_hits']:.0f} loaded, "
                      f"{comp['saved_s']:.1f} s saved)")
+    last = summary.get("last") or {}
+    failed = {k.removeprefix("verifier/"): v for k, v in last.items()
+              if k.startswith("verifier/") and v}
+    if failed:  # counts over the run: the reward's failures scored 0 (the log has the first)
+        lines.append("reward calls failed (scored 0): " + ", ".join(
+            f"{k} {v:.0f}" for k, v in sorted(failed.items())))
     means = summary.get("means", {})
     if means:
         lines.append("per-step means")

@@ -13,13 +13,16 @@ One figure per concern, each skipped when the run logged none of its metrics:
 - clip_fractions.png: every key with "clipfrac".
 - update.png: update/loss, pg_loss, kl_loss, entropy (a note instead when it is all 0: the learner
   computes it only for an entropy bonus); update/grad_norm.
-- time_split.png: time/<phase>_s stacked (requantize, rollout, reward, logp_recompute, update).
+- time_split.png: time/<phase>_s stacked (requantize, rollout, reward, logp_recompute, update),
+  on the scale of the steps that compiled nothing; the compiling steps (`compile/programs` > 0)
+  above it are named in the title with their seconds.
 
 Rows: a step logged twice (a run resumed from an earlier checkpoint) keeps its last training row;
 evaluation rows (only `eval/...` keys) are kept apart, so the evaluation after step k does not
 replace the training metrics of step k. "nan"/"inf" values are left out of the lines. Axes whose
 values span more than two decades are drawn on a log scale, and runs with many steps show the raw
-points faintly under a moving average. `compare_runs` draws metrics of several runs (or of
+points faintly under a moving average (drawn only where its whole window fits, so that the last
+steps' noise does not bend it). `compare_runs` draws metrics of several runs (or of
 several seeds of each variant, as their mean and range) on one figure: a study of variants.
 
 matplotlib is imported on first use, and only its Agg canvas (no pyplot, no global backend), so
@@ -116,13 +119,18 @@ def _choose_scale(series: Iterable[Series]) -> str:
 
 
 def _smooth(values: np.ndarray, window: int) -> np.ndarray:
-    """Centred moving average of f64[N] over `window` (odd) points. Near the ends the window
-    shrinks symmetrically, so a steady trend is not bent at the first and last steps."""
-    n = len(values)
-    index = np.arange(n)
-    half = np.minimum(window // 2, np.minimum(index, n - 1 - index))
+    """Centred moving average of f64[N] over `window` (odd) points, only where the whole window
+    fits: f64[N - window + 1], for the points `window // 2` to `N - 1 - window // 2`. A window
+    that shrank towards the ends would average the last point with itself alone, and its noise
+    would read as a collapse (or a jump) of the run's last steps; the thin raw line shows them."""
     total = np.concatenate([[0.0], np.cumsum(values)])
-    return (total[index + half + 1] - total[index - half]) / (2 * half + 1)
+    return (total[window:] - total[:-window]) / window
+
+
+def _trimmed(steps: np.ndarray, window: int) -> np.ndarray:
+    """The steps `_smooth` returns values for."""
+    half = window // 2
+    return steps[half: len(steps) - half]
 
 
 def _steps(count: int) -> str:
@@ -165,7 +173,8 @@ class _Plot:
             # On log axes the average is geometric, so one spike does not lift the whole line.
             avg = (np.exp(_smooth(np.log(values), window)) if scale == "log"
                    else _smooth(values, window))
-            ax.plot(steps, avg, linestyle=linestyle, linewidth=1.8, color=color, label=label)
+            ax.plot(_trimmed(steps, window), avg, linestyle=linestyle, linewidth=1.8,
+                    color=color, label=label)
             self.window = max(self.window, window)
         else:
             (line,) = ax.plot(steps, values, linestyle=linestyle, linewidth=1.4, color=color,
@@ -302,6 +311,16 @@ def _update(data: Mapping[str, Series], run: str) -> _Plot | None:
     return plot if plot.drawn else None
 
 
+def _compiling_steps(data: Mapping[str, Series], steps: np.ndarray) -> np.ndarray:
+    """bool[N]: the steps that compiled (or loaded) programs (`compile/programs` > 0); their
+    time is mostly the compiler's."""
+    s = data.get("compile/programs")
+    if s is None:
+        return np.zeros(len(steps), bool)
+    compiled = set(s.steps[s.finite & (s.values > 0)].tolist())
+    return np.array([int(step) in compiled for step in steps], bool)
+
+
 def _time_split(data: Mapping[str, Series], run: str) -> _Plot | None:
     keys = [f"time/{p}_s" for p in TIME_PHASES if f"time/{p}_s" in data]
     keys += [k for k in _matching(data, "time/*_s") if k not in keys and k != "time/step_s"]
@@ -315,20 +334,36 @@ def _time_split(data: Mapping[str, Series], run: str) -> _Plot | None:
     # Each phase's summed seconds over all phases' (for the rollout: `metrics.rollout_share`, the
     # figure the end-of-run summary prints).
     share = stack.sum(axis=1) / max(stack.sum(), 1e-12)
+    # The steps that compiled take minutes where the others take seconds: the axis is scaled to
+    # the others (the steady state) and the compiling steps are named in the title instead.
+    compiling = _compiling_steps(data, steps)
+    steady = ~compiling if (~compiling).any() else np.ones(len(steps), bool)
+    totals = stack.sum(axis=0)
     plot = _Plot(f"{run}: time per RL step")
-    plot.window = _window(len(steps))
-    if plot.window:
-        stack = np.stack([_smooth(row, plot.window) for row in stack])
+    plot.window = _window(int(steady.sum()))
+    if plot.window:  # the steady steps only: a compile would lift the average around it
+        shown = _trimmed(steps[steady], plot.window)
+        stack = np.stack([_smooth(row[steady], plot.window) for row in stack])
+    else:
+        shown = steps
     ax = plot.axes[0]
-    ax.stackplot(steps, stack, alpha=0.85, labels=[
+    ax.stackplot(shown, stack, alpha=0.85, labels=[
         f"{k.removeprefix('time/').removesuffix('_s')} ({p:.0%})" for k, p in zip(
             keys, share, strict=True)])
-    plot.finish_axes(ax, "phases stacked; legend: share of all step time", "seconds")
-    ax.set_ylim(bottom=0)
+    plot.finish_axes(ax, "phases stacked; legend: share of all step time, compiles included",
+                     "seconds")
+    top = 1.15 * float(stack.sum(axis=0).max() if plot.window else totals[steady].max())
+    off = [(int(step), float(t)) for step, t, c in zip(steps, totals, compiling, strict=True)
+           if c and t > top]
+    ax.set_ylim(0, top if off else None)
     handles, names = ax.get_legend_handles_labels()  # top of the stack first
     ax.legend(handles[::-1], names[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    if off:
+        listed = ", ".join(f"step {step}: {t:.0f} s" for step, t in off[:3])
+        more = f", +{len(off) - 3} more" if len(off) > 3 else ""
+        plot.title += f"\ncompiling, off the scale: {listed}{more}"
     if plot.window:  # the stack is smoothed, there are no thin raw lines
-        plot.title += f"\nmoving average over {plot.window} steps"
+        plot.title += f"\nmoving average over {plot.window} steps without compiles"
         plot.window = 0
     return plot
 

@@ -151,6 +151,13 @@ class StallWatchdog:
             except ValueError:
                 os.close(r)
                 os.close(w)
+            if self._wakeup is not None and self._previous_wakeup != -1:
+                # Someone listens already (the preemption guard, which forwards each signal to
+                # `note_sigterm` when told to): leave the fd to it.
+                signal.set_wakeup_fd(self._previous_wakeup, warn_on_full_buffer=False)
+                os.close(r)
+                os.close(w)
+                self._wakeup = None
         self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
         self._thread.start()
         return self

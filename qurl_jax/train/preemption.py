@@ -7,6 +7,15 @@ into a request: the trainer finishes the step it is in, saves a checkpoint, and 
 command to resume". A second signal aborts at once (the default action of that signal, no
 checkpoint): the handler resets the signal's disposition when the first one arrives.
 
+Finishing a step is worth it only between steps of a running loop (`finishing_steps`, which the
+trainer holds from the end of its first step to the end of its loop). Anywhere else -- the set-up
+and the supervised warm start, the evaluation before RL, the first step's compiles, the final
+evaluation, the speed check -- there is no step to finish: the first signal raises `Stopped` in the
+main thread, and `python -m qurl_jax.main` exits with 128 + the signal after one line; checkpoints
+already written are kept (the trainer waits for one still being written). Where the main thread
+sits inside XLA (a compile) and cannot run Python, a listener thread on the signal wakeup fd ends
+the process with the same line and code after `STOP_GRACE_S`.
+
 Multi-process runs must save at the same step on every process, although the signal may reach only
 one of them: `reached(step)`, called once per step on every process (as the trainer does), is a
 small collective there, the largest of every process's "a stop was requested" flag, so every
@@ -20,9 +29,13 @@ swallowed every further one).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
+import sys
 import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import jax
@@ -31,6 +44,32 @@ from absl import logging
 from qurl_jax.parallel import distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# How long after a signal outside the step loop the main thread may take to raise `Stopped`
+# before the listener thread ends the process itself (it is inside XLA).
+STOP_GRACE_S = 5.0
+
+
+class Stopped(BaseException):
+    """A signal outside the step loop: the run stops now (a BaseException, as KeyboardInterrupt,
+    so that no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def line(self) -> str:
+        return stop_line(self.signum)
+
+
+def stop_line(signum: int) -> str:
+    """The one line of a stop outside the step loop."""
+    return (f"qurl_jax: {signal.Signals(signum).name} received outside the step loop (set-up, warm "
+            "start, evaluation, compile or speed check): stopped; checkpoints already saved are "
+            "kept; rerun the same command to resume")
 
 
 class PreemptionGuard:
@@ -40,16 +79,33 @@ class PreemptionGuard:
     soon as a request arrived, on several at the step the JAX preemption sync point names.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop_grace_s: float = STOP_GRACE_S,
+                 exit_fn: Callable[[int], None] = os._exit) -> None:
         self.signum: int | None = None
+        self.stop_grace_s = stop_grace_s
+        self.listeners: list[Callable[[int], None]] = []  # called with each signal's number
         self._previous: dict[int, object] = {}
+        # Inside the step loop (the trainer sets it): a signal finishes the step, saves and stops.
+        self.at_steps = False
+        self._raised = threading.Event()  # the main thread raised `Stopped`: it ends the run
+        self._exit = exit_fn
+        self._wakeup: tuple[int, int] | None = None
+        self._previous_wakeup = -1
+        self._closed = threading.Event()
 
     def install(self) -> PreemptionGuard:
-        """Installs the handlers (main thread only; a no-op elsewhere). Returns self."""
+        """Installs the handlers and the wakeup-fd listener (main thread only; a no-op
+        elsewhere). Returns self."""
         if threading.current_thread() is not threading.main_thread():
             return self
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        self._previous_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._wakeup = (r, w)
+        threading.Thread(target=self._listen, name="preemption-listener", daemon=True).start()
         return self
 
     def uninstall(self) -> None:
@@ -57,6 +113,52 @@ class PreemptionGuard:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._wakeup is not None:
+            self._closed.set()
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self._previous_wakeup)
+            # The listener closes the pipe's read end; the write end goes here.
+            os.close(self._wakeup[1])
+            self._wakeup = None
+
+    @contextlib.contextmanager
+    def finishing_steps(self) -> Iterator[None]:
+        """Within: a first signal finishes the step, then saves and stops (the step loop)."""
+        self.at_steps = True
+        try:
+            yield
+        finally:
+            self.at_steps = False
+
+    def _listen(self) -> None:
+        """Reads the signal numbers the interpreter's C handler writes, even while the main thread
+        is inside XLA; outside the step loop, ends the process when the main thread has not
+        raised `Stopped` within `stop_grace_s`."""
+        assert self._wakeup is not None
+        r = self._wakeup[0]
+        try:
+            while not self._closed.is_set():
+                ready, _, _ = select.select([r], [], [], 0.5)
+                if not ready:
+                    continue
+                try:
+                    data = os.read(r, 512)
+                except BlockingIOError:
+                    continue
+                for signum in (int(b) for b in data if b in SIGNALS):
+                    for listener in self.listeners:
+                        listener(signum)
+                    if not self.at_steps:
+                        self._backstop(signum)
+        finally:
+            os.close(r)
+
+    def _backstop(self, signum: int) -> None:
+        if self._raised.wait(self.stop_grace_s) or self._closed.is_set() or self.at_steps:
+            return
+        print(stop_line(self.signum or signum), file=sys.stderr, flush=True)
+        logging.flush()
+        self._exit(128 + (self.signum or signum))
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Asks the run to stop after the current step, as the signal `signum` does."""
@@ -70,6 +172,9 @@ class PreemptionGuard:
             os.kill(os.getpid(), signum)
             return
         self.request(signum)
+        if not self.at_steps:  # no step to finish: stop now
+            self._raised.set()
+            raise Stopped(signum)
         logging.warning("%s received: finishing this step, then saving a checkpoint (a second "
                         "%s aborts at once, without one)", signal.Signals(signum).name,
                         signal.Signals(signum).name)

@@ -231,10 +231,13 @@ def _reward_computer(data: DataSettings, reward: RewardSettings,
 
 def _task_verifier(data: DataSettings, reward: RewardSettings) -> RewardComputer:
     if data.task == "arithmetic":
-        return RewardComputer(exact_match_reward, num_workers=1, use_processes=False)
+        return RewardComputer(exact_match_reward, num_workers=1, use_processes=False,
+                              stop_if_all_fail=True)
     if data.task == "chain":
-        return RewardComputer(chains.chain_reward, num_workers=1, use_processes=False)
-    return RewardComputer(math_reward, num_workers=reward.workers, timeout_s=reward.timeout_s)
+        return RewardComputer(chains.chain_reward, num_workers=1, use_processes=False,
+                              stop_if_all_fail=True)
+    return RewardComputer(math_reward, num_workers=reward.workers, timeout_s=reward.timeout_s,
+                          stop_if_all_fail=True)
 
 
 def model_config_for(model: ModelSettings) -> ModelConfig:

@@ -529,6 +529,8 @@ class Trainer:
         stopped = None
         while self.step_count < total:
             metrics = self.step()
+            if preemption is not None:  # compiled: from here a signal finishes its step
+                preemption.at_steps = True
             if self.program_check is not None:
                 with self._watch("check_collectives"):
                     self.program_check.compare(self.step_count)
@@ -559,6 +561,8 @@ class Trainer:
                     and self.step_count < total:
                 self._write_eval(self.evaluate())
         progress.close()
+        if preemption is not None:  # evaluation, speed check: a signal stops them at once
+            preemption.at_steps = False
         if stopped == "preempted":  # the scheduler's kill follows: checkpoint, close, return
             saved = self.checkpointer.steps()
             self._close()

@@ -78,8 +78,10 @@ def supervised_warm_start(model_config: ModelConfig, params: Any,
         loss_mask[i, len(p): len(p) + len(a)] = 1.0
     positions = positions_from_mask(valid)
     model = Transformer(model_config)
+    warmup = max(steps // 20, 1)  # the cosine needs a step after the warm-up (sft.steps=1 too)
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, max(steps // 20, 1), steps, learning_rate * 0.1), weight_decay=0.0)
+        0.0, learning_rate, warmup, max(steps, warmup + 1), learning_rate * 0.1),
+        weight_decay=0.0)
     opt_state = tx.init(params)
 
     def loss_fn(p, tok, pos, val, lm):
