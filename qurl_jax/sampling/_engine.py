@@ -37,8 +37,8 @@ from jax.sharding import Mesh
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models import decode_attention as ragged
 from qurl_jax.models import kv_quant
-from qurl_jax.models.kv_quant import KVPrecision
 from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.kv_quant import KVPrecision
 from qurl_jax.models.transformer import (
     DecodeAttention,
     DotGeneral,
