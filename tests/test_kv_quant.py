@@ -198,7 +198,7 @@ def _assert_same(out, ref, atol=1e-5) -> None:
                                    atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("precision", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_static_refilling_and_paged_samplers_agree(qwen, precision) -> None:
     cfg, params = qwen
     static = _sample(Sampler(cfg, kv_precision=precision, **SIZES), params)
@@ -214,6 +214,7 @@ def test_static_refilling_and_paged_samplers_agree(qwen, precision) -> None:
     assert gap > 1e-4, gap
 
 
+@pytest.mark.slow
 def test_paged_pool_that_preempts_rows_gives_the_static_tokens(qwen) -> None:
     # 4 pages of 8 hold one full row: rows are preempted, their pages handed to others, and
     # re-admitted (prefilled and quantized again from their prompt).
@@ -228,6 +229,7 @@ def test_paged_pool_that_preempts_rows_gives_the_static_tokens(qwen) -> None:
     assert paged.last_run.preemptions >= 3
 
 
+@pytest.mark.slow
 def test_compressed_cache_8bit(qwen) -> None:
     """Sparse-RL's cache at int8: a budget that holds the sequence equals the dense int8
     sampler; a small one (scores on the dequantized keys, codes moved as they are) gives the
@@ -281,3 +283,45 @@ def test_a_run_saved_before_the_field_resumes_at_bf16(tmp_path) -> None:
     with pytest.raises(ResumeConfigError,
                        match=r"config.rollout.kv_precision is 'int8' but .* started with 'bf16'"):
         run_config.check_and_save(c, str(tmp_path), resuming=True)
+
+
+@pytest.mark.slow
+def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
+    """Compile-only, v5p-16's 8 devices (data 2 x fsdp 2 x tensor 2), int8 KV: the decode loop
+    carries s8 pools and f32 scales per token, JAX's TPU paged kernel takes the s8 pages as its
+    operands, and no page is converted to a float copy. (The kernel's wrapper broadcasts the
+    scales to the pages' shape, f32[Hkv, P, page_size, D], before the call: see
+    docs/paged_kv.md.)"""
+    import re
+
+    from qurl_jax.models import param_logical_axes
+    from qurl_jax.parallel.sharding import logical_shardings, make_mesh
+    from tests.compile_only import compiler_or_skip
+
+    t = compiler_or_skip("tpu:v5p-16")
+    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
+    shapes = jax.eval_shape(lambda: _random_params(cfg))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
+    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1, kv_page_size=16,
+                          kv_pages=32, kv_precision="int8", **SIZES)
+    with jax.default_matmul_precision("default"):
+        text = paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)[
+            "decode"].compile().as_text()
+    # A device's pool: kv heads 2 / tensor 2, pages 32 / 4 batch shards, 16 tokens, D 128.
+    page = "1,8,16,128"
+    loop_state = next(line for line in text.splitlines() if "wide.param" in line
+                      and line.lstrip().startswith("%wide"))
+    assert loop_state.count(f"s8[{page}]") == 2 * cfg.num_layers, loop_state[:400]
+    assert loop_state.count("f32[1,8,16]") >= 2 * cfg.num_layers  # the scales, per token
+    assert f"bf16[{page}]" not in loop_state and f"f32[{page}]" not in loop_state
+    calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(calls) == cfg.num_layers
+    for call in calls:
+        operands = re.search(r"operand_layout_constraints=\{(.*?)\}, ", call).group(1)
+        assert operands.count(f"s8[{page}]") == 2, operands
+    # No page dequantized outside the kernel: nothing converts an s8 pool to a float.
+    converts = [line for line in text.splitlines()
+                if re.search(rf"= (f32|bf16)\[{page}\].* convert\(", line)]
+    assert not converts, converts[:2]
