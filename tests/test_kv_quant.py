@@ -168,6 +168,33 @@ def test_paged_kernels_on_8bit_pages_equal_the_dequantized_reference(precision, 
     assert not np.asarray(out[lengths == 0]).any()
 
 
+def test_cpu_kernel_reads_int8_codes_like_the_dequantized_cache() -> None:
+    from qurl_jax.cpu_kernels import decode_attention as cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("CPU decode attention kernel not available here")
+    rng = np.random.default_rng(2)
+    b, hkv, g, s, d = 3, 2, 3, 40, 32
+    q = jnp.asarray(rng.standard_normal((b, hkv, g, d)), jnp.float32)
+    (kq, ks), (vq, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((b, hkv, s, d)) * 3,
+                                                  jnp.float32), jnp.int8) for _ in range(2))
+    mask = jnp.asarray(rng.random((b, s)) > 0.3).at[2].set(False)  # row 2: no valid slot
+    out = jax.jit(cpu_decode.decode_attention)(q, kq, vq, mask, 30, ks, vs)
+    keys, values = dequantize_kv(kq, ks, jnp.float32), dequantize_kv(vq, vs, jnp.float32)
+    grouped = q.reshape(b, hkv * g, d)
+    live = np.asarray(mask) & (np.arange(s) < 30)
+    want = np.zeros((b, hkv * g, d))
+    for r in range(b):  # the rows' valid slots as contiguous windows of a packed cache
+        idx = np.flatnonzero(live[r])
+        if idx.size:
+            want[r] = reference(grouped[r:r + 1], keys[r:r + 1, :, idx], values[r:r + 1, :, idx],
+                                np.zeros(1, np.int32), np.array([idx.size], np.int32))[0]
+    np.testing.assert_allclose(np.asarray(out).reshape(b, hkv * g, d), want, atol=5 * F32_TOL)
+    assert not np.asarray(out[2]).any()
+    with pytest.raises(ValueError, match="int8 cache"):
+        cpu_decode.decode_attention(q, kq, vq, mask, 30, ks[:, :, :4], vs)
+
+
 def test_paged_kernel_needs_both_scales() -> None:
     q, kq, ks, vq, vs, table = _paged_case("int8")
     with pytest.raises(ValueError, match="k_scales and v_scales"):

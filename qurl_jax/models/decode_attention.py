@@ -283,6 +283,20 @@ def _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
                          megacore_mode=megacore_mode)
 
 
+def _cpu_paged_int8(q, k_pages, v_pages, k_scales, v_scales, page_table, lengths):
+    from qurl_jax.cpu_kernels import decode_attention as cpu_decode
+
+    b, h, d = q.shape
+    hkv = k_pages.shape[0]
+    keys, values = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+    s = keys.shape[2]
+    live = jnp.arange(s, dtype=jnp.int32)[None, :] < lengths[:, None]
+    out = cpu_decode.decode_attention(
+        q.reshape(b, hkv, h // hkv, d), keys, values, live, jnp.minimum(jnp.max(lengths), s),
+        gather_pages(k_scales, page_table), gather_pages(v_scales, page_table))
+    return out.reshape(b, h, d)
+
+
 def _dense_pages(pages: jax.Array, scales: jax.Array | None, page_table: jax.Array,
                  dtype) -> jax.Array:
     """The rows' pages gathered (`gather_pages`), 8-bit pages dequantized to `dtype`."""
@@ -330,7 +344,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"paged_decode_attention: 8-bit pages need k_scales and v_scales "
                          f"f32{list(k_pages.shape[:3])}; got "
                          f"{None if k_scales is None else k_scales.shape}")
-    if impl in ("cpu", "xla"):  # the rows' pages gathered (dequantized): [0, max length)
+    if impl == "cpu" and k_scales is not None and k_pages.dtype == jnp.int8:
+        # The gathered int8 codes and scales through the CPU kernel's int8 variant.
+        out = _cpu_paged_int8(q, k_pages, v_pages, k_scales, v_scales, page_table, lengths)
+    elif impl in ("cpu", "xla"):  # the rows' pages gathered (dequantized): [0, max length)
         keys = _dense_pages(k_pages, k_scales, page_table, q.dtype)
         values = _dense_pages(v_pages, v_scales, page_table, q.dtype)
         if impl == "cpu":

@@ -50,7 +50,9 @@ ShardActivation = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 RESIDUAL_AXES = ("batch", "length", "embed")
 # (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
 # f[B, Hkv, G, D]: attention of one query position per row to the slots of [0, length) that
-# key_mask marks (every cached key is in the query's past, so no position test is needed).
+# key_mask marks (every cached key is in the query's past, so no position test is needed). A
+# hook whose `reads_codes` names an 8-bit cache's code dtype gets the codes and their scales
+# f32[B, Hkv, S] as two more arguments (k_scale, v_scale); others get the values dequantized.
 DecodeAttention = Callable[..., jax.Array]
 # (q f[B, H, D], k_pages, v_pages f[Hkv, P, page_size, D], page_table i32[B, n], lengths i32[B])
 # -> f[B, H, D]: attention of one query per row to its first lengths[r] logical slots
@@ -490,9 +492,15 @@ class Attention(nn.Module):
             q_pos, k_pos, k_valid = positions, cache_pos, cache_pos >= 0
 
         if cache is not None and t == 1 and self.decode_attention is not None:
-            # Slots past a row's n_used are empty, so reading [0, max n_used) is exact.
-            out = self.decode_attention(attn_lib.group_queries(q, hkv), keys, values, k_valid,
-                                        jnp.max(write_slots) + 1)
+            # Slots past a row's n_used are empty, so reading [0, max n_used) is exact. A hook
+            # that reads 8-bit codes itself (`reads_codes`) gets them with their scales.
+            grouped, length = attn_lib.group_queries(q, hkv), jnp.max(write_slots) + 1
+            if new_cache[2] is not None and new_cache[0].dtype in getattr(
+                    self.decode_attention, "reads_codes", ()):
+                out = self.decode_attention(grouped, new_cache[0], new_cache[1], k_valid, length,
+                                            new_cache[2], new_cache[3])
+            else:
+                out = self.decode_attention(grouped, keys, values, k_valid, length)
             out = attn_lib.ungroup_queries(out, t)
         else:
             out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
