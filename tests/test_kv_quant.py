@@ -132,7 +132,7 @@ def test_the_cache_holds_the_written_keys_quantized_once(precision) -> None:
 
 
 def _paged_case(precision: str, seed: int = 1):
-    from tests.test_decode_attention import B, D, HKV, H, PAGE
+    from tests.test_decode_attention import HKV, PAGE, B, D, H
 
     rng = np.random.default_rng(seed)
     table = np.array([[5, 0, 0, 0], [7, 0, 0, 0], [2, 6, 0, 0], [9, 1, 11, 3], [4, 10, 0, 0],
@@ -268,7 +268,8 @@ def test_compressed_cache_8bit(qwen) -> None:
     policy = KVPolicyConfig(policy="rkv", budget=8, interval=4, window=2)
     sizes = dict(SIZES, min_bucket=8, kv_precision="int8")
     dense = Sampler(cfg, **sizes).sample(params, prompts, **kw)
-    wide = Sampler(cfg, kv_policy=dataclasses.replace(policy, budget=32), **sizes).sample(params, prompts, **kw)
+    wide = Sampler(cfg, kv_policy=dataclasses.replace(policy, budget=32), **sizes).sample(
+        params, prompts, **kw)
     _assert_same(wide, dense)
     static = Sampler(cfg, kv_policy=policy, **sizes).sample(params, prompts, **kw)
     refill = RefillSampler(cfg, kv_policy=policy, max_concurrent_rows=2, **sizes).sample(
@@ -352,3 +353,29 @@ def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
     converts = [line for line in text.splitlines()
                 if re.search(rf"= (f32|bf16)\[{page}\].* convert\(", line)]
     assert not converts, converts[:2]
+
+
+@pytest.mark.slow
+def test_8bit_paged_pool_on_a_mesh_equals_one_device(qwen, monkeypatch) -> None:
+    """8 host devices (data 2 x fsdp 2 x tensor 2), int8 KV: the paged sampler with JAX's GPU
+    paged kernel per shard (Pallas' interpreter; each shard writes its own pages' codes and
+    scales and reads them with its local page ids) gives the one-device static sampler's
+    tokens and log-probs."""
+    from qurl_jax.models import param_logical_axes
+    from qurl_jax.parallel.sharding import make_mesh, shard_params
+
+    cfg, params = qwen
+    traced = []
+    kernel = da._gpu_paged
+    monkeypatch.setattr(da, "_gpu_paged", lambda *a, **k: traced.append(a[5]) or kernel(*a, **k))
+    kw = dict(key=jax.random.key(3), n=2, settings=SamplingParams(max_new_tokens=16,
+                                                                  temperature=0.8))
+    ref = Sampler(cfg, kv_precision="int8", **SIZES).sample(params, PROMPTS6, **kw)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    paged = RefillSampler(cfg, decode_attention="pallas", kv_precision="int8", mesh=mesh,
+                          max_concurrent_rows=8, refill_min=1, kv_pages=16, kv_page_size=8,
+                          **SIZES)
+    out = paged.sample(shard_params(params, param_logical_axes(cfg), mesh), PROMPTS6,
+                       length_limits=LIMITS, **kw)
+    _assert_prefix_equal(out, ref, LIMITS)
+    assert traced and all(s is not None for s in traced)  # the kernel read scales
