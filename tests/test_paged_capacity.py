@@ -129,6 +129,23 @@ def test_decode_kv_of_a_tiny_config_feeds_the_capacity():
         memory_bench.capacity({**figures, "decode_kv": None}, page_size=16)
 
 
+@pytest.mark.parametrize("pages", [0, 32])
+def test_an_8bit_cache_counts_its_codes_and_scales(pages):
+    # rollout.kv_precision = int8: 1 byte per element plus a 4-byte scale per token and kv head,
+    # K and V, every layer; the capacity then fits rows by those bytes (head_dim 16: 0.625x f32).
+    c = _tiny_config()
+    c.rollout.kv_pages = pages
+    full = memory_plan.decode_kv(memory_plan.build_setup(RunSettings.from_config(c), CFG))
+    c.rollout.kv_precision = "int8"
+    kv = memory_plan.decode_kv(memory_plan.build_setup(RunSettings.from_config(c), CFG))
+    token = 2 * CFG.num_layers * CFG.num_kv_heads * (CFG.head_dim + 4)
+    assert kv["token_bytes"] == token and full["token_bytes"] == 2 * CFG.num_layers * (
+        CFG.num_kv_heads * CFG.head_dim * 4)
+    assert kv["cache_bytes"] * full["token_bytes"] == full["cache_bytes"] * token
+    assert {k: v for k, v in kv.items() if "bytes" not in k} == {
+        k: v for k, v in full.items() if "bytes" not in k}
+
+
 @pytest.mark.slow
 def test_decode_row_overhead_of_a_tiny_config(tmp_path):
     # Two compiles of the tiny decode program (4 and 2 rows per device): the non-KV bytes grow

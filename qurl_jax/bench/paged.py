@@ -398,7 +398,8 @@ def reads_table(config_path: str, slots_list: list[int], actor_bytes: int, seed:
     settings = RunSettings.from_config(c)
     shapes = os.path.join(os.path.dirname(os.path.abspath(config_path)), "shapes")
     m = memory_plan.model_shape(settings.model, shapes)
-    token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.compute_dtype.itemsize
+    token = m.num_layers * settings.rollout.sampler.kv_precision.bytes_per_token(
+        m.num_kv_heads, m.head_dim, m.compute_dtype)
     devices = host_devices_for(c.mesh)
     p, g = c.data.max_prompt_len, c.rollout.max_new_tokens
     limits = tail_limits(c.data.prompts_per_step * c.rollout.n, g, seed)

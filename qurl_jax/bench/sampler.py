@@ -9,6 +9,9 @@ so that load from other processes hits them alike:
 - `ours int8`: `Sampler` with `requantize(params, 'int8')` and the quantized `dot_general` hook;
 - `ours int8_vocab`: the same with the embedding and LM head as int8 codes too (`Recipe.
   quantize_vocab`, the trainer's default rollout actor: `rollout.quantize_vocab`);
+- `ours X kv int8` / `kv fp8` (`--kv-precisions`): engine X over an 8-bit KV cache
+  (`rollout.kv_precision`; on CPU an int8 cache is read by the decode-attention kernel's int8
+  variant, an fp8 one dequantized by XLA);
 - `hf torch xN`: `Qwen2ForCausalLM.generate(do_sample=True, top_k=0)` in torch on the CPU with N
   threads, same weights (ratios are taken against the faster thread count).
 
@@ -72,6 +75,7 @@ import numpy as np
 
 from qurl_jax.cpu_kernels import decode_attention
 from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.kv_quant import KVPrecision, kv_precision
 from qurl_jax.models.params import init_params
 from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
 
@@ -103,13 +107,14 @@ def tree_bytes(tree: Any) -> int:
 
 
 def sampler_timer(config: ModelConfig, params: Any, dot_general: Any,
-                  prompts: list[list[int]], max_new: int, max_concurrent_rows: int = 0
-                  ) -> Callable[[int], float]:
+                  prompts: list[list[int]], max_new: int, max_concurrent_rows: int = 0,
+                  kv_precision: str = "bf16") -> Callable[[int], float]:
     """run(new_tokens) -> seconds of one `Sampler.sample` call at temperature 1 (checked to run
     exactly new_tokens steps); one generation bucket, so the 1-token and the full call run the same
-    two programs."""
+    two programs. `kv_precision`: the cache's (`Engine`)."""
     sampler = Sampler(config, dot_general, prompt_buckets=(len(prompts[0]),),
-                      gen_buckets=(max_new,), max_concurrent_rows=max_concurrent_rows)
+                      gen_buckets=(max_new,), max_concurrent_rows=max_concurrent_rows,
+                      kv_precision=kv_precision)
 
     def run(new_tokens: int) -> float:
         t0 = time.perf_counter()
@@ -416,6 +421,10 @@ def main(argv: list[str] | None = None) -> None:
                              "XLA attention before a row's tokens part")
     parser.add_argument("--rollout-tensor", type=int, default=1,
                         help="layout case: devices per rollout replica")
+    parser.add_argument("--kv-precisions", default="bf16",
+                        help="decode case: our engines' KV caches, comma-separated subset of "
+                             "bf16 (the compute dtype), int8, fp8 (rollout.kv_precision); each "
+                             "one a row, interleaved with the others")
     parser.add_argument("--layers", type=int, default=BENCH_CONFIG.num_layers,
                         help="decoder layers (smaller = a smaller, faster model)")
     args = parser.parse_args(argv)
@@ -455,17 +464,23 @@ def main(argv: list[str] | None = None) -> None:
 
     runners: dict[str, Callable[[int], float]] = {}
     weight_bytes: dict[str, int] = {}
+    kv_of: dict[str, KVPrecision] = {}  # engine row -> its cache's precision
+    kv_precisions = [kv_precision(p) for p in args.kv_precisions.split(",") if p]
+
+    def ours(name: str, params: Any, dot_general: Any) -> None:
+        for p in kv_precisions:
+            row = name if p is KVPrecision.BF16 else f"{name} kv {p.value}"
+            runners[row] = sampler_timer(cfg, params, dot_general, prompts, args.new_tokens,
+                                         args.max_concurrent_rows, p)
+            weight_bytes[row], kv_of[row] = tree_bytes(params), p
+
     if "fp32" in engines:
-        runners["ours fp32"] = sampler_timer(cfg, params, jax.lax.dot_general, prompts,
-                                             args.new_tokens, args.max_concurrent_rows)
-        weight_bytes["ours fp32"] = tree_bytes(params)
+        ours("ours fp32", params, jax.lax.dot_general)
     for name, recipe in _quantized_engines(engines):
         from qurl_jax.quant import make_dot_general, requantize
 
-        qparams = jax.block_until_ready(requantize(params, recipe))
-        runners[f"ours {name}"] = sampler_timer(cfg, qparams, make_dot_general(recipe), prompts,
-                                                args.new_tokens, args.max_concurrent_rows)
-        weight_bytes[f"ours {name}"] = tree_bytes(qparams)
+        ours(f"ours {name}", jax.block_until_ready(requantize(params, recipe)),
+             make_dot_general(recipe))
     if "transformers" in engines:
         for threads in (int(t) for t in args.torch_threads.split(",")):
             runners[f"hf torch x{threads}"] = _transformers(cfg, params, prompts, threads)
@@ -491,7 +506,8 @@ def main(argv: list[str] | None = None) -> None:
     # With --max-concurrent-rows our sampler runs the decode loop once per chunk of rows.
     rows = min(args.batch, args.max_concurrent_rows or args.batch)
     chunks = -(-args.batch // rows)
-    kv_bytes = int(2 * cfg.num_layers * rows * slots * cfg.num_kv_heads * cfg.head_dim * 4)
+    kv_bytes = {row: int(cfg.num_layers * rows * slots * p.bytes_per_token(
+        cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)) for row, p in kv_of.items()}
     steps = args.new_tokens - 1
     decode_s = {name: min(times[(name, args.new_tokens)]) - min(times[(name, 1)])
                 for name in runners}
@@ -506,17 +522,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; load "
           f"average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; numpy copy "
           f"{bandwidth / 1e9:.1f} GB/s (read + write)")
-    print(f"{'engine':<16}{'prefill s':>10}{'decode s':>10}{'tok/s':>8}{'ms/step':>9}"
+    print(f"{'engine':<20}{'prefill s':>10}{'decode s':>10}{'tok/s':>8}{'ms/step':>9}"
           f"{'GB/step':>9}{'GB/s':>7}{'vs best hf':>12}{'vs fp32':>9}")
     for name in runners:
         step_s = decode_s[name] / (steps * (chunks if name.startswith("ours") else 1))
         if name in weight_bytes:
-            step_bytes = weight_bytes[name] + kv_bytes
+            step_bytes = weight_bytes[name] + kv_bytes[name]
             traffic = f"{step_bytes / 1e9:>9.3f}{step_bytes / step_s / 1e9:>7.1f}"
         else:
             traffic = f"{'-':>9}{'-':>7}"
         vs_fp = rates[name] / rates["ours fp32"] if "ours fp32" in rates else float("nan")
-        print(f"{name:<16}{min(times[(name, 1)]):>10.2f}{decode_s[name]:>10.2f}"
+        print(f"{name:<20}{min(times[(name, 1)]):>10.2f}{decode_s[name]:>10.2f}"
               f"{rates[name]:>8.0f}{step_s * 1e3:>9.1f}{traffic}{rates[name] / hf_best:>12.2f}"
               f"{vs_fp:>9.2f}")
     for name in ("ours fp32", "ours int8"):
@@ -526,6 +542,12 @@ def main(argv: list[str] | None = None) -> None:
     if "ours int8" in rates and "ours fp32" in rates:
         print(f"ours int8 / ours fp32 decode tokens/s: "
               f"{rates['ours int8'] / rates['ours fp32']:.2f}x (goal: >= 1.5x)")
+    for row, p in kv_of.items():
+        base = row.removesuffix(f" kv {p.value}")
+        if p is not KVPrecision.BF16 and base in rates:
+            print(f"{row} / {base} decode tokens/s: {rates[row] / rates[base]:.2f}x (the cache "
+                  f"{kv_bytes[row] / kv_bytes[base]:.2f}x the bytes; goal at a 1,024-token "
+                  f"context: >= 1.0x)")
     if "ours int8_vocab" in rates and "ours int8" in rates:
         print(f"ours int8_vocab / ours int8 decode tokens/s: "
               f"{rates['ours int8_vocab'] / rates['ours int8']:.2f}x (the int8 vocabulary "

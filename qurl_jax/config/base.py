@@ -27,6 +27,7 @@ from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
+from qurl_jax.models.kv_quant import KVPrecision
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode
 from qurl_jax.runtime import paths
@@ -35,6 +36,7 @@ from qurl_jax.sampling.factory import DECODE_ATTENTION
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
+KV_PRECISIONS = tuple(p.value for p in KVPrecision)  # rollout.kv_precision
 # Training precisions: the recipes the learner can run (`Learner(precision=...)`).
 TRAIN_PRECISIONS = ("fp", "fp8_block")
 LOSS_MODES = tuple(m.value for m in Mode)
@@ -137,6 +139,13 @@ def base_config() -> ml_collections.ConfigDict:
     # `python -m qurl_jax.bench.memory --kv_capacity` suggests a size for a target.
     c.rollout.kv_pages = 0
     c.rollout.kv_page_size = 16  # tokens per page of the rollout.kv_pages pool
+    # The rollout's KV cache (dense, paged and Sparse-RL's compressed alike): 'bf16' = the compute
+    # dtype; 'int8' / 'fp8' (e4m3) = 8-bit codes with a float32 scale per token and kv head,
+    # quantized once as they are written (0.52x the bf16 bytes at head_dim 128), read by JAX's
+    # paged kernels as they are on GPU and TPU and dequantized elsewhere. The error is part of
+    # the sampler's logp_behav, so ACR / TIS correct it like the weights'; evaluation and the
+    # learner keep full precision. Changes the math: a run resumes only with its own value.
+    c.rollout.kv_precision = "bf16"
     # Free pages per batch shard an admission leaves while rows run (rollout.kv_pages); -1 = 1/16
     # of the shard's pages.
     c.rollout.kv_watermark_pages = -1
@@ -527,6 +536,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.model.decode_attention, DECODE_ATTENTION, "model.decode_attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
+    _choice(c.rollout.kv_precision, KV_PRECISIONS, "rollout.kv_precision")
     _choice(c.train.precision, TRAIN_PRECISIONS, "train.precision")
     _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
     _choice(c.rl.agg, AGGREGATIONS, "rl.agg")

@@ -89,7 +89,8 @@ def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSett
         kv_policy=kv_policy_from_config(c.rollout), decode_attention=c.model.decode_attention,
         kv_pages=c.rollout.kv_pages, kv_page_size=c.rollout.kv_page_size,
         kv_watermark_pages=None if c.rollout.kv_watermark_pages < 0
-        else c.rollout.kv_watermark_pages)
+        else c.rollout.kv_watermark_pages,
+        kv_precision=c.rollout.get("kv_precision", "bf16"))
 
 
 def sampling_params_from_config(rollout: ml_collections.ConfigDict,

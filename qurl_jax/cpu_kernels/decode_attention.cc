@@ -8,6 +8,12 @@
 //   scale:  f32 attribute       1 / sqrt(D)
 //   out:    f32[B, Hkv, G, D]   sum_s softmax_s(scale * q.k_s) v_s over valid slots s < length
 //
+// "qurl_decode_attention_int8" reads an int8 cache (the rollout's `kv_precision='int8'`): k, v
+// s8[B, Hkv, S, D] codes with k_scale, v_scale f32[B, Hkv, S] (key s = k_scale[s] * k codes),
+// dequantized in registers, so a step reads 1 byte per cached element instead of 4: the score
+// of slot s is k_scale[s] * (q . codes_s), its probability multiplies v_scale[s] into the
+// weighted sum of the value codes.
+//
 // Why: XLA:CPU runs the two attention products as 2 * B * Hkv tiny batched matmuls ([G, D] x
 // [D, S]) at ~11 GB/s and reads every slot of the cache, generated or not. This kernel streams each
 // (row, kv head)'s keys and values once, stops at `length`, and keeps scores and softmax in f32
@@ -60,9 +66,21 @@ struct Shapes {
   float scale;
 };
 
+// 16 cache elements as f32 lanes: f32 as they are, int8 codes widened.
 __attribute__((target("avx512f")))
-void AttendOne(const Shapes& sh, const float* q, const float* k, const float* v, const bool* mask,
-               float* out, std::vector<float>* scratch) {
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+
+__attribute__((target("avx512f")))
+inline __m512 Load16(const int8_t* p) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+}
+
+// k_scale, v_scale: per-slot scales of an int8 cache (nullptr for f32).
+template <typename KV>
+__attribute__((target("avx512f")))
+void AttendOne(const Shapes& sh, const float* q, const KV* k, const KV* v, const float* k_scale,
+               const float* v_scale, const bool* mask, float* out, std::vector<float>* scratch) {
   const int64_t g_n = sh.groups, d_n = sh.dim, len = sh.length, dv = d_n / 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // One per-thread buffer, reused across calls (this runs per (row, kv head) every decode step):
@@ -79,14 +97,15 @@ void AttendOne(const Shapes& sh, const float* q, const float* k, const float* v,
       continue;
     }
     any = true;
-    const float* ks = k + s * d_n;
+    const KV* ks = k + s * d_n;
+    const float slot_scale = k_scale ? sh.scale * k_scale[s] : sh.scale;
     for (int64_t g = 0; g < g_n; ++g) {
       const float* qg = q + g * d_n;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(ks));
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), Load16(ks));
       for (int64_t c = 1; c < dv; ++c) {
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(ks + 16 * c), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), Load16(ks + 16 * c), acc);
       }
-      const float score = _mm512_reduce_add_ps(acc) * sh.scale;
+      const float score = _mm512_reduce_add_ps(acc) * slot_scale;
       scores[g * len + s] = score;
       row_max[g] = std::max(row_max[g], score);
     }
@@ -119,12 +138,13 @@ void AttendOne(const Shapes& sh, const float* q, const float* k, const float* v,
     for (int64_t i = 0; i < gc * dv; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < len; ++s) {
       if (!mask[s]) continue;
-      const float* vs = v + s * d_n;
+      const KV* vs = v + s * d_n;
+      const float vscale = v_scale ? v_scale[s] : 1.0f;
       for (int64_t c = 0; c < dv; ++c) {
-        const __m512 vc = _mm512_loadu_ps(vs + 16 * c);
+        const __m512 vc = Load16(vs + 16 * c);
         for (int64_t g = 0; g < gc; ++g) {
-          acc[g * dv + c] =
-              _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * len + s]), vc, acc[g * dv + c]);
+          acc[g * dv + c] = _mm512_fmadd_ps(
+              _mm512_set1_ps(scores[(g0 + g) * len + s] * vscale), vc, acc[g * dv + c]);
         }
       }
     }
@@ -137,10 +157,11 @@ void AttendOne(const Shapes& sh, const float* q, const float* k, const float* v,
   }
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
-                           ffi::Buffer<ffi::S32> length, ffi::ResultBuffer<ffi::F32> out,
-                           float scale) {
+template <typename KV, ffi::DataType KT>
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KT> k,
+                  ffi::Buffer<KT> v, const float* k_scale, const float* v_scale,
+                  ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> length,
+                  ffi::ResultBuffer<ffi::F32> out, float scale) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const auto md = mask.dimensions();
   const bool same_kv = vd.size() == 4 && kd.size() == 4 && vd[0] == kd[0] && vd[1] == kd[1] &&
@@ -156,19 +177,44 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   Shapes sh{h_n, qd[2], kd[2], qd[3], 0, scale};
   sh.length = std::clamp<int64_t>(length.typed_data()[0], 0, sh.slots);
   const float* qp = q.typed_data();
-  const float* kp = k.typed_data();
-  const float* vp = v.typed_data();
+  const KV* kp = k.typed_data();
+  const KV* vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  const int64_t bytes_read = 2 * b_n * h_n * sh.length * sh.dim * 4;
+  const int64_t bytes_read = 2 * b_n * h_n * sh.length * (sh.dim * sizeof(KV) +
+                                                          (k_scale ? 4 : 0));
   RunParallel(pool, b_n * h_n, bytes_read, [&](int64_t item) {
     thread_local std::vector<float> scratch;
     const int64_t b = item / h_n;
-    AttendOne(sh, qp + item * sh.groups * sh.dim, kp + item * sh.slots * sh.dim,
-              vp + item * sh.slots * sh.dim, mp + b * sh.slots, op + item * sh.groups * sh.dim,
-              &scratch);
+    AttendOne<KV>(sh, qp + item * sh.groups * sh.dim, kp + item * sh.slots * sh.dim,
+                  vp + item * sh.slots * sh.dim, k_scale ? k_scale + item * sh.slots : nullptr,
+                  v_scale ? v_scale + item * sh.slots : nullptr, mp + b * sh.slots,
+                  op + item * sh.groups * sh.dim, &scratch);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
+                           ffi::Buffer<ffi::S32> length, ffi::ResultBuffer<ffi::F32> out,
+                           float scale) {
+  return Attend<float, ffi::F32>(pool, q, k, v, nullptr, nullptr, mask, length, out, scale);
+}
+
+ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> length,
+                               ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto kd = k.dimensions(), sd = k_scale.dimensions(), vsd = v_scale.dimensions();
+  if (kd.size() != 4 || sd.size() != 3 || vsd.size() != 3 || sd[0] != kd[0] ||
+      sd[1] != kd[1] || sd[2] != kd[2] || vsd[0] != sd[0] || vsd[1] != sd[1] ||
+      vsd[2] != sd[2]) {
+    return ffi::Error::InvalidArgument(
+        "qurl_decode_attention_int8: expects k/v s8[B, H, S, D] and k/v scales f32[B, H, S]");
+  }
+  return Attend<int8_t, ffi::S8>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(),
+                                 mask, length, out, scale);
 }
 
 }  // namespace
@@ -177,6 +223,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QurlDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QurlDecodeAttentionInt8, DecodeAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()

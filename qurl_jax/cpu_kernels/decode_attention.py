@@ -6,6 +6,9 @@ the slots in use (up to the fullest row's; the cache's later slots are still emp
 rollout) and streams each key and value once. The sampler's decode loop uses it when
 `usable(compute_dtype, head_dim)` holds. Scores, softmax and the weighted sum are float32, as in
 the model; results match XLA's path to float32 rounding (the summation order differs).
+
+An int8 cache (`rollout.kv_precision='int8'`) is read as its codes and per-slot scales
+(`k_scale`, `v_scale`), dequantized in registers: 1 byte per cached element read instead of 4.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import numpy as np
 from qurl_jax import cpu_kernels
 
 _TARGET = "qurl_decode_attention"
+_TARGET_INT8 = "qurl_decode_attention_int8"
 
 
 def available() -> bool:
     """True when the kernel is built, registered and this CPU has AVX512F."""
     return cpu_kernels.load("decode_attention.cc", "qurl_cpu_supports_decode_attention",
-                            ((_TARGET, "QurlDecodeAttention"),))
+                            ((_TARGET, "QurlDecodeAttention"),
+                             (_TARGET_INT8, "QurlDecodeAttentionInt8")))
 
 
 def usable(compute_dtype: jnp.dtype, head_dim: int) -> bool:
@@ -35,15 +40,33 @@ def usable(compute_dtype: jnp.dtype, head_dim: int) -> bool:
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array,
-                     length: jax.Array) -> jax.Array:
+                     length: jax.Array, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention of one query position per row.
 
-    q: f32[B, Hkv, G, D]; keys, values: f32[B, Hkv, S, D]; key_mask: bool[B, S];
-    length: i32 scalar, slots [0, length) are read (the model passes the largest `n_used` of the
-    batch after this step's write; a row's slots past its own are empty, so masked).
-    Returns f32[B, Hkv, G, D]. A row without any valid slot gets zeros.
+    q: f32[B, Hkv, G, D]; keys, values: f32[B, Hkv, S, D], or int8 codes s8[B, Hkv, S, D] with
+    k_scale, v_scale f32[B, Hkv, S] (`models.kv_quant`: key = code x scale); key_mask:
+    bool[B, S]; length: i32 scalar, slots [0, length) are read (the model passes the largest
+    `n_used` of the batch after this step's write; a row's slots past its own are empty, so
+    masked). Returns f32[B, Hkv, G, D]. A row without any valid slot gets zeros.
     """
     b, hkv, g, d = q.shape
+    if k_scale is not None:
+        s = keys.shape[2]
+        if not (keys.dtype == values.dtype == jnp.int8 and q.dtype == jnp.float32
+                and d % 16 == 0 and keys.shape == values.shape == (b, hkv, s, d)
+                and k_scale.shape == v_scale.shape == (b, hkv, s)
+                and key_mask.shape == (b, s)):
+            raise ValueError(
+                f"decode_attention: an int8 cache needs f32 q[B, Hkv, G, D], s8 keys/values"
+                f"[B, Hkv, S, D] with D % 16 == 0, scales f32[B, Hkv, S] and key_mask[B, S]; "
+                f"got q {q.dtype}{q.shape}, keys {keys.dtype}{keys.shape}, k_scale "
+                f"{k_scale.shape}, key_mask {key_mask.shape}")
+        call = jax.ffi.ffi_call(_TARGET_INT8, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                vmap_method="sequential")
+        return call(q, keys, values, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
+                    key_mask.astype(jnp.bool_), jnp.asarray(length, jnp.int32),
+                    scale=np.float32(1.0 / math.sqrt(d)))
     if not (q.dtype == keys.dtype == values.dtype == jnp.float32 and d % 16 == 0
             and keys.shape == values.shape == (b, hkv, keys.shape[2], d)
             and key_mask.shape == (b, keys.shape[2])):
@@ -57,3 +80,8 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask:
     call = jax.ffi.ffi_call(_TARGET, out_type, vmap_method="sequential")
     return call(q, keys, values, key_mask.astype(jnp.bool_),
                 jnp.asarray(length, jnp.int32), scale=np.float32(1.0 / math.sqrt(d)))
+
+
+# The model hands this hook an 8-bit cache's codes and scales (rather than the values
+# dequantized) when the codes are of these dtypes (`models.transformer.Attention`).
+decode_attention.reads_codes = (jnp.dtype(jnp.int8),)

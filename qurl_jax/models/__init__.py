@@ -1,7 +1,8 @@
 """Decoder-only transformer models (Llama, Mistral, Qwen2, Qwen3) and their checkpoint formats.
 
 Public API: `ModelConfig`, `Transformer` (with `Remat` and `AttentionImplementation` switches),
-`KVCache`, `PagedKVCache`, `init_params`, `param_logical_axes`, the log-prob helpers
+`KVCache`, `PagedKVCache` (in the compute dtype or 8-bit: `KVPrecision`, `models.kv_quant`),
+`init_params`, `param_logical_axes`, the log-prob helpers
 (`token_logprobs`, `token_logprobs_and_entropy`, `chunked_token_logprobs` over
 `lm_head_logits`), and the checkpoint readers/writers in `qurl_jax.models.hf` and
 `qurl_jax.models.llama2c`.
@@ -9,6 +10,7 @@ Public API: `ModelConfig`, `Transformer` (with `Remat` and `AttentionImplementat
 
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import ModelConfig, Remat, RopeScaling
+from qurl_jax.models.kv_quant import KVPrecision
 from qurl_jax.models.params import (
     chunked_token_logprobs,
     init_params,
@@ -28,6 +30,7 @@ from qurl_jax.models.transformer import (
 __all__ = [
     "AttentionImplementation",
     "KVCache",
+    "KVPrecision",
     "ModelConfig",
     "PagedKVCache",
     "Remat",

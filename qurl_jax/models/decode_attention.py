@@ -215,11 +215,11 @@ def model_hook(impl: str = "auto", platform: str | None = None, interpret: bool 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     """The dense view of a paged pool: pages f[Hkv, P, page_size, D], page_table i32[B, n] ->
     f[B, Hkv, n * page_size, D]; logical slot s of row r is page_table[r, s // page_size]'s
-    offset s % page_size."""
-    hkv, _, ps, d = pages.shape
+    offset s % page_size. A scale pool f32[Hkv, P, page_size] gives f32[B, Hkv, n * page_size]."""
+    hkv, _, ps = pages.shape[:3]
     b, n = page_table.shape
-    rows = pages[:, page_table]  # [Hkv, B, n, ps, D]
-    return rows.transpose(1, 0, 2, 3, 4).reshape(b, hkv, n * ps, d)
+    rows = jnp.moveaxis(pages[:, page_table], 1, 0)  # [B, Hkv, n, ps, ...]
+    return rows.reshape(b, hkv, n * ps, *pages.shape[3:])
 
 
 def pages_per_compute_block(pages_per_row: int, partitions: int = 1, largest: int = 8) -> int:
@@ -239,39 +239,88 @@ def _prescaled(q: jax.Array) -> jax.Array:
     return (q.astype(jnp.float32) / math.sqrt(q.shape[-1])).astype(q.dtype)
 
 
-def _gpu_paged(q, k_pages, v_pages, page_table, lengths, *, interpret: bool):
+def _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
+               interpret: bool):
+    """8-bit pages go to the kernel as they are, with their scales (`k_scales_pages`): it casts
+    a block of codes to q's dtype in registers and scales the logits (keys) and the
+    probabilities (values) per token, so the pool is read at 1 byte per element."""
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
     n = page_table.shape[1]
     splits = gpu_paged_splits(n)
+    if k_scales is None:
+        k_pages, v_pages = k_pages.astype(q.dtype), v_pages.astype(q.dtype)
     return gpu_paged.paged_attention(
-        _prescaled(q), k_pages.astype(q.dtype), v_pages.astype(q.dtype), page_table, lengths,
+        _prescaled(q), k_pages, v_pages, page_table, lengths, k_scales, v_scales,
         block_h=16, pages_per_compute_block=pages_per_compute_block(n, splits), k_splits=splits,
         interpret=interpret, mask_value=MASK_VALUE)
 
 
-def _tpu_paged(q, k_pages, v_pages, page_table, lengths, *, interpret: bool,
-               megacore_mode: str | None):
+def _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
+               interpret: bool, megacore_mode: str | None):
+    """8-bit pages go to the kernel as `quantization_utils.QuantizedTensor`s, which it
+    dequantizes per block in VMEM as codes x scales / 127.5 (its scales are max|x|-style, so
+    ours, max|x| / code range, are multiplied by 127.5). The kernel takes the scales at the
+    pages' full shape [Hkv, P, page_size, D] (it broadcasts a trailing 1 itself), i.e. a
+    materialised scale array as large as the pool: see docs/paged_kv.md."""
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+    from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import (
+        MAX_INT8,
+        QuantizedTensor,
+    )
 
+    if k_scales is None:
+        k_pages, v_pages = k_pages.astype(q.dtype), v_pages.astype(q.dtype)
+    else:
+        k_pages = QuantizedTensor(k_pages, (k_scales * MAX_INT8)[..., None])
+        v_pages = QuantizedTensor(v_pages, (v_scales * MAX_INT8)[..., None])
     mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
     with mode:
-        return tpu_paged(_prescaled(q), k_pages.astype(q.dtype), v_pages.astype(q.dtype), lengths,
+        return tpu_paged(_prescaled(q), k_pages, v_pages, lengths,
                          page_table, mask_value=MASK_VALUE,
                          pages_per_compute_block=pages_per_compute_block(page_table.shape[1]),
                          megacore_mode=megacore_mode)
 
 
+def _cpu_paged_int8(q, k_pages, v_pages, k_scales, v_scales, page_table, lengths):
+    from qurl_jax.cpu_kernels import decode_attention as cpu_decode
+
+    b, h, d = q.shape
+    hkv = k_pages.shape[0]
+    keys, values = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+    s = keys.shape[2]
+    live = jnp.arange(s, dtype=jnp.int32)[None, :] < lengths[:, None]
+    out = cpu_decode.decode_attention(
+        q.reshape(b, hkv, h // hkv, d), keys, values, live, jnp.minimum(jnp.max(lengths), s),
+        gather_pages(k_scales, page_table), gather_pages(v_scales, page_table))
+    return out.reshape(b, h, d)
+
+
+def _dense_pages(pages: jax.Array, scales: jax.Array | None, page_table: jax.Array,
+                 dtype) -> jax.Array:
+    """The rows' pages gathered (`gather_pages`), 8-bit pages dequantized to `dtype`."""
+    rows = gather_pages(pages, page_table)
+    if scales is None:
+        return rows
+    from qurl_jax.models.kv_quant import dequantize_kv
+
+    return dequantize_kv(rows, gather_pages(scales, page_table), dtype)
+
+
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           page_table: jax.Array, lengths: jax.Array, *, impl: str = "auto",
-                           platform: str | None = None, interpret: bool = False,
-                           megacore_mode: str | None = None) -> jax.Array:
+                           page_table: jax.Array, lengths: jax.Array, *,
+                           k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                           impl: str = "auto", platform: str | None = None,
+                           interpret: bool = False, megacore_mode: str | None = None
+                           ) -> jax.Array:
     """Attention of one query per row to the first lengths[r] logical slots of a paged cache.
 
-    q: f[B, H, D]; k_pages, v_pages: f[Hkv, P, page_size, D] (one layer's pool); page_table:
-    i32[B, n], every entry in [0, P) (entries past a row's live pages name any page); lengths:
-    i32[B] in [0, n * page_size]. Returns f[B, H, D] in q's dtype; zeros for a row of length 0.
+    q: f[B, H, D]; k_pages, v_pages: f[Hkv, P, page_size, D] (one layer's pool), or 8-bit codes
+    (int8 / float8_e4m3fn) with k_scales, v_scales f32[Hkv, P, page_size] (`models.kv_quant`:
+    value = code x scale); page_table: i32[B, n], every entry in [0, P) (entries past a row's
+    live pages name any page); lengths: i32[B] in [0, n * page_size]. Returns f[B, H, D] in q's
+    dtype; zeros for a row of length 0.
     `megacore_mode` is the TPU kernel's (None, 'kv_head' or 'batch'; set it only on a megacore
     chip such as v5p). See the module docstring for `impl`, `platform` and `interpret`.
     """
@@ -290,18 +339,27 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     plat = kernel_platform(platform)
     if impl == "auto":
         impl = "pallas" if plat in ("gpu", "tpu") else "cpu" if _cpu_usable(q, plat) else "xla"
-    if impl == "cpu":  # the dense CPU kernel over the gathered pages: reads [0, max length)
-        out = decode_attention(q, gather_pages(k_pages, page_table),
-                               gather_pages(v_pages, page_table), lengths, impl="cpu",
-                               platform=plat)
-    elif impl == "xla":
-        out = _xla_dense(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table),
-                         jnp.zeros_like(lengths), lengths)
+    if (k_scales is None) != (v_scales is None) or (
+            k_scales is not None and k_scales.shape != k_pages.shape[:3]):
+        raise ValueError(f"paged_decode_attention: 8-bit pages need k_scales and v_scales "
+                         f"f32{list(k_pages.shape[:3])}; got "
+                         f"{None if k_scales is None else k_scales.shape}")
+    if impl == "cpu" and k_scales is not None and k_pages.dtype == jnp.int8:
+        # The gathered int8 codes and scales through the CPU kernel's int8 variant.
+        out = _cpu_paged_int8(q, k_pages, v_pages, k_scales, v_scales, page_table, lengths)
+    elif impl in ("cpu", "xla"):  # the rows' pages gathered (dequantized): [0, max length)
+        keys = _dense_pages(k_pages, k_scales, page_table, q.dtype)
+        values = _dense_pages(v_pages, v_scales, page_table, q.dtype)
+        if impl == "cpu":
+            out = decode_attention(q, keys, values, lengths, impl="cpu", platform=plat)
+        else:
+            out = _xla_dense(q, keys, values, jnp.zeros_like(lengths), lengths)
     elif plat == "tpu":
-        out = _tpu_paged(q, k_pages, v_pages, page_table, lengths, interpret=interpret,
-                         megacore_mode=megacore_mode)
+        out = _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales,
+                         interpret=interpret, megacore_mode=megacore_mode)
     elif plat == "gpu" or (interpret and plat == "cpu"):
-        out = _gpu_paged(q, k_pages, v_pages, page_table, lengths, interpret=interpret)
+        out = _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales,
+                         interpret=interpret)
     else:
         raise ValueError(f"paged_decode_attention: impl='pallas' has no kernel on platform "
                          f"{plat!r} (GPU and TPU; with interpret=True, CPU runs the GPU kernel)")

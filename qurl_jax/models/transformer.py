@@ -39,6 +39,7 @@ import numpy as np
 
 from qurl_jax.models import attention as attn_lib
 from qurl_jax.models.config import ModelConfig, Remat
+from qurl_jax.models.kv_quant import KVPrecision, dequantize_kv, kv_precision, quantize_kv
 from qurl_jax.quant._qtensor import QuantizedTensor
 
 DotGeneral = Callable[..., jax.Array]
@@ -50,22 +51,31 @@ ShardActivation = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 RESIDUAL_AXES = ("batch", "length", "embed")
 # (q f[B, Hkv, G, D], keys f[B, Hkv, S, D], values, key_mask bool[B, S], length i32[]) ->
 # f[B, Hkv, G, D]: attention of one query position per row to the slots of [0, length) that
-# key_mask marks (every cached key is in the query's past, so no position test is needed).
+# key_mask marks (every cached key is in the query's past, so no position test is needed). A
+# hook whose `reads_codes` names an 8-bit cache's code dtype gets the codes and their scales
+# f32[B, Hkv, S] as two more arguments (k_scale, v_scale); others get the values dequantized.
 DecodeAttention = Callable[..., jax.Array]
 # (q f[B, H, D], k_pages, v_pages f[Hkv, P, page_size, D], page_table i32[B, n], lengths i32[B])
 # -> f[B, H, D]: attention of one query per row to its first lengths[r] logical slots
-# (`models.decode_attention.paged_decode_attention`'s contract).
+# (`models.decode_attention.paged_decode_attention`'s contract); 8-bit pages come with keyword
+# arguments k_scales, v_scales f32[Hkv, P, page_size].
 PagedAttention = Callable[..., jax.Array]
 # (pool, page i32[B], offset i32[B], new f[B, Hkv, 1, D]) -> pool: `put_tokens`'s contract. A
 # paged attention hook may carry one as its `write` attribute (the pools written per shard).
 PagedScatter = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# One layer of a dense KVCache as the attention takes it (`KVCache.layer`): keys, values
+# [B, Hkv, S, D] and their scales f32[B, Hkv, S] (None in the compute dtype).
+DenseLayer = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
 
 
 @flax.struct.dataclass
 class KVCache:
     """Key/value cache with per-row bookkeeping: L layers, R rows, S physical slots per row.
 
-    k, v: L-tuples of f[R, Hkv, S, D]  post-RoPE keys / values in the compute dtype.
+    k, v: L-tuples of f[R, Hkv, S, D]  post-RoPE keys / values in the compute dtype, or their 8-bit
+                                       codes (int8 / float8_e4m3fn, `models.kv_quant`).
+    k_scale, v_scale: L-tuples of      the codes' scales, one per token and kv head; empty
+      f32[R, Hkv, S]                   tuples for a cache in the compute dtype.
     pos: i32[R, S]                     logical (RoPE) position of the token in each slot; -1 marks
                                        an empty slot (never written, or a prompt's left pad).
     n_used: i32[R]                     slots in use; row r's next token goes to slot n_used[r].
@@ -94,22 +104,43 @@ class KVCache:
     pos: jax.Array
     n_used: jax.Array
     next_pos: jax.Array
+    k_scale: tuple[jax.Array, ...] = ()
+    v_scale: tuple[jax.Array, ...] = ()
 
     SLOT_AXIS = 2  # axis of each k / v buffer that indexes cache slots
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
-        """An empty cache of `batch` rows and `length` slots per row."""
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None,
+              precision: KVPrecision | str = KVPrecision.BF16) -> KVCache:
+        """An empty cache of `batch` rows and `length` slots per row; `precision` 'int8' or
+        'fp8' holds 8-bit codes and their scales (`dtype` is then ignored)."""
+        precision = kv_precision(precision)
         dtype = config.compute_dtype if dtype is None else dtype
+        dtype = precision.storage_dtype(dtype)
         shape = (batch, config.num_kv_heads, length, config.head_dim)
         layers = range(config.num_layers)
+        scales = tuple(jnp.zeros(shape[:3], jnp.float32) for _ in layers) if (
+            precision.quantizes) else ()
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in layers),
             v=tuple(jnp.zeros(shape, dtype) for _ in layers),
             pos=jnp.full((batch, length), -1, jnp.int32),
             n_used=jnp.zeros((batch,), jnp.int32),
             next_pos=jnp.zeros((batch,), jnp.int32),
+            k_scale=scales,
+            v_scale=scales,
         )
+
+    @property
+    def quantized(self) -> bool:
+        """Whether k / v hold 8-bit codes (with `k_scale` / `v_scale`)."""
+        return bool(self.k_scale)
+
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+        """Layer i's (k, v, k_scale, v_scale), the scales None in the compute dtype."""
+        if self.quantized:
+            return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+        return self.k[i], self.v[i], None, None
 
     @property
     def length(self) -> int:
@@ -123,9 +154,12 @@ class KVCache:
             raise ValueError(f"KVCache.repeat: length={length} is shorter than the cache's "
                              f"{self.length} slots")
         extra = length - self.length
-        kv_pad = [(0, 0)] * 4
-        kv_pad[self.SLOT_AXIS] = (0, extra)
-        grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=0), kv_pad)  # noqa: E731
+
+        def grow(x: jax.Array) -> jax.Array:  # k / v [R, Hkv, S, D] or scales [R, Hkv, S]
+            pad = [(0, 0)] * x.ndim
+            pad[self.SLOT_AXIS] = (0, extra)
+            return jnp.pad(jnp.repeat(x, n, axis=0), pad)
+
         return KVCache(
             k=tuple(map(grow, self.k)),
             v=tuple(map(grow, self.v)),
@@ -133,6 +167,8 @@ class KVCache:
                         constant_values=-1),
             n_used=jnp.repeat(self.n_used, n),
             next_pos=jnp.repeat(self.next_pos, n),
+            k_scale=tuple(map(grow, self.k_scale)),
+            v_scale=tuple(map(grow, self.v_scale)),
         )
 
 
@@ -141,7 +177,11 @@ class PagedKVCache:
     """A decode cache of L layers' keys and values in pools of pages shared by R rows.
 
     k, v: L-tuples of f[Hkv, P, page_size, D]   post-RoPE keys / values, P pages per pool (the
-                                               layout JAX's paged attention kernels read).
+                                               layout JAX's paged attention kernels read), or
+                                               their 8-bit codes (`models.kv_quant`).
+    k_scale, v_scale: L-tuples of              the codes' scales, one per token and kv head
+      f32[Hkv, P, page_size]                   (the GPU kernel's `k_scales_pages`); empty
+                                               tuples in the compute dtype.
     page_table: i32[R, n]                      row r's logical slot s is page page_table[r, s //
                                                page_size], offset s % page_size.
     n_used: i32[R]                             tokens row r holds: logical slots [0, n_used[r]),
@@ -159,18 +199,29 @@ class PagedKVCache:
     v: tuple[jax.Array, ...]
     page_table: jax.Array
     n_used: jax.Array
+    k_scale: tuple[jax.Array, ...] = ()
+    v_scale: tuple[jax.Array, ...] = ()
 
     @classmethod
     def zeros(cls, config: ModelConfig, rows: int, num_pages: int, page_size: int,
-              pages_per_row: int, dtype: Any = None) -> PagedKVCache:
-        """An empty cache: `num_pages` zero pages per pool, every row empty."""
-        dtype = config.compute_dtype if dtype is None else dtype
+              pages_per_row: int, dtype: Any = None,
+              precision: KVPrecision | str = KVPrecision.BF16) -> PagedKVCache:
+        """An empty cache: `num_pages` zero pages per pool, every row empty; `precision` 'int8'
+        or 'fp8' holds 8-bit codes and their scales."""
+        precision = kv_precision(precision)
+        dtype = precision.storage_dtype(config.compute_dtype if dtype is None else dtype)
         shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         layers = range(config.num_layers)
+        scales = tuple(jnp.zeros(shape[:3], jnp.float32) for _ in layers) if (
+            precision.quantizes) else ()
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
                    v=tuple(jnp.zeros(shape, dtype) for _ in layers),
                    page_table=jnp.zeros((rows, pages_per_row), jnp.int32),
-                   n_used=jnp.zeros((rows,), jnp.int32))
+                   n_used=jnp.zeros((rows,), jnp.int32), k_scale=scales, v_scale=scales)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.k_scale)
 
     @property
     def page_size(self) -> int:
@@ -188,43 +239,58 @@ class PagedKVCache:
 
 @flax.struct.dataclass
 class PagedLayer:
-    """One layer's part of a `PagedKVCache` during a decode step: its pools, the page table, the
-    slot each row writes (its n_used) and which rows write (live)."""
+    """One layer's part of a `PagedKVCache` during a decode step: its pools (and their scale
+    pools when 8-bit), the page table, the slot each row writes (its n_used) and which rows
+    write (live)."""
 
     k: jax.Array
     v: jax.Array
     page_table: jax.Array
     write_slots: jax.Array
     live: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     def write(self, k: jax.Array, v: jax.Array, scatter: PagedScatter | None = None
               ) -> PagedLayer:
         """The pools with each live row's key and value k, v f[B, Hkv, 1, D] at its next slot
         (one scatter per pool; rows that are not live target page P and are dropped). `scatter`
-        replaces the scatter (`put_tokens`'s contract), e.g. one that runs per batch shard."""
+        replaces the scatter (`put_tokens`'s contract), e.g. one that runs per batch shard.
+        8-bit pools get k, v quantized here, once, and their scales written alike."""
         page_size, num_pages = self.k.shape[2], self.k.shape[1]
         page = jnp.take_along_axis(self.page_table, (self.write_slots // page_size)[:, None],
                                    axis=1)[:, 0]
         page = jnp.where(self.live, page, num_pages)
         offset = self.write_slots % page_size
         put = scatter or put_tokens
-        return self.replace(k=put(self.k, page, offset, k), v=put(self.v, page, offset, v))
+        if self.k_scale is None:
+            return self.replace(k=put(self.k, page, offset, k), v=put(self.v, page, offset, v))
+        (kq, ks), (vq, vs) = quantize_kv(k, self.k.dtype), quantize_kv(v, self.v.dtype)
+        return self.replace(k=put(self.k, page, offset, kq), v=put(self.v, page, offset, vq),
+                            k_scale=put(self.k_scale, page, offset, ks),
+                            v_scale=put(self.v_scale, page, offset, vs))
 
     def lengths(self) -> jax.Array:
         """i32[B]: the slots each row attends to after the write (0 for a row not live)."""
         return jnp.where(self.live, self.write_slots + 1, 0)
 
-    def gather(self) -> tuple[jax.Array, jax.Array]:
-        """Every row's pages as a dense cache: keys, values f[B, Hkv, n * page_size, D]."""
+    def gather(self, dtype: Any) -> tuple[jax.Array, jax.Array]:
+        """Every row's pages as a dense cache: keys, values f[B, Hkv, n * page_size, D] (8-bit
+        pages dequantized to `dtype`)."""
         from qurl_jax.models.decode_attention import gather_pages
 
-        return gather_pages(self.k, self.page_table), gather_pages(self.v, self.page_table)
+        keys, values = gather_pages(self.k, self.page_table), gather_pages(self.v, self.page_table)
+        if self.k_scale is None:
+            return keys, values
+        return (dequantize_kv(keys, gather_pages(self.k_scale, self.page_table), dtype),
+                dequantize_kv(values, gather_pages(self.v_scale, self.page_table), dtype))
 
 
 def put_tokens(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array
                ) -> jax.Array:
-    """pool f[Hkv, P, page_size, D] with new[r] f[Hkv, 1, D] at (page[r], offset[r]); a row
-    whose page is P or more is dropped. One scatter per kv head, each writing D contiguous
+    """pool f[Hkv, P, page_size, D] with new[r] f[Hkv, 1, D] at (page[r], offset[r]) (or a scale
+    pool f32[Hkv, P, page_size] with new f32[B, Hkv, 1]); a row whose page is P or more is
+    dropped. One scatter per kv head, each writing D contiguous
     values of the row-major layout JAX's paged kernels read: a scatter of [Hkv, D] windows made
     XLA lay the pool out for it, and the TPU kernel then read a relaid-out copy of every layer's
     pools each step."""
@@ -354,13 +420,15 @@ class Attention(nn.Module):
         x: jax.Array,
         positions: jax.Array,
         mask: jax.Array,
-        cache: tuple[jax.Array, jax.Array] | PagedLayer | None,
+        cache: DenseLayer | PagedLayer | None,
         cache_pos: jax.Array | None,
         write_slots: jax.Array | None,
         segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | PagedLayer | None]:
-        """`cache` is this layer's (k, v) f[B, Hkv, S, D], or its `PagedLayer` (one token per
-        row); returns it with this call's tokens.
+    ) -> tuple[jax.Array, DenseLayer | PagedLayer | None]:
+        """`cache` is this layer's (k, v, k_scale, v_scale) (`KVCache.layer`), or its
+        `PagedLayer` (one token per row); returns it with this call's tokens. An 8-bit cache
+        gets this call's keys and values quantized as they are written, and every reader, this
+        call's attention included, sees them dequantized (`models.kv_quant`).
 
         With a dense cache, cache_pos: i32[B, S] is `KVCache.pos` already updated with this
         call's tokens, and write_slots: i32[B] the first slot each row writes (`KVCache.n_used`
@@ -393,10 +461,12 @@ class Attention(nn.Module):
             new_cache = cache.write(k, v, getattr(self.paged_attention, "write", None))
             lengths = new_cache.lengths()
             if self.paged_attention is not None:
+                scales = {} if new_cache.k_scale is None else dict(
+                    k_scales=new_cache.k_scale, v_scales=new_cache.v_scale)
                 out = self.paged_attention(q[:, 0], new_cache.k, new_cache.v,
-                                           new_cache.page_table, lengths)
+                                           new_cache.page_table, lengths, **scales)
             else:  # the dense path's own math over the rows' pages gathered
-                keys, values = new_cache.gather()
+                keys, values = new_cache.gather(dt)
                 slot = jnp.arange(keys.shape[2], dtype=jnp.int32)
                 out = attn_lib.attention(q, keys, values, positions,
                                          jnp.broadcast_to(slot, (b, slot.size)),
@@ -409,16 +479,29 @@ class Attention(nn.Module):
             q_pos, k_pos, k_valid = positions, positions, mask
             new_cache = None
         else:
-            slot_axis = KVCache.SLOT_AXIS - 1  # of one row's [Hkv, S, D] buffer
-            keys = write_rows(cache[0], k, write_slots, slot_axis)
-            values = write_rows(cache[1], v, write_slots, slot_axis)
+            slot_axis = KVCache.SLOT_AXIS - 1  # of one row's [Hkv, S, D] or [Hkv, S] buffer
+            put = lambda buf, new: write_rows(buf, new, write_slots, slot_axis)  # noqa: E731
+            k_buf, v_buf, k_scale, v_scale = cache
+            if k_scale is None:
+                keys, values = put(k_buf, k), put(v_buf, v)
+                new_cache = (keys, values, None, None)
+            else:
+                (kq, ks), (vq, vs) = quantize_kv(k, k_buf.dtype), quantize_kv(v, v_buf.dtype)
+                new_cache = (put(k_buf, kq), put(v_buf, vq), put(k_scale, ks), put(v_scale, vs))
+                keys = dequantize_kv(new_cache[0], new_cache[2], dt)
+                values = dequantize_kv(new_cache[1], new_cache[3], dt)
             q_pos, k_pos, k_valid = positions, cache_pos, cache_pos >= 0
-            new_cache = (keys, values)
 
         if cache is not None and t == 1 and self.decode_attention is not None:
-            # Slots past a row's n_used are empty, so reading [0, max n_used) is exact.
-            out = self.decode_attention(attn_lib.group_queries(q, hkv), keys, values, k_valid,
-                                        jnp.max(write_slots) + 1)
+            # Slots past a row's n_used are empty, so reading [0, max n_used) is exact. A hook
+            # that reads 8-bit codes itself (`reads_codes`) gets them with their scales.
+            grouped, length = attn_lib.group_queries(q, hkv), jnp.max(write_slots) + 1
+            if new_cache[2] is not None and new_cache[0].dtype in getattr(
+                    self.decode_attention, "reads_codes", ()):
+                out = self.decode_attention(grouped, new_cache[0], new_cache[1], k_valid, length,
+                                            new_cache[2], new_cache[3])
+            else:
+                out = self.decode_attention(grouped, keys, values, k_valid, length)
             out = attn_lib.ungroup_queries(out, t)
         else:
             out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
@@ -551,9 +634,10 @@ class Transformer(nn.Module):
             for i in range(cfg.num_layers):
                 if paged:
                     kv = PagedLayer(cache.k[i], cache.v[i], cache.page_table, cache.n_used,
-                                    mask[:, 0])
+                                    mask[:, 0], *((cache.k_scale[i], cache.v_scale[i])
+                                                  if cache.quantized else ()))
                 else:
-                    kv = None if cache is None else (cache.k[i], cache.v[i])
+                    kv = None if cache is None else cache.layer(i)
                 x, kv = layer(cfg, self.dot_general, self.decode_attention, self.paged_attention,
                               name=f"layers_{i}")(x, positions, mask, kv, cache_pos, write_slots,
                                                   segment_ids)
@@ -571,14 +655,19 @@ class Transformer(nn.Module):
                          name="lm_head")(x).astype(jnp.float32)
         new_cache = None
         if paged:
+            scales = dict(k_scale=tuple(kv.k_scale for kv in new_kv),
+                          v_scale=tuple(kv.v_scale for kv in new_kv)) if cache.quantized else {}
             new_cache = cache.replace(k=tuple(kv.k for kv in new_kv),
                                       v=tuple(kv.v for kv in new_kv),
-                                      n_used=cache.n_used + mask[:, 0].astype(jnp.int32))
+                                      n_used=cache.n_used + mask[:, 0].astype(jnp.int32),
+                                      **scales)
         elif cache is not None:
             last = jnp.max(jnp.where(mask, positions + 1, 0), axis=1)
+            scales = dict(k_scale=tuple(kv[2] for kv in new_kv),
+                          v_scale=tuple(kv[3] for kv in new_kv)) if cache.quantized else {}
             new_cache = KVCache(k=tuple(kv[0] for kv in new_kv), v=tuple(kv[1] for kv in new_kv),
                                 pos=cache_pos, n_used=cache.n_used + t,
-                                next_pos=jnp.maximum(cache.next_pos, last))
+                                next_pos=jnp.maximum(cache.next_pos, last), **scales)
         return out, new_cache
 
     def _scanned_layers(self, x: jax.Array, positions: jax.Array, mask: jax.Array,

@@ -278,9 +278,10 @@ def kv_bytes_per_device(settings: Any, model_config: Any, devices: int) -> int:
     """The rollout's KV cache per device, whatever the tensor degree (rows over the replicas,
     kv heads over the tensor axis): a paged pool's `rollout.kv_pages` pages, else the rows
     decoded at once (`rollout.max_concurrent_rows`, 0 = a step's rows) at prompt + response
-    length; keys and values of every layer in the compute dtype."""
+    length; keys and values of every layer at `rollout.kv_precision` (8-bit: with the scales)."""
     r, m = settings.rollout, model_config
-    token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * jnp.dtype(m.compute_dtype).itemsize
+    token = m.num_layers * r.sampler.kv_precision.bytes_per_token(m.num_kv_heads, m.head_dim,
+                                                                  m.compute_dtype)
     if r.sampler.kv_pages:
         tokens = r.sampler.kv_pages * r.sampler.kv_page_size
     else:

@@ -184,7 +184,9 @@ def _learner_decode(setup: memory_plan.Setup) -> tuple[Any, dict[str, int]]:
     cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
     cache = engine.layout.abstract(slots, cache_len)
     k = cache.k[0]
-    per_device = int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
+    # One layer's keys on a device, an 8-bit cache's scales included (rollout.kv_precision).
+    per_device = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                     for x in (k, *cache.k_scale[:1]))
     mesh = setup.mesh.shape
     kv = {"cache_len": int(cache_len), "prompt_len": setup.prompt_len,
           "max_new_tokens": setup.response_len, "batch_shards": mesh["data"] * mesh["fsdp"]}

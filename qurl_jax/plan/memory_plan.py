@@ -405,16 +405,21 @@ def _sampler_program(setup: Setup, name: str, sampler: Any, actor: Any, rows: in
     m = setup.model_config
     b, V = s["b"], s["V"]
     kv_heads = max(m.num_kv_heads // t, 1)
-    token = 2 * s["L"] * kv_heads * m.head_dim * s["cb"]  # keys and values of one token
+    # Keys and values of one token, every layer, at rollout.kv_precision: 2*Hkv*D * cb, or
+    # 8-bit codes and a float32 scale per kv head, 2*Hkv*(D + 4).
+    precision = sampler.engine.kv_precision
+    token = s["L"] * precision.bytes_per_token(kv_heads, m.head_dim, m.compute_dtype)
+    kb = "(D+4)" if precision.quantizes else "D * cb"  # a kv head's bytes per token, K or V
     if kv_pages:  # the pool replaces the rows' slots
         pages = kv_pages // shards
-        kv = ("KV page pool (keys and values, every layer; rollout.kv_pages)",
-              "2*L*(kv_pages/replicas)*page_size*max(Hkv/t,1)*D * cb",
+        kv = (f"KV page pool (keys and values, every layer; rollout.kv_pages, "
+              f"{precision.value})",
+              f"2*L*(kv_pages/replicas)*page_size*max(Hkv/t,1)*{kb}",
               pages * kv_page_size * token)
         s = {**s, "pages": pages, "page_size": kv_page_size}
     else:
-        kv = ("KV cache (keys and values, every layer)",
-              "2*L*b*S*max(Hkv/t,1)*D * cb (S slots: T, or budget + interval with "
+        kv = (f"KV cache (keys and values, every layer, {precision.value})",
+              f"2*L*b*S*max(Hkv/t,1)*{kb} (S slots: T, or budget + interval with "
               "rollout.kv_policy)",
               b * sampler.engine.cache_slots(setup.prompt_len, response_len) * token)
     parts = (
@@ -428,9 +433,8 @@ def _sampler_program(setup: Setup, name: str, sampler: Any, actor: Any, rows: in
          "rows/device * G * 13 (tokens, two log-probs, mask)",
          max(rows // shards, 1) * s["G"] * 13),
         ("held prompt prefills (refill; one per batch shard, whole on every device)",
-         "replicas * 2*L*P*max(Hkv/t,1)*D * cb",
-         shards * 2 * s["L"] * sampler.engine.prefill_slots(setup.prompt_len)
-         * kv_heads * m.head_dim * s["cb"])) if refill else ())
+         f"replicas * 2*L*P*max(Hkv/t,1)*{kb}",
+         shards * sampler.engine.prefill_slots(setup.prompt_len) * token)) if refill else ())
     counts = {"rows per call": rows, "slots": slots} if refill else {"rows per chunk": rows}
     return Program(lowered, Estimate(parts, {**s, **counts}))
 
@@ -497,7 +501,7 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
         return None
     cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
     cache = engine.layout.abstract(slots, cache_len)
-    cache_bytes = _bytes_per_device((cache.k, cache.v))
+    cache_bytes = _bytes_per_device((cache.k, cache.v, cache.k_scale, cache.v_scale))
     shards = setup.replicas
     out = {"cache_len": int(cache_len), "cache_bytes": cache_bytes,
            "prompt_len": setup.prompt_len, "max_new_tokens": setup.response_len,

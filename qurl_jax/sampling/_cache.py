@@ -17,6 +17,10 @@ methods, so a new cache layout or attention kernel is one new class here:
 
 The cache values are pytrees (`KVCache`, `CompressedCache`) whose leaves all lead with the row
 axis, so `jax.tree.map` concatenates, takes or scatters rows of either layout.
+
+Every layout holds its keys and values at the sampler's `KVPrecision` (`models.kv_quant`): in
+the compute dtype, or as 8-bit codes with a float32 scale per token and kv head, quantized once
+by the model where it writes them and dequantized where they are read.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import jax
 import jax.numpy as jnp
 
 from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.kv_quant import KVPrecision
 from qurl_jax.models.transformer import KVCache, PagedKVCache, Transformer, positions_from_mask
 from qurl_jax.sampling._host import Params, RowSharding
 from qurl_jax.sampling._kv_policy import (
     KVPolicyConfig,
     Selection,
     compress_cache,
+    compress_quantized_cache,
     needs_compression,
     push_window,
     where_rows,
@@ -132,16 +138,18 @@ class CacheLayout(Protocol):
 
 
 def cache_layout(config: ModelConfig, kv_policy: KVPolicyConfig, sharding: RowSharding,
-                 paging: Paging | None = None) -> CacheLayout:
-    """The layout a sampler with this KV policy (and paging) uses."""
+                 paging: Paging | None = None,
+                 precision: KVPrecision = KVPrecision.BF16) -> CacheLayout:
+    """The layout a sampler with this KV policy (and paging, and KV precision) uses."""
     if paging is not None:
         if kv_policy.compresses:
             raise ValueError(f"rollout.kv_pages: a paged cache does not take the compressed KV "
                              f"policy {kv_policy.policy!r} (its rows have holes)")
-        return PagedKV(config, kv_policy, sharding, paging.validate(sharding.batch_shards))
+        return PagedKV(config, kv_policy, sharding, paging.validate(sharding.batch_shards),
+                       precision)
     if kv_policy.compresses:
-        return CompressedKV(config, kv_policy, sharding)
-    return DenseKV(config, kv_policy, sharding)
+        return CompressedKV(config, kv_policy, sharding, precision)
+    return DenseKV(config, kv_policy, sharding, precision)
 
 
 def take_rows(cache: Cache, index: jax.Array) -> Cache:
@@ -164,12 +172,14 @@ def _admit_kv(cache: KVCache, slots: jax.Array, prompt: KVCache) -> KVCache:
     def admit(buf: jax.Array, new: jax.Array) -> jax.Array:
         return buf.at[slots].set(new.astype(buf.dtype), mode="drop")
 
-    def admit_prompt(buf: jax.Array, new: jax.Array) -> jax.Array:
+    def admit_prompt(buf: jax.Array, new: jax.Array) -> jax.Array:  # [R, Hkv, S(, D)]
         return buf.at[slots, :, :n].set(new.astype(buf.dtype), mode="drop")
 
     return KVCache(
         k=tuple(map(admit_prompt, cache.k, prompt.k)),
         v=tuple(map(admit_prompt, cache.v, prompt.v)),
+        k_scale=tuple(map(admit_prompt, cache.k_scale, prompt.k_scale)),
+        v_scale=tuple(map(admit_prompt, cache.v_scale, prompt.v_scale)),
         pos=admit(cache.pos, jnp.pad(prompt.pos, ((0, 0), (0, cache.length - n)),
                                      constant_values=-1)),
         n_used=admit(cache.n_used, prompt.n_used),
@@ -183,8 +193,9 @@ class DenseKV:
     compresses = False
 
     def __init__(self, config: ModelConfig, kv_policy: KVPolicyConfig,
-                 sharding: RowSharding) -> None:
+                 sharding: RowSharding, precision: KVPrecision = KVPrecision.BF16) -> None:
         self.config, self.kv_policy, self.sharding = config, kv_policy, sharding
+        self.precision = precision
 
     def slots(self, p_len: int, g_len: int) -> int:
         return self.kv_policy.physical_slots(p_len, g_len)
@@ -193,7 +204,7 @@ class DenseKV:
         return p_len
 
     def empty(self, rows: int, length: int) -> KVCache:
-        return KVCache.zeros(self.config, rows, length)
+        return KVCache.zeros(self.config, rows, length, precision=self.precision)
 
     def abstract(self, rows: int, length: int) -> KVCache:
         cache = jax.eval_shape(lambda: self.empty(rows, length))
@@ -212,7 +223,7 @@ class DenseKV:
 
     def prefill_cache(self, tokens: jax.Array) -> KVCache:
         """The empty cache `prefill` writes the prompts tokens i32[P, p_len] into."""
-        return self.sharding.cache(KVCache.zeros(self.config, *tokens.shape))
+        return self.sharding.cache(self.empty(*tokens.shape))
 
     def prefill(self, model: Transformer, params: Params, tokens: jax.Array, mask: jax.Array
                 ) -> tuple[jax.Array, KVCache]:
@@ -259,9 +270,9 @@ class CompressedKV:
     compresses = True
 
     def __init__(self, config: ModelConfig, kv_policy: KVPolicyConfig,
-                 sharding: RowSharding) -> None:
+                 sharding: RowSharding, precision: KVPrecision = KVPrecision.BF16) -> None:
         self.config, self.kv_policy, self.sharding = config, kv_policy, sharding
-        self.dense = DenseKV(config, kv_policy, sharding)  # the KV cache inside
+        self.dense = DenseKV(config, kv_policy, sharding, precision)  # the KV cache inside
 
     def slots(self, p_len: int, g_len: int) -> int:
         return self.kv_policy.physical_slots(p_len, g_len)
@@ -278,7 +289,7 @@ class CompressedKV:
     def empty(self, rows: int, length: int) -> CompressedCache:
         cfg, w = self.config, self.kv_policy.window
         q = jnp.zeros((rows, cfg.num_heads, w, cfg.head_dim), cfg.compute_dtype)
-        return CompressedCache(cache=KVCache.zeros(cfg, rows, length),
+        return CompressedCache(cache=self.dense.empty(rows, length),
                                win_q=(q,) * len(self._scored_layers()),
                                win_valid=jnp.zeros((rows, w), jnp.bool_))
 
@@ -312,12 +323,10 @@ class CompressedKV:
         windows = [window_from_prompt(q, mask, kv.window) for q in queries]
         win_q, win_valid = tuple(w[0] for w in windows), windows[0][1]
         if tokens.shape[1] > kv.budget:
-            keys, values, pos, n_used = compress_cache(
-                kv, cache.k, cache.v, cache.pos, cache.n_used, win_q, win_valid,
-                cache.n_used > kv.budget)
-            keep = lambda x: x[:, :, :kv.budget]  # noqa: E731
-            cache = KVCache(k=tuple(map(keep, keys)), v=tuple(map(keep, values)),
-                            pos=pos[:, :kv.budget], n_used=n_used, next_pos=cache.next_pos)
+            cache = _compress(kv, cache, win_q, win_valid, cache.n_used > kv.budget)
+            keep = lambda xs: tuple(x[:, :, :kv.budget] for x in xs)  # noqa: E731
+            cache = cache.replace(k=keep(cache.k), v=keep(cache.v), k_scale=keep(cache.k_scale),
+                                  v_scale=keep(cache.v_scale), pos=cache.pos[:, :kv.budget])
         return logits[:, 0], CompressedCache(cache, win_q, win_valid)
 
     def repeat(self, cache: CompressedCache, n: int, length: int) -> CompressedCache:
@@ -354,10 +363,7 @@ class CompressedKV:
         kv = self.kv_policy
 
         def run(c: KVCache) -> KVCache:
-            keys, values, pos, n_used = compress_cache(kv, c.k, c.v, c.pos, c.n_used,
-                                                       cache.win_q, cache.win_valid, due)
-            return self.sharding.cache(KVCache(k=keys, v=values, pos=pos, n_used=n_used,
-                                               next_pos=c.next_pos))
+            return self.sharding.cache(_compress(kv, c, cache.win_q, cache.win_valid, due))
 
         return cache.replace(cache=jax.lax.cond(jnp.any(due), run, lambda c: c, cache.cache))
 
@@ -397,10 +403,10 @@ class PagedKV:
     compresses = False
 
     def __init__(self, config: ModelConfig, kv_policy: KVPolicyConfig, sharding: RowSharding,
-                 paging: Paging) -> None:
+                 paging: Paging, precision: KVPrecision = KVPrecision.BF16) -> None:
         self.config, self.kv_policy, self.sharding = config, kv_policy, sharding
-        self.paging = paging
-        self.dense = DenseKV(config, kv_policy, sharding)  # prompts and held prefills
+        self.paging, self.precision = paging, precision
+        self.dense = DenseKV(config, kv_policy, sharding, precision)  # prompts, held prefills
 
     @property
     def page_size(self) -> int:
@@ -417,7 +423,7 @@ class PagedKV:
 
     def empty(self, rows: int, length: int) -> PagedKVCache:
         return PagedKVCache.zeros(self.config, rows, self.paging.num_pages, self.page_size,
-                                  self.pages_per_row(length))
+                                  self.pages_per_row(length), precision=self.precision)
 
     def empty_prompts(self, rows: int, length: int) -> KVCache:
         return self.dense.empty(rows, length)
@@ -471,12 +477,15 @@ class PagedKV:
         offset = jnp.broadcast_to(j % ps, page.shape)
 
         def put(pool: jax.Array, buf: jax.Array) -> jax.Array:
-            tokens = jnp.take_along_axis(buf, src[:, None, :, None], axis=2)  # [K, Hkv, p, D]
-            return pool.at[:, page, offset].set(tokens.transpose(1, 0, 2, 3).astype(pool.dtype),
-                                                mode="drop")
+            # k / v [K, Hkv, p, D] into [Hkv, P, page_size, D]; scales [K, Hkv, p] alike
+            index = src.reshape(src.shape[:1] + (1,) + src.shape[1:] + (1,) * (buf.ndim - 3))
+            tokens = jnp.moveaxis(jnp.take_along_axis(buf, index, axis=2), 1, 0)
+            return pool.at[:, page, offset].set(tokens.astype(pool.dtype), mode="drop")
 
         return cache.replace(k=tuple(map(put, cache.k, prompt.k)),
                              v=tuple(map(put, cache.v, prompt.v)),
+                             k_scale=tuple(map(put, cache.k_scale, prompt.k_scale)),
+                             v_scale=tuple(map(put, cache.v_scale, prompt.v_scale)),
                              n_used=cache.n_used.at[slots].set(lengths, mode="drop"))
 
     def _shardings(self, cache: PagedKVCache) -> PagedKVCache:
@@ -485,7 +494,9 @@ class PagedKV:
         return PagedKVCache(k=tuple(named(x, pool) for x in cache.k),
                             v=tuple(named(x, pool) for x in cache.v),
                             page_table=named(cache.page_table, ("batch", None)),
-                            n_used=named(cache.n_used, ("batch",)))
+                            n_used=named(cache.n_used, ("batch",)),
+                            k_scale=tuple(named(x, pool[:3]) for x in cache.k_scale),
+                            v_scale=tuple(named(x, pool[:3]) for x in cache.v_scale))
 
     def constrain(self, cache: Cache, batch: str | None = "batch") -> Cache:
         """A paged cache: pages and rows over the batch shards; a dense one (prompts, held
@@ -495,6 +506,21 @@ class PagedKV:
         if self.sharding.mesh is None:
             return cache
         return jax.lax.with_sharding_constraint(cache, self._shardings(cache))
+
+
+def _compress(kv_policy: KVPolicyConfig, cache: KVCache, win_q: tuple[jax.Array, ...],
+              win_valid: jax.Array, due: jax.Array) -> KVCache:
+    """The cache with the rows `due` compressed (`compress_cache`; an 8-bit cache's slots scored
+    on its dequantized keys and its codes and scales moved as they are)."""
+    if not cache.quantized:
+        keys, values, pos, n_used = compress_cache(kv_policy, cache.k, cache.v, cache.pos,
+                                                   cache.n_used, win_q, win_valid, due)
+        return cache.replace(k=keys, v=values, pos=pos, n_used=n_used)
+    keys, values, k_scale, v_scale, pos, n_used = compress_quantized_cache(
+        kv_policy, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.pos, cache.n_used,
+        win_q, win_valid, due)
+    return cache.replace(k=keys, v=values, k_scale=k_scale, v_scale=v_scale, pos=pos,
+                         n_used=n_used)
 
 
 def _layer_queries(intermediates: dict[str, Any], layers: range) -> list[jax.Array]:

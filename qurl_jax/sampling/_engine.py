@@ -36,7 +36,9 @@ from jax.sharding import Mesh
 
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models import decode_attention as ragged
+from qurl_jax.models import kv_quant
 from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.kv_quant import KVPrecision
 from qurl_jax.models.transformer import (
     DecodeAttention,
     DotGeneral,
@@ -76,8 +78,8 @@ class _PerShardPaged:
     attend: Callable[..., jax.Array]
     write: PagedScatter
 
-    def __call__(self, *args: jax.Array) -> jax.Array:
-        return self.attend(*args)
+    def __call__(self, *args: jax.Array, **scales: jax.Array) -> jax.Array:
+        return self.attend(*args, **scales)
 
 
 @flax.struct.dataclass
@@ -152,6 +154,12 @@ class Engine:
         gather otherwise (`paged_hook`).
       paging: a paged KV pool (`_cache.Paging`; the refilling sampler's `kv_pages`) instead of
         a dense cache of prompt + generation slots per row.
+      kv_precision: how every cache layout holds keys and values (`models.kv_quant`): 'bf16'
+        (the compute dtype) or 'int8' / 'fp8' codes with a float32 scale per token and kv head,
+        quantized once where written. JAX's paged kernels read 8-bit pages as they are (GPU:
+        `k_scales_pages`; TPU: `QuantizedTensor`); every other reader (XLA's attention, the CPU
+        and GPU dense kernels, Sparse-RL's scores) takes the values dequantized to the compute
+        dtype. The reported log-probs are those of the 8-bit cache that sampled each token.
     """
 
     def __init__(
@@ -170,6 +178,7 @@ class Engine:
         kv_policy: KVPolicyConfig | None = None,
         decode_attention: str = "auto",
         paging: Paging | None = None,
+        kv_precision: KVPrecision | str = KVPrecision.BF16,
     ) -> None:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r} must be one of "
@@ -195,7 +204,9 @@ class Engine:
         self.pad_id = int(pad_id)
         self.mesh = mesh
         self.sharding = RowSharding(mesh)
-        self.layout = cache_layout(self.config, self.kv_policy, self.sharding, paging)
+        self.kv_precision = kv_quant.kv_precision(kv_precision)
+        self.layout = cache_layout(self.config, self.kv_policy, self.sharding, paging,
+                                   self.kv_precision)
         self.paging = paging
         devices = platform_of(mesh) if mesh is not None else None
         self.platform = platform or devices or jax.default_backend()
@@ -233,11 +244,11 @@ class Engine:
 
     def kv_bytes_per_row(self, prompt_len: int, max_new_tokens: int) -> int:
         """Bytes of keys and values one rollout row's cache holds, all layers (`cache_slots`
-        slots of num_kv_heads * head_dim elements in the compute dtype, for K and for V; the
-        4-byte position per slot is not counted)."""
+        slots of num_kv_heads * head_dim elements at `kv_precision`, for K and for V, with an
+        8-bit cache's float32 scales; the 4-byte position per slot is not counted)."""
         cfg = self.config
-        per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(
-            cfg.compute_dtype).itemsize
+        per_slot = cfg.num_layers * self.kv_precision.bytes_per_token(
+            cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)
         return self.cache_slots(prompt_len, max_new_tokens) * per_slot
 
     def check(self, prompts: Sequence[Sequence[int]], n: int, settings: SamplingParams
@@ -347,18 +358,21 @@ class Engine:
 
         shards = self.sharding.batch_shards
 
-        def sharded(q, k_pages, v_pages, page_table, lengths):
+        def sharded(q, k_pages, v_pages, page_table, lengths, k_scales=None, v_scales=None):
             rows = logical_to_mesh_spec(P("batch", "heads"), q.shape[:2], mesh)
             pool = logical_to_mesh_spec(P("kv_heads", "batch"), k_pages.shape[:2], mesh)
             table = P(rows[0], None)
             per_shard = k_pages.shape[1] // shards
+            scales = () if k_scales is None else (k_scales, v_scales)
 
-            def local(q, k, v, t, n):  # the shard's page ids are a block of `per_shard`
-                return kernel(q, k, v, t % per_shard, n)
+            def local(q, k, v, t, n, *scales):  # the shard's page ids are a block of `per_shard`
+                kw = dict(zip(("k_scales", "v_scales"), scales, strict=True)) if scales else {}
+                return kernel(q, k, v, t % per_shard, n, **kw)
 
-            run = jax.shard_map(local, mesh=mesh, in_specs=(rows, pool, pool, table, P(rows[0])),
-                                out_specs=rows, check_vma=False)
-            return run(q, k_pages, v_pages, page_table, lengths)
+            run = jax.shard_map(local, mesh=mesh,
+                                in_specs=(rows, pool, pool, table, P(rows[0])) + (pool,) * len(
+                                    scales), out_specs=rows, check_vma=False)
+            return run(q, k_pages, v_pages, page_table, lengths, *scales)
 
         def write(pool, page, offset, new):
             # Each shard's rows write into its own block of pages: a global scatter would

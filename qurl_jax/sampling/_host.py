@@ -22,10 +22,11 @@ ROW_AXES = ("batch",)  # logical axes (`qurl_jax.parallel.sharding`) of a per-ro
 
 def cache_axes(batch: str | None = "batch") -> KVCache:
     """The logical axes of a KVCache's buffers, as a KVCache of axis tuples (k / v: the axes of
-    every layer's [R, Hkv, S, D] buffer; pos [R, S]; n_used, next_pos [R]). batch=None: rows
-    whole on every batch shard."""
+    every layer's [R, Hkv, S, D] buffer; k_scale / v_scale: of an 8-bit cache's [R, Hkv, S]
+    scales; pos [R, S]; n_used, next_pos [R]). batch=None: rows whole on every batch shard."""
     kv = (batch, "kv_heads", "cache_length", "head_dim")
-    return KVCache(k=kv, v=kv, pos=(batch, "cache_length"), n_used=(batch,), next_pos=(batch,))
+    return KVCache(k=kv, v=kv, pos=(batch, "cache_length"), n_used=(batch,), next_pos=(batch,),
+                   k_scale=kv[:3], v_scale=kv[:3])
 
 
 def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
@@ -172,7 +173,9 @@ class RowSharding:
             k=tuple(self.named(x, axes.k) for x in cache.k),
             v=tuple(self.named(x, axes.v) for x in cache.v),
             pos=self.named(cache.pos, axes.pos), n_used=self.named(cache.n_used, axes.n_used),
-            next_pos=self.named(cache.next_pos, axes.next_pos))
+            next_pos=self.named(cache.next_pos, axes.next_pos),
+            k_scale=tuple(self.named(x, axes.k_scale) for x in cache.k_scale),
+            v_scale=tuple(self.named(x, axes.v_scale) for x in cache.v_scale))
 
     def cache(self, cache: KVCache, batch: str | None = "batch") -> KVCache:
         """The cache constrained to its shardings: rows over the batch shards (or, with

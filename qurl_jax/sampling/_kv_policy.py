@@ -52,12 +52,13 @@ import enum
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qurl_jax.models.kv_quant import dequantize_kv
 from qurl_jax.runtime.enums import coerce_enum_fields
 
 # The reference normalises keys by (norm + 1e-8), so an all-zero key has cosine 0 with everything.
@@ -392,16 +393,63 @@ def compress_cache(
     keys, values = tuple(keys), tuple(values)
     if keys[0].shape[2] <= cfg.budget:
         return keys, values, pos, n_used
-    if cfg.selection is Selection.SHARED:
-        kept = [keep_slots(cfg, keys[0], pos, n_used, win_q[0], win_valid)] * len(keys)
-    else:
-        if len(win_q) != len(keys):
-            raise ValueError(f"compress_cache: per_layer selection needs window queries for "
-                             f"each of the {len(keys)} layers, got {len(win_q)}")
-        kept = [keep_slots(cfg, k, pos, n_used, q, win_valid) for k, q in zip(keys, win_q)]
+    kept = _kept_slots(cfg, lambda i: keys[i], len(keys), pos, n_used, win_q, win_valid)
     compacted = [compact(k, v, pos, keep) for k, v, keep in zip(keys, values, kept)]
     row = functools.partial(where_rows, needs)
     new_keys = tuple(row(c[0], k) for c, k in zip(compacted, keys))
     new_values = tuple(row(c[1], v) for c, v in zip(compacted, values))
     _, _, new_pos, new_n_used = compacted[0]
     return new_keys, new_values, row(new_pos, pos), row(new_n_used, n_used)
+
+
+def compress_quantized_cache(
+    cfg: KVPolicyConfig,
+    keys: Sequence[jax.Array],
+    values: Sequence[jax.Array],
+    k_scales: Sequence[jax.Array],
+    v_scales: Sequence[jax.Array],
+    pos: jax.Array,
+    n_used: jax.Array,
+    win_q: Sequence[jax.Array],
+    win_valid: jax.Array,
+    needs: jax.Array,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...],
+           tuple[jax.Array, ...], jax.Array, jax.Array]:
+    """`compress_cache` of an 8-bit cache (`models.kv_quant`): keys, values are per-layer codes
+    [R, Hkv, S, D] with scales f32[R, Hkv, S]. The slots are scored on the dequantized keys (the
+    keys the rollout attends to, in the window queries' dtype); the kept codes and scales move
+    as they are, never re-quantized. Returns (keys', values', k_scales', v_scales', pos',
+    n_used')."""
+    if not cfg.compresses:
+        raise ValueError("compress_quantized_cache: the dense policy never compresses")
+    keys, values = tuple(keys), tuple(values)
+    k_scales, v_scales = tuple(k_scales), tuple(v_scales)
+    if keys[0].shape[2] <= cfg.budget:
+        return keys, values, k_scales, v_scales, pos, n_used
+    dtype = win_q[0].dtype
+    kept = _kept_slots(cfg, lambda i: dequantize_kv(keys[i], k_scales[i], dtype), len(keys),
+                       pos, n_used, win_q, win_valid)
+    codes = [compact(k, v, pos, keep) for k, v, keep in zip(keys, values, kept)]
+    scales = [compact(ks[..., None], vs[..., None], pos, keep)
+              for ks, vs, keep in zip(k_scales, v_scales, kept)]
+    row = functools.partial(where_rows, needs)
+    _, _, new_pos, new_n_used = codes[0]
+    return (tuple(row(c[0], k) for c, k in zip(codes, keys)),
+            tuple(row(c[1], v) for c, v in zip(codes, values)),
+            tuple(row(c[0][..., 0], k) for c, k in zip(scales, k_scales)),
+            tuple(row(c[1][..., 0], v) for c, v in zip(scales, v_scales)),
+            row(new_pos, pos), row(new_n_used, n_used))
+
+
+def _kept_slots(cfg: KVPolicyConfig, layer_keys: Callable[[int], jax.Array], layers: int,
+                pos: jax.Array, n_used: jax.Array, win_q: Sequence[jax.Array],
+                win_valid: jax.Array) -> list[jax.Array]:
+    """Each layer's `keep_slots` (SHARED: layer 0's for all); layer_keys(i) gives layer i's
+    keys f[R, Hkv, S, D] (only the layers that score are asked)."""
+    if cfg.selection is Selection.SHARED:
+        return [keep_slots(cfg, layer_keys(0), pos, n_used, win_q[0], win_valid)] * layers
+    if len(win_q) != layers:
+        raise ValueError(f"compress_cache: per_layer selection needs window queries for "
+                         f"each of the {layers} layers, got {len(win_q)}")
+    return [keep_slots(cfg, layer_keys(i), pos, n_used, q, win_valid)
+            for i, q in enumerate(win_q)]

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from qurl_jax.models.config import ModelConfig
+from qurl_jax.models.kv_quant import KVPrecision, kv_precision
 from qurl_jax.models.transformer import DotGeneral
 from qurl_jax.sampling._engine import DECODE_ATTENTION
 from qurl_jax.sampling._kv_policy import KVPolicyConfig
@@ -36,6 +37,8 @@ class RolloutSamplerSettings:
     kv_pages, kv_page_size, kv_watermark_pages: `RefillSampler`'s paged KV pool (0 pages = fixed
       dense slots; None watermark = 1/16 of a batch shard's pages). Pages need the refilling
       sampler (refill 'off' is an error) and a KV policy that does not compress.
+    kv_precision: the rollout cache's keys and values (`models.kv_quant.KVPrecision`): 'bf16'
+      (the compute dtype), 'int8' or 'fp8'; the evaluation sampler stays in the compute dtype.
     """
 
     refill: str = "auto"
@@ -46,8 +49,10 @@ class RolloutSamplerSettings:
     kv_pages: int = 0
     kv_page_size: int = 16
     kv_watermark_pages: int | None = None
+    kv_precision: KVPrecision = KVPrecision.BF16
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_precision", kv_precision(self.kv_precision))
         if self.refill not in REFILL_MODES:
             raise ValueError(f"rollout.refill={self.refill!r} must be one of {REFILL_MODES}")
         if self.decode_attention not in DECODE_ATTENTION:
@@ -90,7 +95,7 @@ def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
     kind = RefillSampler if settings.refills else Sampler
     return kind(model_config, dot_general, max_concurrent_rows=settings.max_concurrent_rows,
                 kv_policy=settings.kv_policy, decode_attention=settings.decode_attention,
-                **engine_kwargs)
+                kv_precision=settings.kv_precision, **engine_kwargs)
 
 
 def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettings,

@@ -166,8 +166,9 @@ class Trainer:
                                              sampler_settings, **engine_kwargs)
         pool = (f", a paged KV pool of {sampler_settings.kv_pages} pages of "
                 f"{sampler_settings.kv_page_size} tokens" if sampler_settings.kv_pages else "")
-        logging.info("rollout sampler: %s, %s concurrent rows%s", type(self.sampler).__name__,
-                     s.rollout.sampler.max_concurrent_rows or "all", pool)
+        logging.info("rollout sampler: %s, %s concurrent rows%s, %s KV cache",
+                     type(self.sampler).__name__, s.rollout.sampler.max_concurrent_rows or "all",
+                     pool, sampler_settings.kv_precision.value)
         self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
                                                **engine_kwargs)
 

@@ -1,0 +1,105 @@
+"""Accuracy of the rollout's 8-bit KV cache (`rollout.kv_precision`) on a trained checkpoint.
+
+Run `python -m qurl_jax.bench.kv_quant --llama2c=PATH/stories260K.bin [--lengths=128,512]
+[--json=PATH]`. The full-precision model samples `--seqs` sequences of each length from token 1
+(temperature 1, its own distribution); then, on those tokens, the mean per-token
+KL(fp || rollout) of the next-token distribution, where the rollout is:
+
+- `int8 weights`: the int8 W8A8 actor (`quant.requantize`, the trainer's default recipe with its
+  int8 vocabulary tables), full-precision KV;
+- `int8 KV` / `fp8 KV`: the full-precision weights over an 8-bit cache;
+- `int8 weights + int8 KV`: both.
+
+The rollout's logits come from one cached forward over the whole sequence (the prefill path):
+every key and value is quantized as it is written, with its own per-token scale, so each
+position's logits are those a token-by-token decode computes (no scale depends on other tokens).
+Long contexts are where KV error accumulates: the largest length is at most the checkpoint's
+positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qurl_jax import quant
+from qurl_jax.models.kv_quant import KVPrecision
+from qurl_jax.models.llama2c import load_llama2c
+from qurl_jax.models.transformer import KVCache, Transformer, positions_from_mask
+from qurl_jax.sampling import Sampler, SamplingParams
+
+VARIANTS = (("int8 weights", True, KVPrecision.BF16), ("int8 KV", False, KVPrecision.INT8),
+            ("fp8 KV", False, KVPrecision.FP8),
+            ("int8 weights + int8 KV", True, KVPrecision.INT8))
+
+
+def self_sampled(config: Any, params: Any, seqs: int, length: int, seed: int) -> np.ndarray:
+    """i32[seqs, length]: token 1, then length - 1 tokens the model samples at temperature 1."""
+    sampler = Sampler(config, max_prompt_len=16, max_new_tokens=length - 1,
+                      gen_buckets=[length - 1])
+    out = sampler.sample(params, [[1]] * seqs, key=jax.random.key(seed), n=1,
+                         settings=SamplingParams(max_new_tokens=length - 1, temperature=1.0))
+    tokens = np.asarray(out.tokens)
+    return np.concatenate([np.ones((seqs, 1), np.int32), tokens], axis=1)
+
+
+def log_probs(config: Any, params: Any, tokens: np.ndarray, dot_general: Any,
+              precision: KVPrecision) -> jax.Array:
+    """f32[B, T, V] log-softmax of the logits at every position, through a cache at
+    `precision` (the rollout's path) written by one forward."""
+    model = Transformer(config, dot_general=dot_general)
+    mask = np.ones(tokens.shape, bool)
+    cache = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], precision=precision)
+    logits, _ = jax.jit(model.apply)({"params": params}, tokens, positions_from_mask(mask), mask,
+                                     cache=cache)
+    return jax.nn.log_softmax(logits)
+
+
+def mean_kl(lp: jax.Array, lq: jax.Array) -> float:
+    """Mean over positions of KL(p || q) of log-probs f32[B, T, V]."""
+    return float(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)))
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama2c", required=True, help="a llama2.c checkpoint (.bin)")
+    parser.add_argument("--lengths", default="128,512", help="sequence lengths, comma separated")
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    config, params = load_llama2c(args.llama2c)
+    params = jax.tree.map(jnp.asarray, params)
+    recipe = quant.get_recipe("int8", quantize_vocab=True)
+    rollout = quant.requantize(params, recipe)
+    int8_dot = quant.make_dot_general(recipe)
+    rows = []
+    print(f"{args.llama2c}: {config.num_layers} layers, {config.num_kv_heads} kv heads of "
+          f"head_dim {config.head_dim}, {config.max_position_embeddings} positions; "
+          f"{args.seqs} self-sampled sequences per length; mean per-token KL(fp || rollout), "
+          f"nats")
+    for length in map(int, args.lengths.split(",")):
+        if length > config.max_position_embeddings:
+            raise SystemExit(f"--lengths: {length} is past the checkpoint's "
+                             f"{config.max_position_embeddings} positions")
+        tokens = self_sampled(config, params, args.seqs, length, args.seed)
+        fp = log_probs(config, params, tokens, jax.lax.dot_general, KVPrecision.BF16)
+        for name, int8_weights, precision in VARIANTS:
+            lq = log_probs(config, rollout if int8_weights else params, tokens,
+                           int8_dot if int8_weights else jax.lax.dot_general, precision)
+            row = {"length": length, "rollout": name, "kl": mean_kl(fp, lq)}
+            rows.append(row)
+            print(f"  length {length:>5}  {name:<24} {row['kl']:.5f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""The rollout's 8-bit KV cache (`rollout.kv_precision`, `qurl_jax.models.kv_quant`).
+
+- The quantizer against a NumPy reference: a scale per token and kv head (max |x| over head_dim
+  / 127 for int8, / 448 for e4m3), zero vectors (scale 0, codes 0), the round trip's error bound.
+- The cache holds what the model wrote, quantized once: layer 0's codes and scales after prefill
+  and a decode step equal the reference quantizer on a full-precision cache's layer 0 keys and
+  values (layer 0 sees the same inputs at either precision), pads included.
+- JAX's paged kernels with 8-bit pages (the TPU kernel and the GPU kernel, both in Pallas'
+  interpreter) equal the dense reference on the dequantized values.
+- The samplers with int8 (and fp8) KV: static, refilling, paged (also in a pool so tight that
+  rows are preempted and refilled) and Sparse-RL's compressed cache give the same greedy tokens
+  and log-probs as each other, and differ from the bf16 cache's log-probs (the error is there).
+- Config: the field's choices, and a run saved before the field resumes only at 'bf16'.
+
+Tolerances: samplers' float32 log-probs to 1e-3 (`LOGP_TOL`), tokens exactly. The paged cache
+holds a row without its prompt pads, so sums run in another order (1e-5 in float32,
+tests/test_paged_refill.py), and a last-bit difference in a key before it is quantized can move
+its code by one step (max|x| / 127): measured 1.6e-4 in the preempting pool, against 1.3e-2
+between the int8 and the float32 cache (which the tests require to differ by more than 1e-3).
+The kernels as
+tests/test_decode_attention.py (the TPU kernel's products at the TPU's default precision, one
+bf16 pass, held to 2e-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qurl_jax.config import run_config
+from qurl_jax.config.base import base_config, validate
+from qurl_jax.config.run_config import ResumeConfigError
+from qurl_jax.models import KVCache, Transformer
+from qurl_jax.models import decode_attention as da
+from qurl_jax.models.kv_quant import KVPrecision, dequantize_kv, kv_precision, quantize_kv
+from qurl_jax.runtime.errors import ConfigError
+from qurl_jax.sampling import KVPolicyConfig, RefillSampler, Sampler, SamplingParams
+from tests.test_decode_attention import BF16_TOL, F32_TOL, reference
+from tests.test_refill import LIMITS, PROMPTS6, _assert_prefix_equal
+from tests.test_sampler import TINY, _random_params
+
+CODES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+LOGP_TOL = 1e-3
+
+
+def np_quantize(x: np.ndarray, precision: str) -> tuple[np.ndarray, np.ndarray]:
+    """The reference: float64 absmax over the last axis, codes by NumPy (ml_dtypes for e4m3)."""
+    x = np.asarray(x, np.float64)
+    top = 127.0 if precision == "int8" else 448.0
+    scale = np.abs(x).max(axis=-1) / top
+    y = np.divide(x, scale[..., None], out=np.zeros_like(x), where=scale[..., None] > 0)
+    if precision == "int8":
+        return np.clip(np.round(y), -127, 127).astype(np.int8), scale
+    return np.clip(y, -top, top).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_quantizer_matches_numpy_per_token_and_head(precision) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, 5, 16)).astype(np.float32) * np.array([1e-3, 1, 30])[:, None,
+                                                                                         None, None]
+    x[1, 0, 2] = 0.0  # a zero token (scale 0)
+    x[2, 1, 4, 7] = 500.0  # an outlier: only its own token's scale grows
+    codes, scale = jax.jit(quantize_kv, static_argnums=1)(jnp.asarray(x), CODES[precision])
+    want_codes, want_scale = np_quantize(x, precision)
+    assert codes.dtype == CODES[precision] and scale.dtype == jnp.float32
+    assert scale.shape == x.shape[:-1]
+    np.testing.assert_allclose(np.asarray(scale), want_scale, rtol=1e-6)
+    got = np.asarray(codes).astype(np.float64)
+    want = want_codes.astype(np.float64)
+    # Codes equal the reference except where x / s sits on a rounding boundary (float32 vs 64).
+    assert np.mean(got == want) > 0.99 and np.abs(got - want).max() <= (
+        1 if precision == "int8" else 32)
+    assert not got[1, 0, 2].any() and float(scale[1, 0, 2]) == 0.0
+    assert float(scale[2, 1, 3]) == pytest.approx(want_scale[2, 1, 3])  # its neighbour's
+    back = np.asarray(dequantize_kv(codes, scale, jnp.float32), np.float64)
+    err = np.abs(back - x)
+    # int8: half a step; e4m3: 3 mantissa bits, half an ulp of 1/16 relative, at least the
+    # subnormal step at the bottom of the range.
+    bound = (want_scale[..., None] * 0.5 * (1 + 1e-5) if precision == "int8" else
+             np.maximum(np.abs(x) / 16, want_scale[..., None] * 2.0 ** -9) * (1 + 1e-5))
+    assert (err <= bound + 1e-12).all(), err.max()
+
+
+def test_field_choices_and_bytes() -> None:
+    assert kv_precision("int8") is KVPrecision.INT8
+    with pytest.raises(ValueError, match="kv_precision='int4'"):
+        kv_precision("int4")
+    # head_dim 128, 2 kv heads (the 1.5B model): 8-bit KV plus f32 scales is 0.516x bf16.
+    bf16 = KVPrecision.BF16.bytes_per_token(2, 128, jnp.bfloat16)
+    for p in ("int8", "fp8"):
+        ratio = KVPrecision(p).bytes_per_token(2, 128, jnp.bfloat16) / bf16
+        assert ratio == pytest.approx(264 / 512) and ratio <= 0.53
+    cfg = TINY["qwen2"]
+    f32 = Sampler(cfg, max_prompt_len=16, max_new_tokens=16)
+    int8 = Sampler(cfg, max_prompt_len=16, max_new_tokens=16, kv_precision="int8")
+    per_slot = cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim + 8)
+    assert int8.engine.kv_bytes_per_row(7, 9) == 32 * per_slot
+    assert f32.engine.kv_bytes_per_row(7, 9) == 32 * cfg.num_layers * cfg.num_kv_heads * (
+        2 * cfg.head_dim * 4)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_the_cache_holds_the_written_keys_quantized_once(precision) -> None:
+    cfg = TINY["qwen2"]
+    params = _random_params(cfg)
+    model = Transformer(cfg)
+    tokens = np.array([[0, 0, 5, 17, 99], [12, 60, 3, 1, 2]], np.int32)
+    mask = tokens > 0
+    mask[1] = True
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
+
+    @jax.jit
+    def run(cache):
+        _, cache = model.apply({"params": params}, tokens, positions, mask, cache=cache)
+        tok = jnp.array([[7], [8]], jnp.int32)
+        _, cache = model.apply({"params": params}, tok, cache.next_pos[:, None], cache=cache)
+        return cache
+
+    full = run(KVCache.zeros(cfg, 2, 8))
+    quant = run(KVCache.zeros(cfg, 2, 8, precision=precision))
+    assert quant.k[0].dtype == CODES[precision] and quant.k_scale[0].shape == (2, 2, 8)
+    np.testing.assert_array_equal(np.asarray(quant.pos), np.asarray(full.pos))
+    for codes, scales, values in ((quant.k[0], quant.k_scale[0], full.k[0]),
+                                  (quant.v[0], quant.v_scale[0], full.v[0])):
+        want_codes, want_scale = np_quantize(np.asarray(values), precision)
+        np.testing.assert_allclose(np.asarray(scales), want_scale, rtol=1e-6)
+        got = np.asarray(codes).astype(np.float64)
+        assert np.mean(got == want_codes.astype(np.float64)) > 0.99
+        assert not got[:, :, 6:].any() and not np.asarray(scales)[:, :, 6:].any()  # unwritten
+
+
+def _paged_case(precision: str, seed: int = 1):
+    from tests.test_decode_attention import HKV, PAGE, B, D, H
+
+    rng = np.random.default_rng(seed)
+    table = np.array([[5, 0, 0, 0], [7, 0, 0, 0], [2, 6, 0, 0], [9, 1, 11, 3], [4, 10, 0, 0],
+                      [0, 0, 0, 0]], np.int32)
+    q = jnp.asarray(rng.standard_normal((B, H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((HKV, 12, PAGE, D)) * 3, jnp.float32)
+            for _ in range(2))
+    (kq, ks), (vq, vs) = quantize_kv(k, CODES[precision]), quantize_kv(v, CODES[precision])
+    return q, kq, ks, vq, vs, table
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("impl,kwargs", [
+    ("xla", {}),
+    ("pallas", {"interpret": True}),  # the GPU kernel: k_scales_pages / v_scales_pages
+    ("pallas", {"interpret": True, "platform": "tpu"}),  # the TPU kernel: QuantizedTensor pages
+], ids=["xla", "gpu-kernel", "tpu-kernel"])
+def test_paged_kernels_on_8bit_pages_equal_the_dequantized_reference(precision, impl,
+                                                                      kwargs) -> None:
+    from tests.test_decode_attention import LENGTHS, STARTS
+
+    q, kq, ks, vq, vs, table = _paged_case(precision)
+    lengths = np.where(STARTS > 0, LENGTHS - STARTS, LENGTHS)
+    fn = jax.jit(lambda q, kq, vq, ks, vs: da.paged_decode_attention(
+        q, kq, vq, table, lengths, k_scales=ks, v_scales=vs, impl=impl, **kwargs))
+    out = fn(q, kq, vq, ks, vs)
+    keys = dequantize_kv(da.gather_pages(kq, table), da.gather_pages(ks, table), jnp.float32)
+    values = dequantize_kv(da.gather_pages(vq, table), da.gather_pages(vs, table), jnp.float32)
+    want = reference(q, keys, values, np.zeros(len(lengths), np.int32), lengths)
+    tol = BF16_TOL if kwargs.get("platform") == "tpu" else 5 * F32_TOL
+    err = np.abs(np.asarray(out, np.float64) - want)
+    assert err.max() < tol, err.max(axis=(1, 2))
+    assert not np.asarray(out[lengths == 0]).any()
+
+
+def test_cpu_kernel_reads_int8_codes_like_the_dequantized_cache() -> None:
+    from qurl_jax.cpu_kernels import decode_attention as cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("CPU decode attention kernel not available here")
+    rng = np.random.default_rng(2)
+    b, hkv, g, s, d = 3, 2, 3, 40, 32
+    q = jnp.asarray(rng.standard_normal((b, hkv, g, d)), jnp.float32)
+    (kq, ks), (vq, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((b, hkv, s, d)) * 3,
+                                                  jnp.float32), jnp.int8) for _ in range(2))
+    mask = jnp.asarray(rng.random((b, s)) > 0.3).at[2].set(False)  # row 2: no valid slot
+    out = jax.jit(cpu_decode.decode_attention)(q, kq, vq, mask, 30, ks, vs)
+    keys, values = dequantize_kv(kq, ks, jnp.float32), dequantize_kv(vq, vs, jnp.float32)
+    grouped = q.reshape(b, hkv * g, d)
+    live = np.asarray(mask) & (np.arange(s) < 30)
+    want = np.zeros((b, hkv * g, d))
+    for r in range(b):  # the rows' valid slots as contiguous windows of a packed cache
+        idx = np.flatnonzero(live[r])
+        if idx.size:
+            want[r] = reference(grouped[r:r + 1], keys[r:r + 1, :, idx], values[r:r + 1, :, idx],
+                                np.zeros(1, np.int32), np.array([idx.size], np.int32))[0]
+    np.testing.assert_allclose(np.asarray(out).reshape(b, hkv * g, d), want, atol=5 * F32_TOL)
+    assert not np.asarray(out[2]).any()
+    with pytest.raises(ValueError, match="int8 cache"):
+        cpu_decode.decode_attention(q, kq, vq, mask, 30, ks[:, :, :4], vs)
+
+
+def test_paged_kernel_needs_both_scales() -> None:
+    q, kq, ks, vq, vs, table = _paged_case("int8")
+    with pytest.raises(ValueError, match="k_scales and v_scales"):
+        da.paged_decode_attention(q, kq, vq, table, np.ones(6, np.int32), k_scales=ks,
+                                  impl="xla")
+
+
+@pytest.fixture(scope="module")
+def qwen() -> tuple:
+    cfg = TINY["qwen2"]
+    return cfg, _random_params(cfg)
+
+
+SIZES = dict(max_prompt_len=16, max_new_tokens=16)
+
+
+def _sample(sampler, params, seed=3, **settings):
+    settings = dict(greedy=True) | settings
+    return sampler.sample(params, PROMPTS6, key=jax.random.key(seed), n=2,
+                          settings=SamplingParams(max_new_tokens=16, **settings))
+
+
+def _assert_same(out, ref, atol=LOGP_TOL) -> None:
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ref.mask))
+    for name in ("logp", "logp_untruncated"):
+        np.testing.assert_allclose(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)),
+                                   atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("precision", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_static_refilling_and_paged_samplers_agree(qwen, precision) -> None:
+    cfg, params = qwen
+    static = _sample(Sampler(cfg, kv_precision=precision, **SIZES), params)
+    refill = _sample(RefillSampler(cfg, kv_precision=precision, max_concurrent_rows=4,
+                                   refill_min=1, **SIZES), params)
+    paged = _sample(RefillSampler(cfg, kv_precision=precision, max_concurrent_rows=4,
+                                  refill_min=1, kv_pages=40, kv_page_size=8, **SIZES), params)
+    _assert_same(refill, static)
+    _assert_same(paged, static)
+    # The 8-bit cache's error is in the reported log-probs (logp_behav).
+    bf16 = _sample(Sampler(cfg, **SIZES), params)
+    gap = np.abs(np.asarray(static.logp) - np.asarray(bf16.logp)).max()
+    assert gap > LOGP_TOL, gap
+
+
+@pytest.mark.slow
+def test_paged_pool_that_preempts_rows_gives_the_static_tokens(qwen) -> None:
+    # 4 pages of 8 hold one full row: rows are preempted, their pages handed to others, and
+    # re-admitted (prefilled and quantized again from their prompt).
+    cfg, params = qwen
+    static = _sample(Sampler(cfg, kv_precision="int8", **SIZES), params, temperature=0.8,
+                     top_k=40, greedy=False)
+    paged = RefillSampler(cfg, kv_precision="int8", max_concurrent_rows=4, refill_min=1,
+                          kv_pages=4, kv_page_size=8, **SIZES)
+    out = paged.sample(params, PROMPTS6, key=jax.random.key(3), n=2, length_limits=LIMITS,
+                       settings=SamplingParams(max_new_tokens=16, temperature=0.8, top_k=40))
+    _assert_prefix_equal(out, static, LIMITS, atol=LOGP_TOL)
+    assert paged.last_run.preemptions >= 3
+
+
+@pytest.mark.slow
+def test_compressed_cache_8bit(qwen) -> None:
+    """Sparse-RL's cache at int8: a budget that holds the sequence equals the dense int8
+    sampler; a small one (scores on the dequantized keys, codes moved as they are) gives the
+    static sampler's blocked compression and the refilling sampler's per-step one alike."""
+    cfg, params = qwen
+    prompts = [[5, 17, 99, 3, 250, 41, 7, 8, 9, 10, 11, 12], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    kw = dict(key=jax.random.key(7), n=2, settings=SamplingParams(max_new_tokens=16,
+                                                                  temperature=1.0))
+    policy = KVPolicyConfig(policy="rkv", budget=8, interval=4, window=2)
+    sizes = dict(SIZES, min_bucket=8, kv_precision="int8")
+    dense = Sampler(cfg, **sizes).sample(params, prompts, **kw)
+    wide = Sampler(cfg, kv_policy=dataclasses.replace(policy, budget=32), **sizes).sample(
+        params, prompts, **kw)
+    _assert_same(wide, dense)
+    static = Sampler(cfg, kv_policy=policy, **sizes).sample(params, prompts, **kw)
+    refill = RefillSampler(cfg, kv_policy=policy, max_concurrent_rows=2, **sizes).sample(
+        params, prompts, **kw)
+    _assert_same(refill, static)
+    assert not np.array_equal(np.asarray(static.tokens), np.asarray(dense.tokens))  # it evicts
+
+
+def test_config_field_reaches_the_rollout_sampler_only() -> None:
+    from qurl_jax.config.base import rollout_sampler_settings
+    from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
+
+    c = base_config()
+    c.model.source = "tiny"
+    c.data.max_prompt_len = c.rollout.max_new_tokens = c.eval.max_new_tokens = 64
+    assert c.rollout.kv_precision == "bf16"
+    c.rollout.kv_precision = "fp8"
+    validate(c)
+    settings = rollout_sampler_settings(c)
+    assert settings.kv_precision is KVPrecision.FP8
+    cfg = TINY["qwen2"]
+    rollout = build_rollout_sampler(cfg, jax.lax.dot_general, settings, **SIZES)
+    assert rollout.engine.kv_precision is KVPrecision.FP8
+    assert build_eval_sampler(cfg, settings, **SIZES).engine.kv_precision is KVPrecision.BF16
+    c.rollout.kv_precision = "int4"
+    with pytest.raises(ConfigError, match="rollout.kv_precision='int4'"):
+        validate(c)
+
+
+def test_a_run_saved_before_the_field_resumes_at_bf16(tmp_path) -> None:
+    c = base_config()
+    run_config.check_and_save(c, str(tmp_path), resuming=False)
+    path = tmp_path / run_config.FILE
+    saved = json.loads(path.read_text())
+    del saved["rollout.kv_precision"]
+    path.write_text(json.dumps(saved))
+    run_config.check_and_save(c, str(tmp_path), resuming=True)  # bf16: the old runs' cache
+    c.rollout.kv_precision = "int8"
+    with pytest.raises(ResumeConfigError,
+                       match=r"config.rollout.kv_precision is 'int8' but .* started with 'bf16'"):
+        run_config.check_and_save(c, str(tmp_path), resuming=True)
+
+
+@pytest.mark.slow
+def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
+    """Compile-only, v5p-16's 8 devices (data 2 x fsdp 2 x tensor 2), int8 KV: the decode loop
+    carries s8 pools and f32 scales per token, JAX's TPU paged kernel takes the s8 pages as its
+    operands, and no page is converted to a float copy. (The kernel's wrapper broadcasts the
+    scales to the pages' shape, f32[Hkv, P, page_size, D], before the call: see
+    docs/paged_kv.md.)"""
+    import re
+
+    from qurl_jax.models import param_logical_axes
+    from qurl_jax.parallel.sharding import logical_shardings, make_mesh
+    from tests.compile_only import compiler_or_skip
+
+    t = compiler_or_skip("tpu:v5p-16")
+    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
+    shapes = jax.eval_shape(lambda: _random_params(cfg))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
+    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1, kv_page_size=16,
+                          kv_pages=32, kv_precision="int8", **SIZES)
+    with jax.default_matmul_precision("default"):
+        text = paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)[
+            "decode"].compile().as_text()
+    # A device's pool: kv heads 2 / tensor 2, pages 32 / 4 batch shards, 16 tokens, D 128.
+    page = "1,8,16,128"
+    loop_state = next(line for line in text.splitlines()
+                      if re.match(r"\s*%wide\S*param\S* = \(", line))
+    assert loop_state.count(f"s8[{page}]") == 2 * cfg.num_layers, loop_state[:400]
+    assert len(re.findall(r"f32\[1,8,16\]\{", loop_state)) == 2 * cfg.num_layers  # scales
+    assert f"bf16[{page}]" not in loop_state and f"f32[{page}]" not in loop_state
+    calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(calls) == cfg.num_layers
+    for call in calls:
+        operands = call.split("operand_layout_constraints=")[1].split("frontend_attributes")[0]
+        assert operands.count(f"s8[{page}]") == 2, operands
+    # No page dequantized outside the kernel: nothing converts an s8 pool to a float.
+    converts = [line for line in text.splitlines()
+                if re.search(rf"= (f32|bf16)\[{page}\].* convert\(", line)]
+    assert not converts, converts[:2]
+
+
+@pytest.mark.slow
+def test_8bit_paged_pool_on_a_mesh_equals_one_device(qwen, monkeypatch) -> None:
+    """8 host devices (data 2 x fsdp 2 x tensor 2), int8 KV: the paged sampler with JAX's GPU
+    paged kernel per shard (Pallas' interpreter; each shard writes its own pages' codes and
+    scales and reads them with its local page ids) gives the one-device static sampler's
+    tokens and log-probs."""
+    from qurl_jax.models import param_logical_axes
+    from qurl_jax.parallel.sharding import make_mesh, shard_params
+
+    cfg, params = qwen
+    traced = []
+    kernel = da._gpu_paged
+    monkeypatch.setattr(da, "_gpu_paged", lambda *a, **k: traced.append(a[5]) or kernel(*a, **k))
+    kw = dict(key=jax.random.key(3), n=2, settings=SamplingParams(max_new_tokens=16,
+                                                                  temperature=0.8))
+    ref = Sampler(cfg, kv_precision="int8", **SIZES).sample(params, PROMPTS6, **kw)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    paged = RefillSampler(cfg, decode_attention="pallas", kv_precision="int8", mesh=mesh,
+                          max_concurrent_rows=8, refill_min=1, kv_pages=16, kv_page_size=8,
+                          **SIZES)
+    out = paged.sample(shard_params(params, param_logical_axes(cfg), mesh), PROMPTS6,
+                       length_limits=LIMITS, **kw)
+    _assert_prefix_equal(out, ref, LIMITS, atol=LOGP_TOL)
+    assert traced and all(s is not None for s in traced)  # the kernel read scales
