@@ -103,7 +103,7 @@ def test_the_documented_word_problem_flags_take_word_problems(tmp_path):
     import json
 
     from qurl_jax.config.base import validate
-    from qurl_jax.config.checks import check_task_data
+    from qurl_jax.train.tasks import check_task_data
     from qurl_jax.config.settings import RunSettings
     from qurl_jax.runtime.errors import DataError
     from tests.test_own_task import OWN_TASK
