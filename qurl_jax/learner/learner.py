@@ -111,8 +111,10 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
     attn_mask} [R, L] (`qurl_jax.learner.packing`).
 
     The LM head runs on every packed position (in chunks), each predicting the next token of its
-    row; a response token's log-prob is then read at the position before it. Padding slots read
-    position 0 (a value no loss uses, as in the padded layout). FP8 scales see only real tokens.
+    row, and a response token's log-prob is then read at the position before it; or, when the
+    response slots (B x G) are fewer than the packed positions, on the hidden states of those
+    slots gathered first. Padding slots read position 0 (a value no loss uses, as in the padded
+    layout). FP8 scales see only real tokens.
     """
     mask = rows["attn_mask"]
     model, params = quant.bind_train_precision(model, params, precision, token_mask=mask)
@@ -122,6 +124,14 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
     head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     tokens = rows["tokens"]
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    if resp_index.size < targets.size and not quant.get_recipe(precision).quantizes:
+        # Fewer response slots than packed positions (short responses after long prompts): the
+        # head runs on the slots' hidden states only, gathered first, instead of on every
+        # packed position (the prompts' predictions are never read). Same products per slot;
+        # FP8 keeps every position, whose scales a gather would change.
+        hidden = hidden.reshape(-1, hidden.shape[-1])[resp_index]  # [B, G, E]
+        return chunked_token_logprobs(head, hidden, targets.reshape(-1)[resp_index],
+                                      temperature, chunk=chunk, with_entropy=with_entropy)
     logp, entropy = chunked_token_logprobs(head, hidden, targets, temperature, chunk=chunk,
                                            with_entropy=with_entropy)
     take = lambda x: x.reshape(-1)[resp_index]  # noqa: E731
