@@ -3,8 +3,8 @@
 `python -m qurl_jax.bench.learner --flops --config=configs/deepscaler_r1_1p5b_int8.py
 --target=tpu:v5p-16`
 
-One RL step's learner work is the log-prob recomputation (pi_prox, and pi_ref when
-`rl.kl_coef` > 0) of the whole rollout and the update of each of `rl.num_minibatches`
+One RL step's learner work is the log-prob recomputation (pi_prox unless the update's own forward
+gives it, `learner.prox`, and pi_ref when `rl.kl_coef` > 0) of the whole rollout and the update of each of `rl.num_minibatches`
 minibatches. Its lengths are drawn from the configs' distribution (`bench.learner.
 long_tailed_batch`: responses log-normal with median a quarter of `rollout.max_new_tokens`,
 prompts about 120 / 1024 of `data.max_prompt_len`), `prompts_per_step x n` sequences; the
@@ -39,6 +39,7 @@ import numpy as np
 from qurl_jax.config.base import load_config_file
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.learner import packing
+from qurl_jax.learner.prox import prox_source
 from qurl_jax.models import init_params
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.parallel import targets
@@ -82,9 +83,13 @@ def count(config_path: str, target_name: str, seed: int = 0,
     mesh = shd.make_mesh(settings.mesh.data, settings.mesh.fsdp, settings.mesh.tensor,
                          devices=target.devices())
     devices = int(mesh.shape["data"] * mesh.shape["fsdp"])
-    ref = 2 if train.objective.kl_coef else 1  # log-prob passes: pi_prox (+ pi_ref)
+    # Log-prob passes: pi_prox unless the update's forward gives it (`learner.prox`, as the
+    # trainer decides), and pi_ref with a KL term.
+    prox = prox_source(num_minibatches=minibatches, ppo_epochs=epochs, precision=train.precision)
+    ref = int(prox.recompute) + (1 if train.objective.kl_coef else 0)
     f32, i32 = jnp.float32, jnp.int32
-    per_seq = ("resp_mask", "logp_behav", "logp_prox", "advantages") + (
+    per_seq = ("resp_mask", "logp_behav", "advantages") + (
+        ("logp_prox",) if prox.recompute else ()) + (
         ("logp_ref",) if train.objective.kl_coef else ())
 
     def learner(packing_on: bool, budget: int, layers: int):
