@@ -27,3 +27,22 @@ def test_one_layer_comparison_runs():
                 "torch/cpu_seconds", "ours/peak_rss_gb", "torch/peak_rss_gb"):
         assert math.isfinite(out[key]) and out[key] > 0, key
     assert out["ratio_update_ours_over_torch"] == out["ours/seconds"] / out["torch/seconds"]
+    shares = [v for k, v in out.items() if k.startswith("ours/op_share_")]
+    assert len(shares) == 3 and abs(sum(shares) - 1.0) < 1e-9
+
+
+def test_op_time_split_sorts_xla_operations_by_kind(tmp_path):
+    import gzip
+    import json
+
+    events = [{"ph": "X", "name": n, "dur": d} for n, d in (
+        ("ynn_fusion.3", 4e6), ("dot.1", 1e6), ("copy_bitcast_fusion.7", 2e6), ("copy", 1e6),
+        ("add_select_fusion.2", 5e5), ("wrapped_scatter.1", 5e5),
+        ("ThunkExecutor::Execute", 9e9), ("$api.py:2479 block_until_ready", 9e9),
+        ("PjitFunction(_update)", 9e9))] + [{"ph": "i", "name": "dot.2", "dur": 9e9}]
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert learner_vs_torch.op_time_split(str(tmp_path)) == {
+        "matmul": 5.0, "transpose": 3.0, "other": 1.0}
+    assert learner_vs_torch.op_time_split(str(tmp_path / "none")) == {}

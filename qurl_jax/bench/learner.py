@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  ours  {out['ours/seconds']:7.2f} s  peak RSS {out['ours/peak_rss_gb']:.2f} GB"
               f"  (+ a separate pi_prox pass: {out['ours_logprobs/seconds']:.2f} s)")
         print(f"  torch {out['torch/seconds']:7.2f} s  peak RSS {out['torch/peak_rss_gb']:.2f} GB")
+        shares = {k.split("op_share_")[1]: v for k, v in out.items() if "op_share_" in k}
+        if shares:
+            print("  our update's XLA:CPU op time: " + ", ".join(
+                f"{k} {v:.0%}" for k, v in shares.items()))
         print(f"  ours / torch: {out['ratio_update_ours_over_torch']:.2f} wall, "
               f"{out['ratio_update_cpu_ours_over_torch']:.2f} CPU seconds "
               f"({out['ours/cpu_seconds']:.2f} / {out['torch/cpu_seconds']:.2f})")

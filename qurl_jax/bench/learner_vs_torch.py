@@ -22,7 +22,9 @@ warm-up round each (which compiles), rounds alternate between them so that load 
 processes hits both alike. Reported: the median wall seconds of each and their ratio
 (ours / torch), the same for the CPU seconds each process used in a round (user + system of all
 its threads: on a CPU shared with other work, the figure the others' load moves least), and
-each process's peak RSS over the timed rounds (VmHWM after a reset, Linux).
+each process's peak RSS over the timed rounds (VmHWM after a reset, Linux). Then one more update
+of ours runs under `jax.profiler` and its XLA:CPU operations' time is split into matrix products,
+transposes (layout copies) and the rest (`op_time_split`): where our time goes.
 """
 
 from __future__ import annotations
@@ -159,6 +161,38 @@ class _Torch:
         return time.perf_counter() - start, time.process_time() - cpu
 
 
+def op_time_split(trace_dir: str) -> dict[str, float]:
+    """Seconds per kind of XLA:CPU operation in the perfetto trace `jax.profiler` wrote under
+    `trace_dir`: `matmul` (dot and YNNPACK / XNNPACK / oneDNN fusions, which hold the dots),
+    `transpose` (copy fusions: layout changes, mostly the transposed operands of the weight
+    gradients' products), `other` (elementwise and reduction fusions, gathers, scatters)."""
+    import glob
+    import gzip
+    import json
+    import re
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                             recursive=True))
+    if not files:
+        return {}
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    split = {"matmul": 0.0, "transpose": 0.0, "other": 0.0}
+    for e in events:
+        name = e.get("name", "")
+        # Thunk events are named after their HLO instruction (no spaces, no '::' or '$').
+        if e.get("ph") != "X" or not name or re.search(r"[\s:$()]", name):
+            continue
+        kind = re.sub(r"\.\d+$", "", name)
+        if kind.startswith(("ynn_", "xnn_", "onednn", "dot")):
+            split["matmul"] += e.get("dur", 0) / 1e6
+        elif kind.startswith(("copy", "transpose")):
+            split["transpose"] += e.get("dur", 0) / 1e6
+        else:
+            split["other"] += e.get("dur", 0) / 1e6
+    return split
+
+
 def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn: Any) -> None:
     runner = (_Ours if side == "ours" else _Torch)(host, layers, seed)
     while True:
@@ -170,12 +204,23 @@ def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn
             conn.send(_reset_peak_rss())
         elif msg == "rss":
             conn.send(_peak_rss_gb())
+        elif msg == "profile":  # one traced update: seconds per kind of operation
+            import tempfile
+
+            import jax
+
+            with tempfile.TemporaryDirectory() as trace_dir:
+                jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+                runner.round("update")
+                jax.profiler.stop_trace()
+                conn.send(op_time_split(trace_dir))
         else:
             conn.send(runner.round(msg))
 
 
 def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, rounds: int = 3,
-        layers: int = 30, seed: int = 0, log: Any = print) -> dict[str, float]:
+        layers: int = 30, seed: int = 0, profile: bool = True,
+        log: Any = print) -> dict[str, float]:
     """The comparison (module doc); JSON-able figures."""
     host = batch(rows, max_prompt_len, max_new_tokens, SMOLLM2_135M["vocab_size"], seed)
     ctx = mp.get_context("spawn")
@@ -213,6 +258,7 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
                 f"seconds {cpu['ours'][-1]:.2f} ({cpu['ours_logprobs'][-1]:.2f}), "
                 f"{cpu['torch'][-1]:.2f}")
         rss = {side: ask(side, "rss") for side in workers}
+        split = ask("ours", "profile") if profile else {}
     finally:
         for side, (proc, conn) in workers.items():
             try:
@@ -226,6 +272,8 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
     out["ratio_update_cpu_ours_over_torch"] = out["ours/cpu_seconds"] / out["torch/cpu_seconds"]
     out.update({f"{k}/peak_rss_gb": v for k, v in rss.items()})
     out["ratio_update_ours_over_torch"] = out["ours/seconds"] / out["torch/seconds"]
+    total = sum(split.values())
+    out.update({f"ours/op_share_{k}": v / total for k, v in split.items() if total})
     out["real_tokens"] = float(host["attn_mask"].sum())
     out["rss_reset_before_rounds"] = float(reset)
     out["cpus"] = float(os.cpu_count() or 0)
