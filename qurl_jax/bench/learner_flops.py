@@ -4,13 +4,13 @@
 --target=tpu:v5p-16`
 
 One RL step's learner work is the log-prob recomputation (pi_prox unless the update's own forward
-gives it, `learner.prox`, and pi_ref when `rl.kl_coef` > 0) of the whole rollout and the update of each of `rl.num_minibatches`
-minibatches. Its lengths are drawn from the configs' distribution (`bench.learner.
-long_tailed_batch`: responses log-normal with median a quarter of `rollout.max_new_tokens`,
-prompts about 120 / 1024 of `data.max_prompt_len`), `prompts_per_step x n` sequences; the
-padded layout's shapes do not depend on them, the packed layout's come from packing these
-sequences with the learner's own packer (`train.tokens_per_micro_batch` micro-batches and
-log-prob slices, or `rl.num_micro_batches` slices of sequences).
+gives it, `learner.prox`, and pi_ref when `rl.kl_coef` > 0) of the whole rollout and the update of
+each of `rl.num_minibatches` minibatches. Its lengths are drawn from the configs' distribution
+(`bench.learner.long_tailed_batch`: responses log-normal with median a quarter of
+`rollout.max_new_tokens`, prompts about 120 / 1024 of `data.max_prompt_len`), `prompts_per_step x
+n` sequences; the padded layout's shapes do not depend on them, the packed layout's come from
+packing these sequences with the learner's own packer (`train.tokens_per_micro_batch` micro-batches
+and log-prob slices, or `rl.num_micro_batches` slices of sequences).
 
 The count is the target compiler's: `compiled.cost_analysis()['flops']` of one micro-batch's
 update (forward, backward and the optimizer step) and one log-prob slice, each compiled on the

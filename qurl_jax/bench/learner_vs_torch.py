@@ -260,7 +260,7 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
         rss = {side: ask(side, "rss") for side in workers}
         split = ask("ours", "profile") if profile else {}
     finally:
-        for side, (proc, conn) in workers.items():
+        for proc, conn in workers.values():
             try:
                 conn.send("stop")
                 conn.recv()

@@ -1,4 +1,4 @@
-"""Where pi_prox comes from: a separate log-prob pass before the update, or the update's own forward.
+"""Where pi_prox comes from: a separate log-prob pass, or the update's own forward.
 
 Decoupled PPO's proximal policy pi_prox is the learner's policy when the step's rollout batch
 reaches the learner (docs/methods.md). The update's first forward pass runs exactly those
