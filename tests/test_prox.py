@@ -144,3 +144,32 @@ def test_one_float_step_takes_pi_prox_from_the_update():
     assert "update's own forward" in source.describe()
     with pytest.raises(ValueError, match="num_minibatches"):
         prox_source(num_minibatches=0, ppo_epochs=1)
+
+
+@pytest.mark.slow  # two tiny trainers' compiles
+def test_trainer_step_without_the_pass_equals_the_step_with_it(tmp_path):
+    """One RL step of a one-minibatch Sparse-RL run: the trainer skips the pi_prox pass (it says
+    so at start), and its metrics and updated parameters equal a run forced to recompute."""
+    from test_trainer import tiny_config
+
+    from qurl_jax.train.trainer import Trainer
+
+    kw = {"rollout.precision": "int8", "rl.loss_mode": "sparse_rl", "rl.veto_tau": 0.5,
+          "rl.sparse_mask_band": (0.9, 1.1), "rl.num_minibatches": 1, "train.num_steps": 1}
+    out = []
+    for recompute in (True, False):
+        t = Trainer(tiny_config(**kw), str(tmp_path / str(recompute)))
+        assert not t.prox.recompute
+        if recompute:
+            t.prox = ProxSource(True, "forced by the test")
+        m = t.step()
+        assert ("time/logp_recompute_s" in m) == recompute
+        out.append((m, jax.device_get(t.params)))
+    (m_a, params_a), (m_b, params_b) = out
+    for k in ("update/loss", "update/grad_norm", "kl_behav_prox_k3", "raw_is_weight_max",
+              "truncated_frac", "is_weight_mean", "masked_token_frac", "vetoed_seq_frac",
+              "sparse/vetoed_sequences", "sparse/band_masked_tokens"):
+        np.testing.assert_allclose(m_b[k], m_a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert m_a["kl_behav_prox_k3"] > 0  # an int8 rollout: behaviour and proximal differ
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6)
