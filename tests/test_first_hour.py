@@ -103,9 +103,9 @@ def test_the_documented_word_problem_flags_take_word_problems(tmp_path):
     import json
 
     from qurl_jax.config.base import validate
-    from qurl_jax.train.tasks import check_task_data
     from qurl_jax.config.settings import RunSettings
     from qurl_jax.runtime.errors import DataError
+    from qurl_jax.train.tasks import check_task_data
     from tests.test_own_task import OWN_TASK
 
     rows = [{"query": f"Tom has {a} apples and buys {b} more at the market. How many apples does "

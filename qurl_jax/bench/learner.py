@@ -13,6 +13,9 @@ warm-up round each, which compiles), so load from other processes hits both alik
 reports each side's median seconds, real tokens per second (the batch's prompt + response tokens
 over the time: the same numerator for both) and the real-token share of what the programs
 compute (real tokens / rows x row length). Prints one JSON line with every figure at the end.
+
+`--vs_torch` instead times one update of a SmolLM2-135M-shaped model against torch doing the same
+forward, backward and AdamW step on the same tokens (`qurl_jax.bench.learner_vs_torch`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -90,7 +94,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max_new_tokens", type=int, default=512)
     ap.add_argument("--micro_batches", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--attention", default="auto")
@@ -99,6 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--flops", action="store_true",
                     help="instead: compiled FLOPs per RL step of --config's learner on "
                          "--target, packed vs padded (bench/learner_flops.py)")
+    ap.add_argument("--vs_torch", action="store_true",
+                    help="instead: one update of a SmolLM2-135M-shaped model against torch "
+                         "doing the same forward, backward and AdamW step, interleaved "
+                         "(bench/learner_vs_torch.py; --rows, --max_prompt_len, "
+                         "--max_new_tokens, --rounds, --layers)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: 2, or 30 with --vs_torch)")
     ap.add_argument("--config", help="with --flops: a config file (configs/)")
     ap.add_argument("--target", default="tpu:v5p-16", help="with --flops: a compile target")
     args = ap.parse_args(argv)
@@ -113,6 +123,31 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(learner_flops.describe(counted)))
         print(json.dumps(counted))
         return
+    if args.vs_torch:
+        from qurl_jax.bench import learner_vs_torch
+
+        argv = argv if argv is not None else sys.argv[1:]
+        given = lambda flag: any(a.split("=")[0] == flag for a in argv)  # noqa: E731
+        out = learner_vs_torch.run(
+            rows=args.rows if given("--rows") else 32,
+            max_prompt_len=args.max_prompt_len if given("--max_prompt_len") else 40,
+            max_new_tokens=args.max_new_tokens if given("--max_new_tokens") else 64,
+            rounds=args.rounds, layers=args.layers or 30, seed=args.seed)
+        print(f"update (forward + backward + AdamW), median of {args.rounds} interleaved rounds "
+              f"on {out['cpus']:.0f} CPUs:")
+        print(f"  ours  {out['ours/seconds']:7.2f} s  peak RSS {out['ours/peak_rss_gb']:.2f} GB"
+              f"  (+ a separate pi_prox pass: {out['ours_logprobs/seconds']:.2f} s)")
+        print(f"  torch {out['torch/seconds']:7.2f} s  peak RSS {out['torch/peak_rss_gb']:.2f} GB")
+        shares = {k.split("op_share_")[1]: v for k, v in out.items() if "op_share_" in k}
+        if shares:
+            print("  our update's XLA:CPU op time: " + ", ".join(
+                f"{k} {v:.0%}" for k, v in shares.items()))
+        print(f"  ours / torch: {out['ratio_update_ours_over_torch']:.2f} wall, "
+              f"{out['ratio_update_cpu_ours_over_torch']:.2f} CPU seconds "
+              f"({out['ours/cpu_seconds']:.2f} / {out['torch/cpu_seconds']:.2f})")
+        print(json.dumps(out))
+        return
+    args.layers = args.layers or 2
     out = run(args)
     print(f"{'layout':<8}{'median s':>10}{'real tok/s':>12}{'computed tok':>14}{'real share':>12}")
     for name in ("padded", "packed"):

@@ -3,14 +3,14 @@
 `python -m qurl_jax.bench.learner --flops --config=configs/deepscaler_r1_1p5b_int8.py
 --target=tpu:v5p-16`
 
-One RL step's learner work is the log-prob recomputation (pi_prox, and pi_ref when
-`rl.kl_coef` > 0) of the whole rollout and the update of each of `rl.num_minibatches`
-minibatches. Its lengths are drawn from the configs' distribution (`bench.learner.
-long_tailed_batch`: responses log-normal with median a quarter of `rollout.max_new_tokens`,
-prompts about 120 / 1024 of `data.max_prompt_len`), `prompts_per_step x n` sequences; the
-padded layout's shapes do not depend on them, the packed layout's come from packing these
-sequences with the learner's own packer (`train.tokens_per_micro_batch` micro-batches and
-log-prob slices, or `rl.num_micro_batches` slices of sequences).
+One RL step's learner work is the log-prob recomputation (pi_prox unless the update's own forward
+gives it, `learner.prox`, and pi_ref when `rl.kl_coef` > 0) of the whole rollout and the update of
+each of `rl.num_minibatches` minibatches. Its lengths are drawn from the configs' distribution
+(`bench.learner.long_tailed_batch`: responses log-normal with median a quarter of
+`rollout.max_new_tokens`, prompts about 120 / 1024 of `data.max_prompt_len`), `prompts_per_step x
+n` sequences; the padded layout's shapes do not depend on them, the packed layout's come from
+packing these sequences with the learner's own packer (`train.tokens_per_micro_batch` micro-batches
+and log-prob slices, or `rl.num_micro_batches` slices of sequences).
 
 The count is the target compiler's: `compiled.cost_analysis()['flops']` of one micro-batch's
 update (forward, backward and the optimizer step) and one log-prob slice, each compiled on the
@@ -40,6 +40,7 @@ from qurl_jax.bench.sampler import tail_limits
 from qurl_jax.config.base import load_config_file
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.learner import packing
+from qurl_jax.learner.prox import prox_source
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.parallel import targets
@@ -99,9 +100,13 @@ def count(config_path: str, target_name: str, seed: int = 0,
     mesh = shd.make_mesh(settings.mesh.data, settings.mesh.fsdp, settings.mesh.tensor,
                          devices=target.devices())
     devices = int(mesh.shape["data"] * mesh.shape["fsdp"])
-    ref = 2 if train.objective.kl_coef else 1  # log-prob passes: pi_prox (+ pi_ref)
+    # Log-prob passes: pi_prox unless the update's forward gives it (`learner.prox`, as the
+    # trainer decides), and pi_ref with a KL term.
+    prox = prox_source(num_minibatches=minibatches, ppo_epochs=epochs, precision=train.precision)
+    ref = int(prox.recompute) + (1 if train.objective.kl_coef else 0)
     f32, i32 = jnp.float32, jnp.int32
-    per_seq = ("resp_mask", "logp_behav", "logp_prox", "advantages") + (
+    per_seq = ("resp_mask", "logp_behav", "advantages") + (
+        ("logp_prox",) if prox.recompute else ()) + (
         ("logp_ref",) if train.objective.kl_coef else ())
 
     def learner(packing_on: bool, budget: int, layers: int):

@@ -58,14 +58,22 @@ from qurl_jax.models import (
 )
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel import sharding as shd
-from qurl_jax.rl.objectives import ObjectiveConfig, loss_weight, policy_loss
+from qurl_jax.rl.objectives import (
+    Mode,
+    ObjectiveConfig,
+    loss_weight,
+    policy_loss,
+    sparse_rl_rejections,
+)
 
 Batch = dict[str, jax.Array]
 
 # Keys of a learner batch; all have the global batch as leading axis.
 #   tokens i32[B, P+G], positions i32[B, P+G], attn_mask bool[B, P+G] (real tokens),
 #   resp_mask f32[B, G] (tokens in the loss), logp_behav / logp_prox / logp_ref f32[B, G],
-#   advantages f32[B].
+#   advantages f32[B]. An update batch without logp_prox takes pi_prox from the update's own
+#   forward with the gradient stopped: right only when the parameters are pi_prox's
+#   (`qurl_jax.learner.prox.prox_source`).
 BATCH_KEYS = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
               "logp_ref", "advantages")
 
@@ -104,8 +112,10 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
     attn_mask} [R, L] (`qurl_jax.learner.packing`).
 
     The LM head runs on every packed position (in chunks), each predicting the next token of its
-    row; a response token's log-prob is then read at the position before it. Padding slots read
-    position 0 (a value no loss uses, as in the padded layout). FP8 scales see only real tokens.
+    row, and a response token's log-prob is then read at the position before it; or, when the
+    response slots (B x G) are fewer than the packed positions, on the hidden states of those
+    slots gathered first. Padding slots read position 0 (a value no loss uses, as in the padded
+    layout). FP8 scales see only real tokens.
     """
     mask = rows["attn_mask"]
     model, params = quant.bind_train_precision(model, params, precision, token_mask=mask)
@@ -115,6 +125,14 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
     head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     tokens = rows["tokens"]
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    if resp_index.size < targets.size and not quant.get_recipe(precision).quantizes:
+        # Fewer response slots than packed positions (short responses after long prompts): the
+        # head runs on the slots' hidden states only, gathered first, instead of on every
+        # packed position (the prompts' predictions are never read). Same products per slot;
+        # FP8 keeps every position, whose scales a gather would change.
+        hidden = hidden.reshape(-1, hidden.shape[-1])[resp_index]  # [B, G, E]
+        return chunked_token_logprobs(head, hidden, targets.reshape(-1)[resp_index],
+                                      temperature, chunk=chunk, with_entropy=with_entropy)
     logp, entropy = chunked_token_logprobs(head, hidden, targets, temperature, chunk=chunk,
                                            with_entropy=with_entropy)
     take = lambda x: x.reshape(-1)[resp_index]  # noqa: E731
@@ -140,13 +158,14 @@ def merge_rows(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
-# How a metric of `policy_loss` combines over micro-batches: counts add up, extremes are extremes,
+# How a metric of `policy_loss` combines over micro-batches: counts (and Sparse-RL's `sparse/*`
+# counts) add up, extremes are extremes,
 # everything else is a mean weighted like the loss (`objectives.loss_weight`).
 _COUNT_METRICS = ("kept_tokens", "kept_sequences", "valid_tokens")
 
 
 def _metric_reduction(name: str) -> str:
-    if name in _COUNT_METRICS:
+    if name in _COUNT_METRICS or name.startswith("sparse/"):
         return "sum"
     if name.endswith("_max"):
         return "max"
@@ -571,12 +590,22 @@ class Learner:
                 self.model, params, batch["tokens"], batch["positions"], batch["attn_mask"],
                 response_len, self.temperature, chunk=self.logprob_chunk,
                 with_entropy=need_entropy, precision=self.precision)
-        return policy_loss(
-            logp, batch["logp_prox"], batch["logp_behav"], batch["advantages"],
+        logp_prox = batch.get("logp_prox")
+        from_forward = logp_prox is None
+        if from_forward:  # pi_prox is these parameters (`learner.prox`): this forward, stopped
+            logp_prox = jax.lax.stop_gradient(logp)
+        loss, metrics = policy_loss(
+            logp, logp_prox, batch["logp_behav"], batch["advantages"],
             batch["resp_mask"], self.objective,
             logp_ref=batch.get("logp_ref") if self.objective.kl_coef else None,
             entropy=entropy,
         )
+        if from_forward and self.objective.mode == Mode.SPARSE_RL:
+            # The counts the trainer takes from a recomputed pi_prox, from this one instead.
+            rejected = sparse_rl_rejections(logp_prox, batch["logp_behav"], batch["resp_mask"],
+                                            self.objective)
+            metrics.update({f"sparse/{k}": v for k, v in rejected.items()})
+        return loss, metrics
 
     def update(self, params: Any, opt_state: Any, batch: Batch
                ) -> tuple[Any, Any, dict[str, jax.Array]]:

@@ -4,7 +4,9 @@
            rollout's replicas (parallel.rollout_layout) --sample(n per prompt)--> tokens, logp_behav
            --verify--> rewards, accuracy --group--> advantages
            (DAPO: drop groups whose accuracy is all equal, regenerate from more rounds)
-           --learner forward (fp32, packed rows)--> logp_prox (and logp_ref for the KL)
+           --learner forward (fp32, packed rows)--> logp_prox (and logp_ref for the KL); with one
+             optimizer step per RL step, logp_prox is the update's own forward instead
+             (`qurl_jax.learner.prox`)
            --policy_loss(acr | tis | ...) x minibatches--> AdamW update of params
 
 Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters before the first step;
@@ -42,6 +44,7 @@ from qurl_jax.config import run_config
 from qurl_jax.config.base import resolve
 from qurl_jax.data import reward_hook
 from qurl_jax.learner import packing
+from qurl_jax.learner.prox import prox_source
 from qurl_jax.models import init_params, param_logical_axes, positions_from_mask
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel import rollout_layout, targets
@@ -124,6 +127,10 @@ class Trainer:
         self.learner = self.settings.train.learner(self.model_config, self.mesh,
                                                    temperature=s.rollout.temperature,
                                                    rollout_rows=self.settings.rollout_rows)
+        # pi_prox: a separate log-prob pass, or the update's own forward (`learner.prox`).
+        self.prox = prox_source(num_minibatches=self.settings.train.num_minibatches,
+                                ppo_epochs=s.rl.ppo_epochs, precision=self.settings.train.precision)
+        logging.info("%s", self.prox.describe())
         check_task_data(self.settings)  # the data files and prompt lengths, before any write
         for warning in resolved.warnings:
             logging.warning("%s", warning)
@@ -353,12 +360,15 @@ class Trainer:
         metrics.update({"reshard/bytes_per_device": float(moved.received),
                         "reshard/bytes_per_quantized_param": moved.per_quantized_parameter})
         batch = self._learner_batch(r)
-        with timer.phase("logp_recompute"):
-            batch["logp_prox"] = self.learner.logprobs(self.params, batch)
-            if self.ref_params is not None:
-                batch["logp_ref"] = self.learner.logprobs(self.ref_params, batch)
-            jax.block_until_ready(batch["logp_prox"])
-        if self.objective.mode == objectives.Mode.SPARSE_RL:
+        if self.prox.recompute or self.ref_params is not None:
+            with timer.phase("logp_recompute"):
+                if self.prox.recompute:  # else the update's own forward gives pi_prox
+                    batch["logp_prox"] = self.learner.logprobs(self.params, batch)
+                if self.ref_params is not None:
+                    batch["logp_ref"] = self.learner.logprobs(self.ref_params, batch)
+                jax.block_until_ready(batch)
+        if self.prox.recompute and self.objective.mode == objectives.Mode.SPARSE_RL:
+            # (From the update's forward, the update reports these counts itself.)
             rejected = objectives.sparse_rl_rejections(batch["logp_prox"], batch["logp_behav"],
                                                        batch["resp_mask"], self.objective)
             metrics.update({f"sparse/{k}": float(v) for k, v in rejected.items()})

@@ -1,0 +1,280 @@
+"""One learner update of a real-shaped model against torch doing the same work (`bench.learner
+--vs_torch`).
+
+`python -m qurl_jax.bench.learner --vs_torch [--rows=32 --max_prompt_len=40 --max_new_tokens=64]`
+
+The model has SmolLM2-135M's shapes (hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV
+heads, head_dim 64, a tied 49,152-token vocabulary) and random float32 weights; both sides get the
+same weights (`models.hf.to_transformers`) and the same padded batch: `rows` sequences of a
+left-padded prompt of 20..max_prompt_len tokens and a response of 16..max_new_tokens tokens.
+
+- ours: `Learner.update` as the trainer runs it by default (packed rows, one micro-batch, the
+  ACR objective, pi_prox from the update's own forward: `learner.prox`), i.e. forward, backward,
+  global-norm clipping and AdamW. Beside it, `Learner.logprobs` alone: the separate pi_prox
+  pass the trainer runs when it cannot take pi_prox from the update.
+- torch: a `transformers` LlamaForCausalLM (sdpa attention) doing what a torch GRPO trainer's
+  training part does per optimizer step: the forward with logits for the response positions only
+  (`logits_to_keep`), log-softmax and gather, a policy-gradient loss, backward, global-norm
+  clipping and `torch.optim.AdamW`.
+
+Each side lives in its own worker process (so each has its own peak resident memory); after one
+warm-up round each (which compiles), rounds alternate between them so that load from other
+processes hits both alike. Reported: the median wall seconds of each and their ratio
+(ours / torch), the same for the CPU seconds each process used in a round (user + system of all
+its threads: on a CPU shared with other work, the figure the others' load moves least), and
+each process's peak RSS over the timed rounds (VmHWM after a reset, Linux). Then one more update
+of ours runs under `jax.profiler` and its XLA:CPU operations' time is split into matrix products,
+transposes (layout copies) and the rest (`op_time_split`): where our time goes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576,
+                    intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                    head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
+                    rms_norm_eps=1e-5)
+
+
+def smollm2_shapes(layers: int = 30):
+    from qurl_jax.models import ModelConfig
+
+    return ModelConfig(**{**SMOLLM2_135M, "num_layers": layers})
+
+
+def batch(rows: int, max_prompt_len: int, max_new_tokens: int, vocab: int,
+          seed: int = 0) -> dict[str, np.ndarray]:
+    """A padded learner batch (numpy): prompts of 20..max_prompt_len, responses of
+    16..max_new_tokens tokens (uniform)."""
+    from qurl_jax.models import positions_from_mask
+
+    rng = np.random.default_rng(seed)
+    p, g = max_prompt_len, max_new_tokens
+    prompt = rng.integers(min(20, p), p + 1, rows)
+    resp = rng.integers(min(16, g), g + 1, rows)
+    mask = np.concatenate([np.arange(p)[None] >= (p - prompt)[:, None],
+                           np.arange(g)[None] < resp[:, None]], axis=1)
+    return {"tokens": rng.integers(0, vocab, (rows, p + g)).astype(np.int32),
+            "positions": positions_from_mask(mask).astype(np.int32), "attn_mask": mask,
+            "resp_mask": mask[:, p:].astype(np.float32),
+            "logp_behav": -rng.uniform(0.5, 4.0, (rows, g)).astype(np.float32),
+            "advantages": rng.normal(size=rows).astype(np.float32)}
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_gb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+class _Ours:
+    def __init__(self, host: dict[str, np.ndarray], layers: int, seed: int) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from qurl_jax.learner.learner import Learner, OptimConfig
+        from qurl_jax.models import init_params
+        from qurl_jax.parallel import sharding as shd
+        from qurl_jax.rl.objectives import ObjectiveConfig
+
+        self.jax = jax
+        cfg = smollm2_shapes(layers)
+        self.learner = Learner(cfg, ObjectiveConfig(), OptimConfig(learning_rate=1e-6),
+                               shd.make_mesh(), packing=True,
+                               logprob_batch_size=host["tokens"].shape[0])
+        self.params = self.learner.shard_params(init_params(cfg, jax.random.key(seed)))
+        self.opt = self.learner.init_opt_state(self.params)
+        self.host = {k: jnp.asarray(v) for k, v in host.items()}
+
+    def round(self, what: str) -> float:
+        jax = self.jax
+        batch = self.learner.shard_batch(self.host)  # a new batch object: packing redone, timed
+        jax.block_until_ready(batch)
+        start, cpu = time.perf_counter(), time.process_time()
+        if what == "logprobs":
+            jax.block_until_ready(self.learner.logprobs(self.params, batch))
+        else:
+            self.params, self.opt, m = self.learner.update(self.params, self.opt, batch)
+            jax.block_until_ready((self.params, m))
+        return time.perf_counter() - start, time.process_time() - cpu
+
+
+class _Torch:
+    def __init__(self, host: dict[str, np.ndarray], layers: int, seed: int) -> None:
+        import jax
+        import torch
+
+        from qurl_jax.models import init_params
+        from qurl_jax.models.hf import to_transformers
+
+        cfg = smollm2_shapes(layers)
+        params = jax.device_get(init_params(cfg, jax.random.key(seed)))
+        self.model = to_transformers(cfg, params, attn_implementation="sdpa").train()
+        del params
+        self.torch = torch
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6, weight_decay=0.01)
+        g = host["resp_mask"].shape[1]
+        self.g = g
+        self.tokens = torch.from_numpy(host["tokens"].astype(np.int64))
+        self.mask = torch.from_numpy(host["attn_mask"].astype(np.int64))
+        self.positions = torch.from_numpy(host["positions"].astype(np.int64))
+        self.resp_mask = torch.from_numpy(host["resp_mask"])
+        self.adv = torch.from_numpy(host["advantages"])
+
+    def round(self, what: str) -> float:
+        torch = self.torch
+        start, cpu = time.perf_counter(), time.process_time()
+        # Logits of the positions that predict the response tokens only, as TRL's GRPO trainer.
+        logits = self.model(input_ids=self.tokens, attention_mask=self.mask,
+                            position_ids=self.positions, logits_to_keep=self.g + 1).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(
+            -1, self.tokens[:, -self.g:, None])[..., 0]
+        ratio = torch.exp(logp - logp.detach())
+        loss = -(ratio * self.adv[:, None] * self.resp_mask).sum() / self.resp_mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, time.process_time() - cpu
+
+
+def op_time_split(trace_dir: str) -> dict[str, float]:
+    """Seconds per kind of XLA:CPU operation in the perfetto trace `jax.profiler` wrote under
+    `trace_dir`: `matmul` (dot and YNNPACK / XNNPACK / oneDNN fusions, which hold the dots),
+    `transpose` (copy fusions: layout changes, mostly the transposed operands of the weight
+    gradients' products), `other` (elementwise and reduction fusions, gathers, scatters)."""
+    import glob
+    import gzip
+    import json
+    import re
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                             recursive=True))
+    if not files:
+        return {}
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    split = {"matmul": 0.0, "transpose": 0.0, "other": 0.0}
+    for e in events:
+        name = e.get("name", "")
+        # Thunk events are named after their HLO instruction (no spaces, no '::' or '$').
+        if e.get("ph") != "X" or not name or re.search(r"[\s:$()]", name):
+            continue
+        kind = re.sub(r"\.\d+$", "", name)
+        if kind.startswith(("ynn_", "xnn_", "onednn", "dot")):
+            split["matmul"] += e.get("dur", 0) / 1e6
+        elif kind.startswith(("copy", "transpose")):
+            split["transpose"] += e.get("dur", 0) / 1e6
+        else:
+            split["other"] += e.get("dur", 0) / 1e6
+    return split
+
+
+def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn: Any) -> None:
+    runner = (_Ours if side == "ours" else _Torch)(host, layers, seed)
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            conn.send(None)
+            return
+        if msg == "reset_rss":
+            conn.send(_reset_peak_rss())
+        elif msg == "rss":
+            conn.send(_peak_rss_gb())
+        elif msg == "profile":  # one traced update: seconds per kind of operation
+            import tempfile
+
+            import jax
+
+            with tempfile.TemporaryDirectory() as trace_dir:
+                jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+                runner.round("update")
+                jax.profiler.stop_trace()
+                conn.send(op_time_split(trace_dir))
+        else:
+            conn.send(runner.round(msg))
+
+
+def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, rounds: int = 3,
+        layers: int = 30, seed: int = 0, profile: bool = True,
+        log: Any = print) -> dict[str, float]:
+    """The comparison (module doc); JSON-able figures."""
+    host = batch(rows, max_prompt_len, max_new_tokens, SMOLLM2_135M["vocab_size"], seed)
+    ctx = mp.get_context("spawn")
+    workers = {}
+    for side in ("ours", "torch"):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(side, host, layers, seed, child), daemon=True)
+        proc.start()
+        workers[side] = (proc, parent)
+
+    def ask(side: str, msg: str) -> Any:
+        conn = workers[side][1]
+        conn.send(msg)
+        return conn.recv()
+
+    times: dict[str, list[float]] = {"ours": [], "ours_logprobs": [], "torch": []}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
+
+    def timed(key: str, side: str, what: str) -> None:
+        wall, used = ask(side, what)
+        times[key].append(wall)
+        cpu[key].append(used)
+
+    try:
+        # Warm-up (compiles), then the peak-RSS reset, then the interleaved rounds.
+        for side, what in (("ours", "update"), ("ours", "logprobs"), ("torch", "update")):
+            log(f"warm-up {side} {what}: {ask(side, what)[0]:.1f} s")
+        reset = all(ask(side, "reset_rss") for side in workers)
+        for i in range(rounds):
+            timed("torch", "torch", "update")
+            timed("ours", "ours", "update")
+            timed("ours_logprobs", "ours", "logprobs")
+            log(f"round {i}: ours {times['ours'][-1]:.2f} s (logprobs "
+                f"{times['ours_logprobs'][-1]:.2f} s), torch {times['torch'][-1]:.2f} s; CPU "
+                f"seconds {cpu['ours'][-1]:.2f} ({cpu['ours_logprobs'][-1]:.2f}), "
+                f"{cpu['torch'][-1]:.2f}")
+        rss = {side: ask(side, "rss") for side in workers}
+        split = ask("ours", "profile") if profile else {}
+    finally:
+        for proc, conn in workers.values():
+            try:
+                conn.send("stop")
+                conn.recv()
+            except (OSError, EOFError):
+                pass
+            proc.join(timeout=30)
+    out = {f"{k}/seconds": statistics.median(v) for k, v in times.items()}
+    out.update({f"{k}/cpu_seconds": statistics.median(v) for k, v in cpu.items()})
+    out["ratio_update_cpu_ours_over_torch"] = out["ours/cpu_seconds"] / out["torch/cpu_seconds"]
+    out.update({f"{k}/peak_rss_gb": v for k, v in rss.items()})
+    out["ratio_update_ours_over_torch"] = out["ours/seconds"] / out["torch/seconds"]
+    total = sum(split.values())
+    out.update({f"ours/op_share_{k}": v / total for k, v in split.items() if total})
+    out["real_tokens"] = float(host["attn_mask"].sum())
+    out["rss_reset_before_rounds"] = float(reset)
+    out["cpus"] = float(os.cpu_count() or 0)
+    return out

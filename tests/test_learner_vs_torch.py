@@ -1,0 +1,48 @@
+"""`bench.learner --vs_torch`: both workers run the same tokens, the figures come back whole."""
+
+import math
+
+import pytest
+
+from qurl_jax.bench import learner_vs_torch
+
+
+def test_batch_has_prompts_and_responses_in_range():
+    host = learner_vs_torch.batch(6, 24, 20, 100, seed=1)
+    prompt = host["attn_mask"][:, :24].sum(1)
+    resp = host["resp_mask"].sum(1)
+    assert host["tokens"].shape == (6, 44) and host["tokens"].max() < 100
+    assert prompt.min() >= 20 and prompt.max() <= 24 and resp.min() >= 16 and resp.max() <= 20
+    # Left-padded prompts, right-padded responses, positions counting real tokens only.
+    last = 24 + resp.astype(int) - 1  # each row's last real token
+    assert (host["positions"][range(6), last] == host["attn_mask"].sum(1) - 1).all()
+
+
+@pytest.mark.slow  # a torch and a jax worker, each compiling a 1-layer SmolLM2-shaped model
+def test_one_layer_comparison_runs():
+    pytest.importorskip("transformers")
+    out = learner_vs_torch.run(rows=4, max_prompt_len=24, max_new_tokens=20, rounds=1, layers=1,
+                               log=lambda *_: None)
+    for key in ("ours/seconds", "torch/seconds", "ours_logprobs/seconds", "ours/cpu_seconds",
+                "torch/cpu_seconds", "ours/peak_rss_gb", "torch/peak_rss_gb"):
+        assert math.isfinite(out[key]) and out[key] > 0, key
+    assert out["ratio_update_ours_over_torch"] == out["ours/seconds"] / out["torch/seconds"]
+    shares = [v for k, v in out.items() if k.startswith("ours/op_share_")]
+    assert len(shares) == 3 and abs(sum(shares) - 1.0) < 1e-9
+
+
+def test_op_time_split_sorts_xla_operations_by_kind(tmp_path):
+    import gzip
+    import json
+
+    events = [{"ph": "X", "name": n, "dur": d} for n, d in (
+        ("ynn_fusion.3", 4e6), ("dot.1", 1e6), ("copy_bitcast_fusion.7", 2e6), ("copy", 1e6),
+        ("add_select_fusion.2", 5e5), ("wrapped_scatter.1", 5e5),
+        ("ThunkExecutor::Execute", 9e9), ("$api.py:2479 block_until_ready", 9e9),
+        ("PjitFunction(_update)", 9e9))] + [{"ph": "i", "name": "dot.2", "dur": 9e9}]
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert learner_vs_torch.op_time_split(str(tmp_path)) == {
+        "matmul": 5.0, "transpose": 3.0, "other": 1.0}
+    assert learner_vs_torch.op_time_split(str(tmp_path / "none")) == {}
