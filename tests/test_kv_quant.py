@@ -284,7 +284,7 @@ def test_compressed_cache_8bit(qwen) -> None:
 
 
 def test_config_field_reaches_the_rollout_sampler_only() -> None:
-    from qurl_jax.config.base import rollout_sampler_settings
+    from qurl_jax.config.settings import rollout_sampler_settings
     from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
 
     c = base_config()
