@@ -58,7 +58,7 @@ from qurl_jax.runtime.errors import UserError
 
 GIB = 1 << 30
 
-XLA_SPECS_DIR = Path(__file__).resolve().parents[1] / "third_party" / "xla_specs"
+XLA_SPECS_DIR = Path(__file__).resolve().parents[2] / "third_party" / "xla_specs"
 
 
 class TargetError(UserError):

@@ -125,7 +125,7 @@ _COMPLETE = ".qurl_jax_complete"  # marks a finished `local_copy`
 
 # The repository's root, against which a relative data path that is not found from the working
 # directory is tried (the configs name the bundled sets relative to it).
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def data_path(path: str) -> str:
