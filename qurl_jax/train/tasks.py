@@ -4,6 +4,8 @@
 configuration, the initial float32 parameters and a `Task`:
 - `model.source='hf'`: a local Hugging Face directory (`load_hf` + its tokenizer); a missing or
   incomplete checkpoint is an error, never a random initialisation.
+- `model.source='gguf'`: a local llama.cpp GGUF file (`load_gguf` + the tokenizer and chat
+  template of its metadata).
 - `model.source='tiny'`: the embedded default's tiny model, built in code with its supervised warm
   start and cached under the workdir (`qurl_jax.train.warm_start`).
 `model_config_for(settings.model)` gives the model configuration alone, without reading weights or
@@ -45,6 +47,7 @@ from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
 from qurl_jax.data.tokenizer import build_char_tokenizer
 from qurl_jax.models import ModelConfig
+from qurl_jax.models.gguf import config_from_gguf, load_gguf, load_gguf_tokenizer
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.parallel.distributed import to_host
 from qurl_jax.runtime import paths
@@ -248,6 +251,8 @@ def model_config_for(model: ModelSettings) -> ModelConfig:
     if model.source == "hf":
         with open(os.path.join(model.path, "config.json"), encoding="utf-8") as f:
             config = config_from_hf(json.load(f)).replace(dtype=model.dtype)
+    elif model.source == "gguf":
+        config = config_from_gguf(model.path).replace(dtype=model.dtype)
     else:
         config = tiny_model_config(model)
     return config.replace(attention=model.attention)
@@ -334,6 +339,8 @@ def task_examples(s: RunSettings, log: bool = True
 def task_tokenizer(model: ModelSettings) -> Any:
     """The run's tokenizer, without its weights: `model.path`'s, or the tiny model's character
     tokenizer (the one its warm start saves)."""
+    if model.source == "gguf":
+        return load_gguf_tokenizer(model.path)
     return load_tokenizer(model.path) if model.source == "hf" else build_char_tokenizer()
 
 
@@ -350,6 +357,10 @@ def build_model_and_task(s: RunSettings, workdir: str,
         model_config, params = load_hf(model.path)
         model_config = model_config.replace(dtype=model.dtype)
         tokenizer = load_tokenizer(model.path)
+    elif model.source == "gguf":
+        model_config, params = load_gguf(model.path)
+        model_config = model_config.replace(dtype=model.dtype)
+        tokenizer = load_gguf_tokenizer(model.path)
     else:
         model_config, params, tokenizer = tiny_policy(model, data, s.sft, seed=s.seed,
                                                       workdir=workdir, train=train)
