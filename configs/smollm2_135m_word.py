@@ -48,16 +48,16 @@ def get_config():
     c.rl.agg = "seq_mean_token_mean"
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 1
-    c.optim.learning_rate = 1e-5
+    c.optim.learning_rate = 2e-5
     c.optim.warmup_steps = 0
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
     c.train.num_steps = 40
-    c.train.checkpoint_every = 20
+    c.train.checkpoint_every = 10
     c.train.keep_checkpoints = 1
     c.eval.files = (os.path.join(_DATA, "test.jsonl"),)
     c.eval.greedy = True
     c.eval.k = 4
     c.eval.temperature = 1.0
-    c.eval.max_new_tokens = 96
+    c.eval.max_new_tokens = 128
     return c
