@@ -52,7 +52,7 @@ from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.parallel.distributed import to_host
 from qurl_jax.runtime import paths
 from qurl_jax.runtime.errors import DataError
-from qurl_jax.sampling import RefillSampler, Sampler
+from qurl_jax.sampling import FinishReason, RefillSampler, Sampler
 from qurl_jax.train.warm_start import tiny_model_config, tiny_policy
 
 ARITH_EVAL_SIZE = 256
@@ -170,8 +170,10 @@ class Task:
 
     def evaluate(self, sampler: Sampler, params: Any, e: EvalSettings, key: jax.Array
                  ) -> dict[str, float]:
-        """Avg@k and Pass@k (sampled at `e.temperature`) per eval set, plus greedy accuracy."""
+        """Avg@k and Pass@k (sampled at `e.temperature`) per eval set, plus greedy accuracy and
+        the share of greedy responses cut off at `e.max_new_tokens` (`greedy_truncated`)."""
         calls = iter(range(1 << 30))
+        cut = [0, 0]  # greedy responses cut off at e.max_new_tokens, greedy responses
 
         def generate_fn(prompts: list[str], n: int, greedy: bool = False) -> list[list[str]]:
             ids = [list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
@@ -184,6 +186,10 @@ class Task:
                                      key=jax.random.fold_in(key, next(calls)), n=m)
                 out = to_host(out)  # the whole batch, also from other processes' devices
                 texts = self.decode(out.tokens, out.mask)
+                if greedy:
+                    reasons = np.asarray(out.finish_reason)
+                    cut[0] += int((reasons == FinishReason.LENGTH).sum())
+                    cut[1] += reasons.size
                 for i in range(len(prompts)):
                     out_texts[i].extend(texts[i * m:(i + 1) * m])
             return out_texts
@@ -201,6 +207,8 @@ class Task:
                                        self.reward, k=1, prompt_fn=self.prompt_text,
                                        answer_fn=self.answer_of)
             metrics[f"{name}/greedy_acc"] = greedy["all/avg@1"]
+            metrics[f"{name}/greedy_truncated"] = cut[0] / max(cut[1], 1)
+            cut[:] = [0, 0]
         return metrics
 
     def export(self, path: str, model_config: ModelConfig, params: Any) -> None:
