@@ -48,6 +48,8 @@ def get_config():
     c.rl.agg = "seq_mean_token_mean"
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 1
+    c.rl.num_micro_batches = 8  # 8 rows of 224 tokens: the update fits a few GB of host memory
+    c.train.logprob_chunk = 128
     c.optim.learning_rate = 2e-5
     c.optim.warmup_steps = 0
     c.optim.weight_decay = 0.0
