@@ -2,7 +2,8 @@
 laid out as llama.cpp's converter lays it out (q/k rows in its rotary order, Q8_0 / Q4_1 matrices,
 F32 norms, no `output.weight` when tied), must give the logits `transformers`' own GGUF loader
 gives, and a tokenizer whose ids, decoding and chat rendering match the ones `transformers`
-builds from the same file. Nothing is downloaded; the real model's test is `test_gguf_real_model.py` (slow).
+builds from the same file. Nothing is downloaded; the real model's test is
+`test_gguf_real_model.py` (slow).
 """
 
 from __future__ import annotations
