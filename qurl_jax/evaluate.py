@@ -131,7 +131,7 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
     out_dir = os.path.join(workdir, EVAL_DIR)
     os.makedirs(out_dir, exist_ok=True)
     record = {"step": step, "eval_files": list(settings.eval.files),
-              "model": settings.model.path if settings.model.source == "hf" else "tiny",
+              "model": settings.model.path if settings.model.source != "tiny" else "tiny",
               "metrics": metrics}
     path = os.path.join(out_dir, f"step_{step}.json")
     with open(path, "w", encoding="utf-8") as f:

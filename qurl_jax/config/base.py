@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
 from typing import Any
 
@@ -43,7 +44,7 @@ LOSS_MODES = tuple(m.value for m in Mode)
 AGGREGATIONS = tuple(a.value for a in Aggregation)
 KL_ESTIMATORS = tuple(k.value for k in KLEstimator)
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
-MODEL_SOURCES = ("hf", "tiny")
+MODEL_SOURCES = ("hf", "gguf", "tiny")
 TASKS = ("math", "arithmetic", "chain")
 # Which log-prob of a sampled token the learner gets as pi_behav (see rollout.behav_logp).
 BEHAV_LOGPS = ("sampled", "untruncated")
@@ -62,7 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     chain = ChainConfig()  # the chain task's problem-shape defaults live there
 
     c.model = ml_collections.ConfigDict()
-    c.model.source = "hf"  # 'hf': load model.path; 'tiny': build model.tiny in code (tests/demo)
+    # 'hf': load model.path; 'gguf': load the llama.cpp file model.path (Llama family: weights,
+    # tokenizer and chat template); 'tiny': build model.tiny in code (tests/demo)
+    c.model.source = "hf"
     c.model.path = ""  # local Hugging Face directory (config.json + *.safetensors + tokenizer)
     c.model.dtype = "float32"  # compute dtype; master weights are always float32
     # Positions a row (prompt + response) may use; 0 = the checkpoint's max_position_embeddings
@@ -507,6 +510,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             raise ConfigError(f"config.model.path={c.model.path!r} does not exist")
         if not paths.isfile(paths.join(c.model.path, "config.json")):
             raise ConfigError(f"config.model.path={c.model.path!r} has no config.json")
+    elif c.model.source == "gguf":
+        if not c.model.path or not os.path.isfile(c.model.path):
+            raise ConfigError(f"config.model.path={c.model.path!r} is not a local GGUF file "
+                              "(model.source='gguf'; python -m qurl_jax.models.fetch gets one)")
     else:
         _choice(c.model.tiny.model_type, SUPPORTED_MODEL_TYPES, "model.tiny.model_type")
     _choice(c.data.task, TASKS, "data.task")

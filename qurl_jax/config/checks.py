@@ -34,8 +34,16 @@ def model_positions(c: ml_collections.ConfigDict) -> tuple[int, str] | None:
     `model.max_positions` where it is set."""
     if c.model.max_positions:
         return c.model.max_positions, "model.max_positions"
-    if c.model.source != "hf":
+    if c.model.source == "tiny":
         return c.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+    if c.model.source == "gguf":
+        from qurl_jax.models.gguf import config_from_gguf
+
+        try:
+            positions = config_from_gguf(c.model.path).max_position_embeddings
+        except (OSError, ValueError):
+            return None
+        return positions, f"context_length of {c.model.path}"
     from qurl_jax.models.hf import config_from_hf
 
     path = paths.join(c.model.path, "config.json")

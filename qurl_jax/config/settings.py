@@ -169,7 +169,8 @@ class TinyShape:
 class ModelSettings:
     """Which policy to train (`model`).
 
-    source: 'hf' loads the Hugging Face directory `path`; 'tiny' builds `tiny` in code.
+    source: 'hf' loads the Hugging Face directory `path`; 'gguf' the llama.cpp file `path`;
+    'tiny' builds `tiny` in code.
     dtype: compute dtype (master weights are float32). attention: the attention implementation.
     """
 

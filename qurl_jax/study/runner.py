@@ -4,7 +4,8 @@
     python -m qurl_jax.study --config=configs/chain_tiny.py --out=/tmp/quick --quick
 
 Every variant runs the same config (the reasoning-chain task by default) from the same warm start,
-built once under `<out>/warm_start` and loaded by every run as `model.source=hf`, with the same
+built once under `<out>/warm_start` and loaded by every run as `model.source=hf` (a config of a
+real checkpoint, `hf` or `gguf`, starts every run from it as it is), with the same
 train / held-out split (`data.split_seed`); a variant changes only the fields listed in `VARIANTS`,
 and the rows marked * run under every seed (`--seeds`), the others under the first. Nothing is
 tuned per variant. Each run is a `python -m qurl_jax.main` subprocess writing to
@@ -343,8 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     model_path = build_warm_start(args.config, args.out, shared)
+    # The tiny model's warm start is a Hugging Face directory; a real checkpoint keeps its format.
+    source = "hf" if base.model.source == "tiny" else base.model.source
     shared.update({
-        "model.source": "hf", "model.path": model_path, "data.split_seed": base.seed,
+        "model.source": source, "model.path": model_path, "data.split_seed": base.seed,
         "train.progress": False, "train.checkpoint_every": shared["train.num_steps"],
         # One persistent compilation cache for all runs: most programs are the same in every run.
         "train.compilation_cache_dir": os.path.join(os.path.abspath(args.out), "compile_cache")})

@@ -4,6 +4,8 @@
 model configuration, the initial float32 parameters and a `Task`:
 - `model.source='hf'`: a local Hugging Face directory (`load_hf` + its tokenizer); a missing or
   incomplete checkpoint is an error, never a random initialisation.
+- `model.source='gguf'`: a local llama.cpp GGUF file (`load_gguf` + the tokenizer and chat
+  template of its metadata).
 - `model.source='tiny'`: the embedded default's tiny model, built in code with its supervised warm
   start and cached under the workdir (`qurl_jax.train.warm_start`).
 `model_config_for(settings.model)` gives the model configuration alone, without reading weights or
@@ -50,11 +52,12 @@ from qurl_jax.data.evaluation import evaluate as evaluate_examples
 from qurl_jax.data.rewards import RewardComputer, exact_match_reward, format_reward, math_reward
 from qurl_jax.data.tokenizer import build_char_tokenizer
 from qurl_jax.models import ModelConfig
+from qurl_jax.models.gguf import config_from_gguf, load_gguf, load_gguf_tokenizer
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
 from qurl_jax.parallel.distributed import to_host
 from qurl_jax.runtime import paths
 from qurl_jax.runtime.errors import DataError
-from qurl_jax.sampling import Sampler
+from qurl_jax.sampling import FinishReason, Sampler
 from qurl_jax.sampling.factory import samples_per_call
 from qurl_jax.train.warm_start import tiny_model_config, tiny_policy
 
@@ -173,8 +176,10 @@ class Task:
 
     def evaluate(self, sampler: Sampler, params: Any, e: EvalSettings, key: jax.Array
                  ) -> dict[str, float]:
-        """Avg@k and Pass@k (sampled at `e.temperature`) per eval set, plus greedy accuracy."""
+        """Avg@k and Pass@k (sampled at `e.temperature`) per eval set, plus greedy accuracy and
+        the share of greedy responses cut off at `e.max_new_tokens` (`greedy_truncated`)."""
         calls = iter(range(1 << 30))
+        cut = [0, 0]  # greedy responses cut off at e.max_new_tokens, greedy responses
 
         def generate_fn(prompts: list[str], n: int, greedy: bool = False) -> list[list[str]]:
             ids = [list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
@@ -187,6 +192,10 @@ class Task:
                                      key=jax.random.fold_in(key, next(calls)), n=m)
                 out = to_host(out)  # the whole batch, also from other processes' devices
                 texts = self.decode(out.tokens, out.mask)
+                if greedy:
+                    reasons = np.asarray(out.finish_reason)
+                    cut[0] += int((reasons == FinishReason.LENGTH).sum())
+                    cut[1] += reasons.size
                 for i in range(len(prompts)):
                     out_texts[i].extend(texts[i * m:(i + 1) * m])
             return out_texts
@@ -204,6 +213,8 @@ class Task:
                                        self.reward, k=1, prompt_fn=self.prompt_text,
                                        answer_fn=self.answer_of)
             metrics[f"{name}/greedy_acc"] = greedy["all/avg@1"]
+            metrics[f"{name}/greedy_truncated"] = cut[0] / max(cut[1], 1)
+            cut[:] = [0, 0]
         return metrics
 
     def export(self, path: str, model_config: ModelConfig, params: Any) -> None:
@@ -246,6 +257,8 @@ def model_config_for(model: ModelSettings) -> ModelConfig:
     if model.source == "hf":
         with open(os.path.join(model.path, "config.json"), encoding="utf-8") as f:
             config = config_from_hf(json.load(f)).replace(dtype=model.dtype)
+    elif model.source == "gguf":
+        config = config_from_gguf(model.path).replace(dtype=model.dtype)
     else:
         config = tiny_model_config(model)
     return config.replace(attention=model.attention)
@@ -332,6 +345,8 @@ def task_examples(s: RunSettings, log: bool = True
 def task_tokenizer(model: ModelSettings) -> Any:
     """The run's tokenizer, without its weights: `model.path`'s, or the tiny model's character
     tokenizer (the one its warm start saves)."""
+    if model.source == "gguf":
+        return load_gguf_tokenizer(model.path)
     return load_tokenizer(model.path) if model.source == "hf" else build_char_tokenizer()
 
 
@@ -348,6 +363,10 @@ def build_model_and_task(s: RunSettings, workdir: str,
         model_config, params = load_hf(model.path)
         model_config = model_config.replace(dtype=model.dtype)
         tokenizer = load_tokenizer(model.path)
+    elif model.source == "gguf":
+        model_config, params = load_gguf(model.path)
+        model_config = model_config.replace(dtype=model.dtype)
+        tokenizer = load_gguf_tokenizer(model.path)
     else:
         model_config, params, tokenizer = tiny_policy(model, data, s.sft, seed=s.seed,
                                                       workdir=workdir, train=train)

