@@ -54,7 +54,14 @@ def long_tailed_batch(rows: int, max_prompt_len: int, max_new_tokens: int, vocab
     resp = tail_limits(rows, max_new_tokens, seed)
     prompt = np.clip(np.round(rng.uniform(0.06, 0.18, rows) * max_prompt_len), 1,
                      max_prompt_len).astype(np.int32)
-    p, g = max_prompt_len, max_new_tokens
+    return padded_batch(rng, prompt, resp, max_prompt_len, max_new_tokens, vocab)
+
+
+def padded_batch(rng: np.random.Generator, prompt: np.ndarray, resp: np.ndarray,
+                 max_prompt_len: int, max_new_tokens: int, vocab: int) -> dict[str, np.ndarray]:
+    """A padded learner batch (numpy) of rows with `prompt` and `resp` real tokens (left-padded
+    prompts, right-padded responses): random tokens, behaviour log-probs and advantages."""
+    rows, p, g = len(prompt), max_prompt_len, max_new_tokens
     mask = np.concatenate([np.arange(p)[None] >= (p - prompt)[:, None],
                            np.arange(g)[None] < resp[:, None]], axis=1)
     return {"tokens": rng.integers(0, vocab, (rows, p + g)).astype(np.int32),

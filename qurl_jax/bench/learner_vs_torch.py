@@ -53,19 +53,13 @@ def batch(rows: int, max_prompt_len: int, max_new_tokens: int, vocab: int,
           seed: int = 0) -> dict[str, np.ndarray]:
     """A padded learner batch (numpy): prompts of 20..max_prompt_len, responses of
     16..max_new_tokens tokens (uniform)."""
-    from qurl_jax.models import positions_from_mask
+    from qurl_jax.bench.learner_flops import padded_batch
 
     rng = np.random.default_rng(seed)
     p, g = max_prompt_len, max_new_tokens
     prompt = rng.integers(min(20, p), p + 1, rows)
     resp = rng.integers(min(16, g), g + 1, rows)
-    mask = np.concatenate([np.arange(p)[None] >= (p - prompt)[:, None],
-                           np.arange(g)[None] < resp[:, None]], axis=1)
-    return {"tokens": rng.integers(0, vocab, (rows, p + g)).astype(np.int32),
-            "positions": positions_from_mask(mask).astype(np.int32), "attn_mask": mask,
-            "resp_mask": mask[:, p:].astype(np.float32),
-            "logp_behav": -rng.uniform(0.5, 4.0, (rows, g)).astype(np.float32),
-            "advantages": rng.normal(size=rows).astype(np.float32)}
+    return padded_batch(rng, prompt, resp, p, g, vocab)
 
 
 def _reset_peak_rss() -> bool:
