@@ -9,6 +9,7 @@ from qurl_jax.config.base import base_config
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.learner import packed_plan, packing
 from qurl_jax.models import ModelConfig
+from qurl_jax.parallel import targets
 from qurl_jax.plan import memory_plan as memory
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=32, intermediate_size=64,
@@ -130,7 +131,7 @@ def test_chain_task_lengths_compile_few_learner_programs():
 
 
 @pytest.mark.slow  # 8 TPU compiles of a tiny learner (~1.5 min here)
-@pytest.mark.skipif(not __import__("qurl_jax.parallel.targets").targets.compiler_installed("tpu"),
+@pytest.mark.skipif(not targets.compiler_installed("tpu"),
                     reason="libtpu not installed (pip install -e .[tpu-compile])")
 def test_bench_learner_flops_counts_a_step(tmp_path):
     """`bench.learner --flops` on a tiny config for tpu:v5p-16: per-step totals are the

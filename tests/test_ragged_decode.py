@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qurl_jax.config import base as qconfig
+from qurl_jax.config.settings import rollout_sampler_settings
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models import param_logical_axes
 from qurl_jax.parallel.sharding import make_mesh, shard_params
@@ -128,7 +129,7 @@ def test_config_field_reaches_the_engine(tiny_model_config) -> None:
     c.model.source, c.data.task = "tiny", "arithmetic"  # reads no files
     assert c.model.decode_attention == "auto"
     c.model.decode_attention = "pallas"
-    settings = qconfig.rollout_sampler_settings(c)
+    settings = rollout_sampler_settings(c)
     assert settings.decode_attention == "pallas"
     sampler = build_rollout_sampler(tiny_model_config("qwen2"), jax.lax.dot_general, settings,
                                     **KW)

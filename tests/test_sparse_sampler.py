@@ -261,14 +261,14 @@ def test_per_layer_selection_equals_a_dense_forward_with_each_layers_evictions_m
     def decode(kept_for: dict | None) -> tuple[np.ndarray, dict]:
         """Log-probs of the sampled tokens at steps 1..steps-1 under per-layer masks: the sets
         identified on the way (kept_for None), or the given ones."""
-        kv = [(cache.k[i], cache.v[i]) for i in range(layers)]
+        kv = [(cache.k[i], cache.v[i], None, None) for i in range(layers)]  # float cache
         pos = [cache.pos] * layers
         all_pos = np.asarray(cache.pos)  # every position written so far, never masked
         write, kept_after, logp = cache.n_used, {}, np.zeros((rows, steps))
         for s in range(1, steps):
             c = (s - 1) // INTERVAL * INTERVAL
             if c not in kept_after:
-                kept_after[c] = (kept_positions(c, [k for k, _ in kv], all_pos)
+                kept_after[c] = (kept_positions(c, [k for k, *_ in kv], all_pos)
                                  if kept_for is None else kept_for[c])
             masked = []
             for i in range(layers):
