@@ -31,6 +31,7 @@ def _library_info_lines(text: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow  # kept out of the default suite's 15-minute budget
 def test_evaluate_keeps_orbax_info_out_as_main_does(tmp_path):
     workdir = str(tmp_path / "run")
     c = tiny_config(**{"sft.steps": 0, "eval.max_examples": 4, "eval.max_new_tokens": 4})

@@ -41,6 +41,7 @@ def test_the_verdict_names_the_largest_program_or_each_one_over_with_its_knobs()
 
 
 @needs_libtpu
+@pytest.mark.slow  # kept out of the default suite's 15-minute budget
 def test_a_config_mesh_smaller_than_the_target_is_planned_not_a_traceback():
     """gsm8k's config fixes mesh.fsdp=4; on the 8 chips of tpu:v5e-8 libtpu refused the program
     over half its devices with a 78-line RET_CHECK traceback."""

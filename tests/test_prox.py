@@ -117,6 +117,7 @@ def test_update_equals_the_recompute(kw):
         np.testing.assert_allclose(b, a, atol=1e-5)
 
 
+@pytest.mark.slow  # kept out of the default suite's 15-minute budget
 def test_sparse_counts_add_up_over_micro_batches():
     objective = OBJECTIVES["sparse_rl"]
     learner = _learner(objective, num_micro_batches=2)

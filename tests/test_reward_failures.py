@@ -100,6 +100,7 @@ def test_the_summary_shows_the_reward_failures():
         {"start_step": 0, "end_step": 3, "last": {"verifier/errors": 0.0}})
 
 
+@pytest.mark.slow  # kept out of the default suite's 15-minute budget
 def test_main_stops_in_one_line_when_the_reward_fails_on_every_call(tmp_path, hooks):
     """The user's path: a config's reward function that raises on every call."""
     out = subprocess.run(
