@@ -17,6 +17,9 @@ TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
         "--config.model.tiny.num_kv_heads=1", "--config.eval.max_examples=4",
         "--config.eval.max_new_tokens=4", "--config.rollout.max_new_tokens=4",
         "--config.data.max_prompt_len=32")
+# The source tree (realpath: from Bazel's runfiles, the tree this file links to), for the docs and
+# install files the runfiles do not carry.
+SOURCE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 OURS = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "qurl_jax", "**", "*.py"),
                                                recursive=True)}
 
@@ -92,7 +95,7 @@ def test_a_compile_only_tpu_target_keeps_libtpus_off_vm_lines_out_of_the_termina
 
 def _documented_word_problem_flags() -> list[str]:
     """The `--config.*` flags of usage.md's "Word problems" block, as written there."""
-    with open(os.path.join(REPO, "docs", "usage.md"), encoding="utf-8") as f:
+    with open(os.path.join(SOURCE, "docs", "usage.md"), encoding="utf-8") as f:
         text = f.read()
     block = text.split("**Word problems", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return re.findall(r"--config\.\S+=\S+", block)
@@ -119,7 +122,7 @@ def test_the_documented_word_problem_flags_take_word_problems(tmp_path):
     def settings(flags):
         import importlib.util
 
-        path = os.path.join(REPO, "configs", "arith_tiny.py")
+        path = os.path.join(SOURCE, "configs", "arith_tiny.py")
         spec = importlib.util.spec_from_file_location("arith_tiny", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -142,7 +145,7 @@ def test_the_documented_word_problem_flags_take_word_problems(tmp_path):
 
 
 def _pinned_jax() -> str:
-    with open(os.path.join(REPO, "requirements.txt"), encoding="utf-8") as f:
+    with open(os.path.join(SOURCE, "requirements.txt"), encoding="utf-8") as f:
         return re.search(r"^jax==(\S+)$", f.read(), re.M).group(1)
 
 
@@ -151,25 +154,25 @@ def test_documented_install_lines_name_the_pinned_jax():
     installs the jax that requirements.txt pins; the one-accelerator page has a GPU and a TPU
     line."""
     pin = _pinned_jax()
-    files = [os.path.join(REPO, "README.md"), os.path.join(REPO, "launch", "README.md"),
-             *glob.glob(os.path.join(REPO, "docs", "*.md"))]
+    files = [os.path.join(SOURCE, "README.md"), os.path.join(SOURCE, "launch", "README.md"),
+             *glob.glob(os.path.join(SOURCE, "docs", "*.md"))]
     lines = []
     for path in files:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 command = re.match(r"^\s*(\$ )?(python3? -m )?pip install", line)
                 if command and "jax[" in line:  # a command, not prose about one
-                    lines.append((os.path.relpath(path, REPO), line.strip()))
+                    lines.append((os.path.relpath(path, SOURCE), line.strip()))
     assert len(lines) >= 3, lines
     for where, line in lines:
         for _extra, version in re.findall(r"jax\[([a-z0-9]+)\](?:==([\w.]+))?", line):
             assert version == pin, f"{where}: {line}"
-    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
+    with open(os.path.join(SOURCE, "pyproject.toml"), encoding="utf-8") as f:
         extras = re.findall(r'"jax\[[a-z0-9]+\]==([\w.]+)"', f.read())
     assert extras and set(extras) == {pin}
-    page = open(os.path.join(REPO, "docs", "one_accelerator.md"), encoding="utf-8").read()
+    page = open(os.path.join(SOURCE, "docs", "one_accelerator.md"), encoding="utf-8").read()
     assert f'"jax[cuda12]=={pin}"' in page and f'"jax[tpu]=={pin}"' in page
-    with open(os.path.join(REPO, "launch", "install.sh"), encoding="utf-8") as f:
+    with open(os.path.join(SOURCE, "launch", "install.sh"), encoding="utf-8") as f:
         install = f.read()
     # The launch script installs the same two from the same pin.
     assert '"jax[cuda12]==${JAX_VERSION}"' in install and '"jax[tpu]==${JAX_VERSION}"' in install
