@@ -40,7 +40,9 @@ def get_config():
     c.rollout.precision = "int8"
     c.rollout.n = 8
     c.rollout.max_new_tokens = 96
-    c.rollout.temperature = 1.0
+    # At T=1 the 135M model samples 0-5% correct; at 0.7 Avg@4 is 9.8% (64 held-out problems),
+    # so most groups of 8 hold a correct and a wrong answer: a learning signal.
+    c.rollout.temperature = 0.7
     # Evaluation in chunks of 64 rows: 256 rows at once hold a 3 GB KV cache.
     c.rollout.max_concurrent_rows = 64
     c.rl.loss_mode = "acr"
@@ -62,6 +64,6 @@ def get_config():
     c.eval.files = (os.path.join(_DATA, "test.jsonl"),)
     c.eval.greedy = True
     c.eval.k = 4
-    c.eval.temperature = 1.0
+    c.eval.temperature = 0.7  # Avg@4 at the rollout's temperature
     c.eval.max_new_tokens = 128
     return c
