@@ -165,6 +165,13 @@ def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
     setup = memory.build_setup(RunSettings.from_config(c), CFG.replace(vocab_size=64))
     figures = memory.preflight(setup, 1 << 30, log=lambda _: None)
     assert set(figures) == set(memory.PROGRAMS)
+    # One minibatch, no reference policy: pi_prox comes from the update's forward and the
+    # log-prob pass is neither run nor compiled; with rl.kl_coef > 0 it is (pi_ref).
+    c.rl.num_minibatches = 1
+    assert memory.run_programs(RunSettings.from_config(c)) == tuple(
+        n for n in memory.PROGRAMS if n != "learner_logprobs")
+    c.rl.kl_coef = 0.1
+    assert memory.run_programs(RunSettings.from_config(c)) == tuple(memory.PROGRAMS)
 
 
 def test_accelerator_bench_learner_runs_its_default_precisions(tmp_path):

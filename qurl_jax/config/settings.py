@@ -26,6 +26,7 @@ from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.learner.learner import Learner, OptimConfig
+from qurl_jax.learner.prox import ProxSource, prox_source
 from qurl_jax.models import ModelConfig
 from qurl_jax.rl.objectives import ObjectiveConfig
 from qurl_jax.runtime import paths
@@ -91,15 +92,6 @@ def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSett
         kv_watermark_pages=None if c.rollout.kv_watermark_pages < 0
         else c.rollout.kv_watermark_pages,
         kv_precision=c.rollout.get("kv_precision", "bf16"))
-
-
-def sampling_params_from_config(rollout: ml_collections.ConfigDict,
-                                eos_ids: Sequence[int]) -> SamplingParams:
-    """The rollout's `SamplingParams` (`config.rollout`'s length limit, temperature, top-k, top-p
-    and behaviour log-prob choice) with the task's EOS ids."""
-    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                          top_k=rollout.top_k, top_p=rollout.top_p, eos_ids=tuple(eos_ids),
-                          behav_logp=rollout.behav_logp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,13 +375,12 @@ class MeshSizes:
 @dataclasses.dataclass(frozen=True)
 class RLSettings:
     """The RL algorithm around the objective (`rl`): the `advantage` estimator, `ppo_epochs` passes
-    of `num_minibatches` optimizer steps, DAPO's dynamic sampling (`dynamic_sampling`,
+    of `TrainSettings.num_minibatches` optimizer steps, DAPO's dynamic sampling (`dynamic_sampling`,
     `max_gen_batches` rounds, groups compared on `filter_metric`) and overlong shaping
     (`overlong_buffer` tokens, `overlong_factor`), and the reference policy's `kl_coef`."""
 
     advantage: str = "grpo"
     ppo_epochs: int = 1
-    num_minibatches: int = 1
     kl_coef: float = 0.0
     dynamic_sampling: bool = False
     max_gen_batches: int = 3
@@ -456,6 +447,19 @@ class RunSettings:
     def rollout_rows(self) -> int:
         """Rows of one step's rollout batch: prompts per step x samples per prompt."""
         return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def prox(self) -> ProxSource:
+        """Where pi_prox comes from (`learner.prox.prox_source`): a separate log-prob pass, or
+        the update's own forward."""
+        return prox_source(num_minibatches=self.train.num_minibatches,
+                           ppo_epochs=self.rl.ppo_epochs, precision=self.train.precision)
+
+    @property
+    def learner_logprobs(self) -> bool:
+        """Whether a step runs `Learner.logprobs` at all: for pi_prox (`prox`) or for the
+        reference policy of `rl.kl_coef` > 0."""
+        return self.prox.recompute or bool(self.rl.kl_coef)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> RunSettings:

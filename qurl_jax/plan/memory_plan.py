@@ -781,9 +781,16 @@ class MemoryPlanError(UserError):
     what = "does not fit"
 
 
+def run_programs(settings: RunSettings) -> tuple[str, ...]:
+    """The `PROGRAMS` a run of `settings` executes: all but `learner_logprobs` when pi_prox comes
+    from the update's own forward and there is no reference policy
+    (`RunSettings.learner_logprobs`)."""
+    return tuple(n for n in PROGRAMS if n != "learner_logprobs" or settings.learner_logprobs)
+
+
 def preflight(setup: Setup, limit_bytes: int,
               log: Callable[[str], None] = print) -> dict[str, dict[str, int]]:
-    """Compiles every program of the run (`PROGRAMS`) before its first step and raises
+    """Compiles every program the run executes (`run_programs`) before its first step and raises
     `MemoryPlanError` naming each program whose per-device peak exceeds `limit_bytes`, its figure
     and the knobs that shrink it; returns the figures otherwise."""
     figures, over = {}, []
@@ -791,8 +798,8 @@ def preflight(setup: Setup, limit_bytes: int,
     note = native_pick.rollout_note(setup.settings.rollout.precision, native_pick.chip_of(kind))
     if note:
         log(f"preflight: {note}")
-    for name, build in PROGRAMS.items():
-        figures[name] = compiled_memory(build(setup).lowered.compile())
+    for name in run_programs(setup.settings):
+        figures[name] = compiled_memory(PROGRAMS[name](setup).lowered.compile())
         peak = figures[name]["peak_bytes"]
         log(f"preflight {name} ({kind}): peak {peak / GIB:.2f} GiB per device of "
             f"{limit_bytes / GIB:.2f}")

@@ -44,7 +44,6 @@ from qurl_jax.config import run_config
 from qurl_jax.config.base import resolve
 from qurl_jax.data import reward_hook
 from qurl_jax.learner import packing
-from qurl_jax.learner.prox import prox_source
 from qurl_jax.models import init_params, param_logical_axes, positions_from_mask
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel import rollout_layout, targets
@@ -128,8 +127,7 @@ class Trainer:
                                                    temperature=s.rollout.temperature,
                                                    rollout_rows=self.settings.rollout_rows)
         # pi_prox: a separate log-prob pass, or the update's own forward (`learner.prox`).
-        self.prox = prox_source(num_minibatches=self.settings.train.num_minibatches,
-                                ppo_epochs=s.rl.ppo_epochs, precision=self.settings.train.precision)
+        self.prox = self.settings.prox
         logging.info("%s", self.prox.describe())
         check_task_data(self.settings)  # the data files and prompt lengths, before any write
         for warning in resolved.warnings:
@@ -431,7 +429,7 @@ class Trainer:
         """
         s = self.settings
         size = batch["tokens"].shape[0]
-        mb = size // s.rl.num_minibatches
+        mb = size // s.train.num_minibatches
         # Every epoch's order before the first update, and the metrics fetched once after the
         # last: the host enqueues all updates (and the minibatch gathers between them) without
         # waiting for one to finish.
@@ -440,8 +438,8 @@ class Trainer:
         balance = self._block_balance(batch)
         pending = []
         for order in orders:
-            for i in range(s.rl.num_minibatches):
-                idx = np.sort(order[i * mb:(i + 1) * mb]) if s.rl.num_minibatches > 1 else None
+            for i in range(s.train.num_minibatches):
+                idx = np.sort(order[i * mb:(i + 1) * mb]) if s.train.num_minibatches > 1 else None
                 if idx is not None and balance is not None:
                     lengths, count = balance  # each process packs its block of the minibatch
                     idx = packing.balance_blocks(idx, lengths[idx], count)
@@ -471,7 +469,7 @@ class Trainer:
         """(every sequence's real tokens, row blocks) when processes pack their own blocks of
         each minibatch (packing, minibatches, more than one block), for `packing.balance_blocks`;
         else None. The lengths come from a small collective every process runs."""
-        if not self.learner.packing or self.settings.rl.num_minibatches <= 1:
+        if not self.learner.packing or self.settings.train.num_minibatches <= 1:
             return None
         if self._blocks <= 1:
             return None
