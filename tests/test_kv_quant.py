@@ -10,6 +10,8 @@
 - The samplers with int8 (and fp8) KV: static, refilling, paged (also in a pool so tight that
   rows are preempted and refilled) and Sparse-RL's compressed cache give the same greedy tokens
   and log-probs as each other, and differ from the bf16 cache's log-probs (the error is there).
+- The learner sees it: KL(behav || prox) of one sampling step against the full-precision forward
+  is 0 with the compute-dtype cache and 1.6e-5 (int8) / 3.3e-4 (fp8) with 8-bit pages here.
 - Config: the field's choices, and a run saved before the field resumes only at 'bf16'.
 
 Tolerances: samplers' float32 log-probs to 1e-3 (`LOGP_TOL`), tokens exactly. The paged cache
@@ -384,3 +386,25 @@ def test_8bit_paged_pool_on_a_mesh_equals_one_device(qwen, monkeypatch) -> None:
                        length_limits=LIMITS, **kw)
     _assert_prefix_equal(out, ref, LIMITS, atol=LOGP_TOL)
     assert traced and all(s is not None for s in traced)  # the kernel read scales
+
+
+def test_kl_behav_prox_holds_the_8bit_cache_error(qwen) -> None:
+    """The 8-bit cache's error reaches the learner as part of logp_behav: on the same sampling
+    step (same params, prompts and key), KL(behav || prox) against the learner's full-precision
+    forward is float rounding with the compute-dtype cache and clearly above it with int8 or fp8
+    pages, and the same metric the trainer logs (`mismatch_metrics`) reports it."""
+    from qurl_jax.rl.objectives import mismatch_metrics
+    from tests.test_sampler import _log_softmax, _reference_logits
+
+    cfg, params = qwen
+    kl = {}
+    for precision in ("bf16", "int8", "fp8"):
+        out = _sample(Sampler(cfg, kv_precision=precision, **SIZES), params, greedy=False,
+                      temperature=1.0)
+        ref = _log_softmax(_reference_logits(cfg, params, out))
+        prox = np.take_along_axis(ref, np.asarray(out.tokens)[..., None], axis=-1)[..., 0]
+        m = mismatch_metrics(jnp.asarray(prox, jnp.float32), out.logp, out.mask)
+        kl[precision] = float(m["kl_behav_prox_k3"])
+    assert kl["bf16"] < 1e-9, kl
+    assert kl["int8"] > 1e-6 and kl["fp8"] > 1e-6 and min(kl["int8"], kl["fp8"]) > 1e3 * kl[
+        "bf16"], kl
