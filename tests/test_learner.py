@@ -91,6 +91,7 @@ def test_micro_batch_accumulation_matches_full_batch_for_token_sums():
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_micro_batch_accumulation_matches_full_batch_when_token_counts_differ(agg):
     # Micro-batches with different numbers of response tokens (and, for the second, one sequence
     # with no token at all): a plain mean of micro-batch token means would weight the tokens of
@@ -220,6 +221,7 @@ def test_chunked_response_logprobs_match_full_logits(tied):
 
 
 @pytest.mark.parametrize("remat,attention", [("full", "dense"), ("dots", "blockwise")])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_memory_knobs_leave_the_update_unchanged(remat, attention):
     params = init_params(CFG, jax.random.key(6))
     batch = _batch(6)

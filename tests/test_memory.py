@@ -44,6 +44,7 @@ def _temp_bytes(learner: Learner, length: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("remat", ["full", "none"])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_temp_memory_grows_linearly_with_length(remat):
     learner = Learner(CFG, ObjectiveConfig(entropy_coef=0.01), OptimConfig(), shd.make_mesh(),
                       remat=remat, scan_layers=True, logprob_chunk=64)
@@ -174,6 +175,7 @@ def test_preflight_names_the_knob_before_anything_is_written(tmp_path):
     assert memory.run_programs(RunSettings.from_config(c)) == tuple(memory.PROGRAMS)
 
 
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_accelerator_bench_learner_runs_its_default_precisions(tmp_path):
     """`bench.accelerator --parts=learner` trains with the training precisions (fp, fp8_block),
     not the rollout actors' (int8 is no training precision; it used to stop the run)."""

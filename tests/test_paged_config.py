@@ -158,6 +158,7 @@ def test_memory_plan_counts_the_pool_not_rows_times_slots(tmp_path):
     assert slots[2] == 4 * 64 * token
 
 
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_the_suggestion_is_checked_by_compiling_the_insert_and_decode(tmp_path, monkeypatch):
     # The tiny shape's insert and decode with a suggested pool of 40 pages of 16 (20 per
     # device) behind 8 rows: within the 60 GiB cpu budget nothing changes; with a budget 2.5
@@ -214,6 +215,7 @@ def test_kv_capacity_suggests_the_pool_as_config_flags():
     assert "none" in memory_bench.describe_suggestion(None)
 
 
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_trainer_rollout_through_a_page_pool_gives_the_static_result(tmp_path):
     # 2 prompts x 4 samples, 4 page-table rows, a pool of 12 pages of 4 tokens (a row of the
     # 32-token prompt bucket + 6 new tokens needs 10), too small for 4 rows at once: rows are

@@ -108,6 +108,7 @@ def test_pages_of_other_rows_never_leak(qwen, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("recipe", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_quantized_actors_match_static(qwen, recipe) -> None:
     from qurl_jax.quant import make_dot_general, requantize
 
@@ -165,6 +166,7 @@ def test_each_shard_writes_its_own_pages_without_gathering_the_new_keys(qwen) ->
         collectives.describe(found)
 
 
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_mesh_each_shard_pages_its_own_rows(qwen) -> None:
     cfg, params, _ = qwen
     kw = _kw(0, greedy=True)

@@ -47,6 +47,7 @@ def _assert_prefix_equal(out, ref, limits: np.ndarray, atol: float = 1e-5) -> No
 
 @pytest.mark.parametrize("kw", [dict(greedy=True), dict(temperature=0.8, top_k=40)],
                          ids=["greedy", "sampled"])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_same_tokens_as_static_for_long_tailed_lengths(qwen, kw) -> None:
     cfg, params, static = qwen
     kw = dict(key=jax.random.key(3), n=2, settings=SamplingParams(max_new_tokens=16, **kw))
@@ -189,6 +190,7 @@ def test_int8_actor_matches_static(qwen) -> None:
     ("rkv", "shared"),
     pytest.param("streaming", "shared", marks=pytest.mark.slow),
     pytest.param("snapkv", "per_layer", marks=pytest.mark.slow)])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_compressed_kv_matches_static(qwen, policy, selection) -> None:
     # Budget 6 + interval 3 slots per row: the 11-token prompt is compressed after prefill and
     # every row longer than a few tokens is compressed on its own schedule (its own step count),

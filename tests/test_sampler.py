@@ -570,4 +570,9 @@ def test_int8_rollout_params_same_code_path(qwen, quantize_vocab: bool) -> None:
     ref = _log_softmax(_reference_logits(cfg, qparams, out, hook) / 0.7)
     tokens = np.asarray(out.tokens)
     ref_tok = np.take_along_axis(ref, tokens[..., None], axis=-1)[..., 0]
-    np.testing.assert_allclose(np.asarray(out.logp), ref_tok, atol=1e-4)
+    # The activations are quantized per token: a last-bit difference between the cached decode
+    # and the plain forward (other summation order) can move one activation's code by one step,
+    # and that token's log-prob by up to ~1e-3 (7.1e-4 measured, 1 token of 60, on an Intel Xeon
+    # with AVX512 VNNI). Nearly every token agrees to float rounding; none by more than a step.
+    gap = np.abs(np.asarray(out.logp) - ref_tok)
+    assert (gap <= 1e-4).mean() >= 0.95 and gap.max() <= 2e-3, (gap.max(), (gap > 1e-4).sum())

@@ -297,6 +297,7 @@ def test_per_layer_selection_equals_a_dense_forward_with_each_layers_evictions_m
     (5, 2, "rkv", "shared"),  # blocks of 3 steps that push no query, then 2 that do
     (3, 3, "snapkv", "per_layer"),  # every step of a block pushes
     (2, 4, "snapkv", "shared")])  # the window spans two blocks
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_blocked_decode_equals_compressing_inside_every_step(params, interval, window, policy,
                                                              selection) -> None:
     """The static sampler decodes in blocks ending at multiples of the interval and pushes only
@@ -320,6 +321,7 @@ def test_blocked_decode_equals_compressing_inside_every_step(params, interval, w
 
 
 @pytest.mark.parametrize("policy", [pytest.param("streaming", marks=pytest.mark.slow), "rkv"])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_bfloat16_cache(params, policy) -> None:
     """The accelerator's compute dtype: keys, values and window queries in bfloat16. A budget that
     holds the sequence gives exactly the dense bf16 sampler's tokens and log-probs. With a small

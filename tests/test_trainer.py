@@ -243,6 +243,7 @@ def test_bad_override_fails_before_compiling(tmp_path, override, message):
         "rl.loss_mode": "on_policy", "rollout.invariant_scaling": 1.0,
         "train.scan_layers": True, "rollout.quantize_vocab": False}, marks=pytest.mark.slow),
 ])
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_large_configs_one_step_with_tiny_model(tmp_path, name, family_checks):
     c = _load_config(name)
     for key, expected in family_checks.items():
@@ -514,6 +515,7 @@ def test_plain_status_lines_when_not_on_a_terminal(caplog):
     assert len(lines) == 20 and lines[-1].startswith("step 40/40")
 
 
+@pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_export_hf_at_the_end_loads_in_transformers(tmp_path):
     import torch
     import transformers
