@@ -12,16 +12,14 @@ and Avg@4) so that a run of 8 steps takes about 15 minutes on 2 cores. The befor
 first run's.
 """
 
-import importlib.util
 import os
+
+from qurl_jax.config.base import load_config_file
 
 _BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_135m_word.py")
 
 
 def get_config():
-    spec = importlib.util.spec_from_file_location("smollm2_135m_word", _BASE)
-    base = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(base)
-    c = base.get_config()
+    c = load_config_file(_BASE)
     c.eval.max_examples = 64
     return c
