@@ -12,9 +12,14 @@ Parts:
   model of a paper model's shape (`configs/shapes/<name>.json`), compute dtype bfloat16, B rows of
   `--prompt_len` random prompt tokens, `--new_tokens` new tokens with EOS disabled (every row runs
   to the limit). Decode time = time of the full call - time of a 1-token call (prefill and first
-  token), each the fastest of `--rounds`; tokens/s = B * (new_tokens - 1) / difference. Beside it,
-  the bytes one decode step must read (the actor's parameters once, and the KV cache's slots:
-  XLA's attention reads the whole cache every step, so that is counted) over the step time.
+  token), each the fastest of `--rounds`; tokens/s = B * (new_tokens - 1) / difference. Each
+  actor runs over each KV cache precision of `--kv_precisions` (bf16, int8, fp8: keys and values
+  quantized as written, per-token scales), in a dense per-row cache (`--page_size=0`: the static
+  sampler, JAX's ragged Pallas kernel on GPU) or a paged pool of `--page_size`-token pages with a
+  page for every token (the refilling sampler, JAX's paged kernels reading 8-bit pages and their
+  scales natively). Beside it, the bytes one decode step reads on average: the actor's parameters
+  once and the rows' live keys and values (prompt + half the new tokens, at the cache's
+  precision, scales included; the kernels read live slots only), over the step time.
 - `lowering`: the compiled decode program's matrix products, by custom-call target and operand
   element types: an int8 actor whose products run as `s8 x s8 -> s32` GEMMs (or f8e4m3fn for fp8)
   is native; a bf16 GEMM fed by converted codes is emulated.
@@ -64,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rollout rows")
     p.add_argument("--precisions", type=csv, default=["fp", "int8", "fp8"],
                    help="rollout actors of `rollout` and `lowering` (fp = bf16)")
+    p.add_argument("--kv_precisions", type=csv, default=["bf16"],
+                   help="KV cache precisions of `rollout` (bf16, int8, fp8)")
+    p.add_argument("--page_size", type=int, default=0,
+                   help="0: a dense per-row cache; > 0: a paged pool of pages of this many tokens")
     p.add_argument("--train_precisions", type=csv, default=["fp", "fp8_block"],
                    help="training precisions of `learner` (config.train.precision values)")
     p.add_argument("--prompt_len", type=int, default=512)
@@ -112,12 +121,14 @@ def actor(config: ModelConfig, precision: str) -> tuple[Any, Any]:
     return quantized, quant.make_dot_general(recipe)
 
 
-def rollout(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
+def rollout(config: ModelConfig, precision: str, batch: int, kv_precision: str
+            ) -> dict[str, Any]:
     p_len, new = ARGS.prompt_len, ARGS.new_tokens
     rollout_params, dot_general = actor(config, precision)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, config.vocab_size, (batch, p_len)).tolist()
-    run = sampler_timer(config, rollout_params, dot_general, prompts, new)
+    run = sampler_timer(config, rollout_params, dot_general, prompts, new,
+                        kv_precision=kv_precision, page_size=ARGS.page_size)
     t0 = time.perf_counter()
     run(1)
     run(new)  # compiles and warms both programs
@@ -128,15 +139,18 @@ def rollout(config: ModelConfig, precision: str, batch: int) -> dict[str, Any]:
     step = decode / (new - 1)
     weight_bytes = tree_bytes(rollout_params)
     # The buckets sampler_timer's sampler uses: exactly p_len + new slots per row.
-    kv_bytes = batch * Sampler(config, prompt_buckets=(p_len,), gen_buckets=(new,)
-                               ).engine.kv_bytes_per_row(p_len, new)
+    engine = Sampler(config, prompt_buckets=(p_len,), gen_buckets=(new,),
+                     kv_precision=kv_precision).engine
+    kv_bytes = batch * engine.kv_bytes_per_row(p_len, new)
+    live_kv_bytes = kv_bytes * (p_len + new / 2) / (p_len + new)
     del rollout_params
-    return {"precision": precision, "batch": batch, "prompt_len": p_len, "new_tokens": new,
+    return {"precision": precision, "kv_precision": kv_precision, "page_size": ARGS.page_size,
+            "batch": batch, "prompt_len": p_len, "new_tokens": new,
             "decode_tokens_per_s": batch * (new - 1) / decode, "decode_step_ms": step * 1e3,
             "prefill_and_first_token_s": first, "warmup_s": warmup,
             "actor_weight_gib": weight_bytes / GIB, "kv_cache_gib": kv_bytes / GIB,
-            "bytes_read_per_step_gib": (weight_bytes + kv_bytes) / GIB,
-            "achieved_gb_per_s": (weight_bytes + kv_bytes) / step / 1e9}
+            "bytes_read_per_step_gib": (weight_bytes + live_kv_bytes) / GIB,
+            "achieved_gb_per_s": (weight_bytes + live_kv_bytes) / step / 1e9}
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([\w]+)\[")
@@ -242,11 +256,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{name}: {config.num_params / 1e9:.2f}B params", flush=True)
         for batch in ARGS.batches:
             for precision in ARGS.precisions:
-                if "rollout" in parts:
-                    row = {"model": name, **rollout(config, precision, batch)}
+                for kv in ARGS.kv_precisions if "rollout" in parts else ():
+                    row = {"model": name, **rollout(config, precision, batch, kv)}
                     out["rollout"].append(row)
                     save()
-                    print(f"  rollout {precision:5s} B={batch:4d}: "
+                    print(f"  rollout {precision:5s} kv {kv:4s} B={batch:4d}: "
                           f"{row['decode_tokens_per_s']:9.0f} tok/s, step "
                           f"{row['decode_step_ms']:.2f} ms, reads "
                           f"{row['bytes_read_per_step_gib']:.1f} GiB/step = "
@@ -263,18 +277,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"learner {precision}: {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tok/s, "
               f"compiled peak {row['compiled']['peak_bytes'] / GIB:.2f} GiB, device peak "
               f"{(row['device_peak_bytes_in_use'] or 0) / GIB:.2f} GiB", flush=True)
-    for kind in ("rollout",):
-        base = {(r["model"], r["batch"]): r["decode_tokens_per_s"] for r in out[kind]
-                if r["precision"] == "fp"}
-        for r in out[kind]:
-            if (r["model"], r["batch"]) in base:
-                r["vs_bf16"] = r["decode_tokens_per_s"] / base[(r["model"], r["batch"])]
-    if out["rollout"]:
-        print("\nmodel | batch | actor | decode tok/s | x bf16 | step ms | GB/s")
-        for r in out["rollout"]:
-            print(f"{r['model']} | {r['batch']} | {r['precision']} | "
+    rows = out["rollout"]
+    # x bf16: against the bf16 actor over the same cache; x bf16 KV: the same actor over a bf16 one.
+    actor_base = {(r["model"], r["batch"], r["kv_precision"]): r["decode_tokens_per_s"]
+                  for r in rows if r["precision"] == "fp"}
+    kv_base = {(r["model"], r["batch"], r["precision"]): r["decode_tokens_per_s"]
+               for r in rows if r["kv_precision"] == "bf16"}
+    for r in rows:
+        for field, table, key in (("vs_bf16", actor_base, r["kv_precision"]),
+                                  ("vs_bf16_kv", kv_base, r["precision"])):
+            if (r["model"], r["batch"], key) in table:
+                r[field] = r["decode_tokens_per_s"] / table[(r["model"], r["batch"], key)]
+    if rows:
+        print("\nmodel | batch | actor | KV | decode tok/s | x bf16 actor | x bf16 KV | step ms "
+              "| GB/s")
+        for r in rows:
+            print(f"{r['model']} | {r['batch']} | {r['precision']} | {r['kv_precision']} | "
                   f"{r['decode_tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f} | "
-                  f"{r['decode_step_ms']:.2f} | {r['achieved_gb_per_s']:.0f}")
+                  f"{r.get('vs_bf16_kv', float('nan')):.2f} | {r['decode_step_ms']:.2f} | "
+                  f"{r['achieved_gb_per_s']:.0f}")
     save()
 
 
