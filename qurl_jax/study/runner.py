@@ -322,6 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="study directory")
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the * rows (0, 1, ...)")
+    parser.add_argument("--first_seed", type=int, default=0,
+                        help="seed offset of this invocation's runs (runs <variant>_s<N> for N "
+                             "in first_seed..first_seed + seeds - 1): adds seeds to a study "
+                             "whose earlier seeds ran elsewhere")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--variants", default="", help="comma-separated subset of the variants")
     parser.add_argument("--quick", action="store_true",
@@ -332,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("steps", "seeds", "jobs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.first_seed < 0:
+        parser.error(f"--first_seed={args.first_seed} must be >= 0")
     known = {v.name: v for v in VARIANTS}
     names = [n for n in args.variants.split(",") if n] or (
         list(QUICK_VARIANTS) if args.quick else list(known))
@@ -352,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One persistent compilation cache for all runs: most programs are the same in every run.
         "train.compilation_cache_dir": os.path.join(os.path.abspath(args.out), "compile_cache")})
     runs, commands = [], {}
-    for seed in range(seeds):  # every variant's first seed before any second one
+    first = 0 if args.quick else args.first_seed
+    for seed in range(first, first + seeds):  # every variant's first seed before any second one
         for name in names:
             variant = known[name]
             if seed and not variant.seeded:
@@ -378,8 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = "\n".join([
         f"# Rollout-precision study ({args.config})", "",
         f"{len(runs) - len(failed)} of {len(runs)} runs finished, {shared['train.num_steps']} RL "
-        f"steps each, seeds {base.seed}..{base.seed + seeds - 1} for the * rows. The runs took "
-        f"{run_wall / 60:.1f} min of wall time summed over runs; this invocation "
+        f"steps each, seeds {base.seed + first}..{base.seed + first + seeds - 1} for the * rows. "
+        f"The runs took {run_wall / 60:.1f} min of wall time summed over runs; this invocation "
         f"{wall / 60:.1f} min with {args.jobs} runs at a time (runs finished before it are not "
         "run again).",
         "Accuracy: the full-precision policy after RL; reward: mean of the last quarter of the "
