@@ -73,7 +73,11 @@ def test_budget_covering_the_sequence_equals_dense(params, policy, selection) ->
     sparse_sampler = _sampler(_policy(policy, budget=32, selection=selection), min_bucket=16)
     sparse = sparse_sampler.sample(params, PROMPTS, **kw)
     np.testing.assert_array_equal(np.asarray(sparse.tokens), np.asarray(dense.tokens))
-    np.testing.assert_array_equal(np.asarray(sparse.logp), np.asarray(dense.logp))
+    if jax.default_backend() == "cpu":  # the same attention program for both caches: bit-exact
+        np.testing.assert_array_equal(np.asarray(sparse.logp), np.asarray(dense.logp))
+    else:  # a GPU reads the dense cache with JAX's Pallas kernel, the compressed one masked:
+        # another summation order, 1 float32 ulp seen on an H100
+        np.testing.assert_allclose(np.asarray(sparse.logp), np.asarray(dense.logp), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(sparse.mask), np.asarray(dense.mask))
     assert sparse_sampler.engine.cache_slots(16, 16) == 32
 

@@ -85,10 +85,11 @@ TABLE: dict[str, dict[str, Tolerance]] = {
             "measured max 0.002 (XLA:CPU)")),
     },
     "attention.cudnn_vs_dense": {
-        "bfloat16": Tolerance(2e-2, 1.6e-2, reason=(
+        "bfloat16": Tolerance(4e-2, 1.6e-2, reason=(
             "cuDNN's flash attention (bf16 only) vs dense on the same bf16 inputs: as "
             "blockwise_vs_dense, another accumulation order before the bf16 rounding of O(1) "
-            "outputs and of gradients up to ~10; not yet measured on a GPU")),
+            "outputs and of gradients up to ~10 (a bf16 step there is 0.06); measured on an "
+            "H100 (2026-11-27): max 0.0212 away, 1 of 8192 d/dk entries past 0.02")),
     },
 }
 

@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qurl_jax.quant import keep_rounded
+
 _INT8_MAX = 127.0
 _FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
@@ -84,7 +86,7 @@ def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     y = jnp.clip(x32 * inv[..., None], -top, top)
     if jnp.dtype(dtype) == jnp.int8:
         y = jnp.round(y)
-    return y.astype(dtype), scale
+    return keep_rounded(y.astype(dtype)), scale
 
 
 def dequantize_kv(codes: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:

@@ -26,7 +26,7 @@ from qurl_jax.quant._fp8_train import (
     train_dot_general,
 )
 from qurl_jax.quant._invariant_scaling import invariant_scaling
-from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel
+from qurl_jax.quant._qtensor import QuantizedTensor, keep_rounded, quantize_kernel
 from qurl_jax.quant._recipes import LINEAR_LAYERS, RECIPES, QuantFormat, Recipe, get_recipe
 from qurl_jax.quant._requantize import quantized_kernel_paths, requantize, requantize_program
 
@@ -42,6 +42,7 @@ __all__ = [
     "aqt_serving_config",
     "make_dot_general",
     "pack_for_decode",
+    "keep_rounded",
     "quantize_kernel",
     "rollout_dot_general",
     # Per-step requantization and QuRL's invariant scaling
