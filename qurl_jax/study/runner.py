@@ -67,6 +67,12 @@ VARIANTS = (
             "int8 rollout, TIS"),
     Variant("int8_acr", {"rollout.precision": "int8", "rl.loss_mode": "acr"}, True,
             "int8 rollout, ACR (s = 1)"),
+    Variant("int8_kv8_naive", {"rollout.precision": "int8", "rollout.kv_precision": "int8",
+                               "rl.loss_mode": "naive"}, True,
+            "int8 rollout + int8 KV cache, naive"),
+    Variant("int8_kv8_acr", {"rollout.precision": "int8", "rollout.kv_precision": "int8",
+                             "rl.loss_mode": "acr"}, True,
+            "int8 rollout + int8 KV cache, ACR"),
     Variant("int8_acr_s1.5", {"rollout.precision": "int8", "rl.loss_mode": "acr",
                               "rollout.invariant_scaling": 1.5}, False,
             "int8 rollout, ACR, invariant scaling s = 1.5"),
@@ -99,6 +105,9 @@ FIGURES = {
     "quantized.png": ("Quantized rollouts: naive, TIS, ACR", (
         "fp", "int8_naive", "int8_tis", "int8_acr", "fp8_naive", "fp8_tis", "fp8_acr"),
         ("rollout/reward_mean", "rollout/accuracy", "kl_behav_prox_k3", "truncated_frac")),
+    "kv_quant.png": ("8-bit KV cache: int8 weights alone vs int8 weights + int8 KV", (
+        "fp", "int8_naive", "int8_acr", "int8_kv8_naive", "int8_kv8_acr"),
+        ("rollout/reward_mean", "kl_behav_prox_k3")),
     "invariant_scaling.png": ("Invariant scaling: int8 + ACR with s = 1 and s = 1.5", (
         "int8_acr", "int8_acr_s1.5"), ("rollout/reward_mean", "quant/code_change_fraction",
                                        "kl_behav_prox_k3")),
