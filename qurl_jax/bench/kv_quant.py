@@ -1,8 +1,9 @@
 """Accuracy of the rollout's 8-bit KV cache (`rollout.kv_precision`) on a trained checkpoint.
 
 Run `python -m qurl_jax.bench.kv_quant --llama2c=PATH/stories260K.bin [--lengths=128,512]
-[--json=PATH]`. The full-precision model samples `--seqs` sequences of each length from token 1
-(temperature 1, its own distribution); then, on those tokens, the mean per-token
+[--json=PATH]`, or `--gguf=PATH.gguf` for a GGUF model (SmolLM2-135M-Instruct:
+`python -m qurl_jax.models.fetch`). The full-precision model samples `--seqs` sequences of each
+length from token 1 (temperature 1, its own distribution); then, on those tokens, the mean per-token
 KL(fp || rollout) of the next-token distribution, where the rollout is:
 
 - `int8 weights`: the int8 W8A8 actor (`quant.requantize`, the trainer's default recipe with its
@@ -67,20 +68,27 @@ def mean_kl(lp: jax.Array, lq: jax.Array) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama2c", required=True, help="a llama2.c checkpoint (.bin)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--llama2c", help="a llama2.c checkpoint (.bin)")
+    source.add_argument("--gguf", help="a GGUF model file (llama.cpp's format)")
     parser.add_argument("--lengths", default="128,512", help="sequence lengths, comma separated")
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    config, params = load_llama2c(args.llama2c)
+    if args.gguf:
+        from qurl_jax.models.gguf import load_gguf
+
+        config, params = load_gguf(args.gguf)
+    else:
+        config, params = load_llama2c(args.llama2c)
     params = jax.tree.map(jnp.asarray, params)
     recipe = quant.get_recipe("int8", quantize_vocab=True)
     rollout = quant.requantize(params, recipe)
     int8_dot = quant.make_dot_general(recipe)
     rows = []
-    print(f"{args.llama2c}: {config.num_layers} layers, {config.num_kv_heads} kv heads of "
-          f"head_dim {config.head_dim}, {config.max_position_embeddings} positions; "
+    print(f"{args.gguf or args.llama2c}: {config.num_layers} layers, {config.num_kv_heads} kv "
+          f"heads of head_dim {config.head_dim}, {config.max_position_embeddings} positions; "
           f"{args.seqs} self-sampled sequences per length; mean per-token KL(fp || rollout), "
           f"nats")
     for length in map(int, args.lengths.split(",")):
