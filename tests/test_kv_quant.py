@@ -363,6 +363,46 @@ def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
 
 
 @pytest.mark.slow
+def test_gpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
+    """Compile-only, h100-8 (data 2 x fsdp 2 x tensor 2, JAX's CUDA plugin: the `gpu-compile`
+    extra), int8 KV: the decode loop carries s8 pools and f32 scales per token, every layer's
+    call of JAX's GPU paged kernel (a Triton custom call) takes the s8 pages and their f32
+    scales as they are (no broadcast of the scales, unlike the TPU kernel's wrapper), and no
+    value of a page's shape is a float anywhere in the program."""
+    import re
+
+    from qurl_jax.models import param_logical_axes
+    from qurl_jax.parallel.sharding import logical_shardings, make_mesh
+    from tests.compile_only import compiler_or_skip
+
+    t = compiler_or_skip("gpu:h100-8")
+    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
+    shapes = jax.eval_shape(lambda: _random_params(cfg))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
+    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1, kv_page_size=16,
+                          kv_pages=32, kv_precision="int8", **SIZES)
+    with jax.default_matmul_precision("default"):
+        text = paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)[
+            "decode"].compile().as_text()
+    lines = text.splitlines()
+    page, scales = "s8[1,8,16,128]", "f32[1,8,16]"  # a device's pool and its per-token scales
+    loop = next(line for line in lines if " while(" in line)
+    assert loop.count(page) == 2 * cfg.num_layers, loop[:400]
+    assert loop.count(scales) == 2 * cfg.num_layers, loop[:400]
+    types = {m[1]: m[2] for m in (re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = ([^ {]+)", line)
+                                  for line in lines) if m}
+    calls = [line for line in lines if 'custom_call_target="__gpu$xla.gpu.triton"' in line]
+    assert len(calls) == cfg.num_layers
+    for call in calls:
+        operands = re.search(r"custom-call\((.*?)\), custom_call_target", call)[1].split(",")
+        kinds = [types.get(o.split("*/")[-1].strip().lstrip("%")) for o in operands]
+        assert kinds.count(page) == 2 and kinds.count(scales) == 2, kinds
+    assert not [line for line in lines if re.search(r"= (f32|bf16)\[1,8,16,128\]", line)]
+
+
+@pytest.mark.slow
 def test_8bit_paged_pool_on_a_mesh_equals_one_device(qwen, monkeypatch) -> None:
     """8 host devices (data 2 x fsdp 2 x tensor 2), int8 KV: the paged sampler with JAX's GPU
     paged kernel per shard (Pallas' interpreter; each shard writes its own pages' codes and
