@@ -82,11 +82,15 @@ VARIANTS = (
             "fp8 rollout, TIS"),
     Variant("fp8_acr", {"rollout.precision": "fp8", "rl.loss_mode": "acr"}, True,
             "fp8 rollout, ACR"),
+    # Both fp8_block rows keep the vocabulary tables in the compute dtype, as the Jet-RL config
+    # does: its learner does not quantize them, so int8 tables in the rollout alone would put an
+    # uncorrected mismatch into the unified flow.
     Variant("fp_train_fp8_block_rollout", {"rollout.precision": "fp8_block",
+                                           "rollout.quantize_vocab": False,
                                            "rl.loss_mode": "naive"}, False,
             "fp train + fp8_block rollout, naive"),
     Variant("jetrl_fp8_block", {"rollout.precision": "fp8_block", "train.precision": "fp8_block",
-                                "rl.loss_mode": "naive"}, False,
+                                "rollout.quantize_vocab": False, "rl.loss_mode": "naive"}, False,
             "fp8_block train + rollout (Jet-RL), naive"),
     Variant("rkv_tis", {**RKV, "rl.loss_mode": "tis"}, False,
             "rkv rollout, uncorrected (TIS on the sparse log-probs)"),
