@@ -98,7 +98,7 @@ POISON = jnp.nan if jax.default_backend() == "cpu" else 1e3
 
 def test_refilled_slot_never_reads_its_previous_contents(qwen, monkeypatch) -> None:
     # One slot holds every row in turn (lengths 16, 1, 3, ...: long rows followed by short ones
-    # with shorter prompts). The slot starts poisoned: NaN (POISON) keys and values, every cache slot
+    # with shorter prompts). The slot starts poisoned: POISON keys and values, every cache slot
     # marked visible at positions 0..S-1, bogus counters. A read of anything an insert did not
     # overwrite (the initial poison or the previous row's keys, which sit at positions the next
     # row's queries would see) changes the log-probs or makes them NaN.
