@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -320,6 +321,27 @@ def test_a_run_saved_before_the_field_resumes_at_bf16(tmp_path) -> None:
         run_config.check_and_save(c, str(tmp_path), resuming=True)
 
 
+def _compiled_int8_paged_decode(target: str) -> tuple[Any, str]:
+    """(model config, compiled HLO text) of the paged sampler's decode program, int8 KV, on
+    `target`'s first 8 compile-only devices (data 2 x fsdp 2 x tensor 2); skips where the
+    target's compiler is absent."""
+    from qurl_jax.models import param_logical_axes
+    from qurl_jax.parallel.sharding import logical_shardings, make_mesh
+    from tests.compile_only import compiler_or_skip
+
+    t = compiler_or_skip(target)
+    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
+    shapes = jax.eval_shape(lambda: _random_params(cfg))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
+    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1, kv_page_size=16,
+                          kv_pages=32, kv_precision="int8", **SIZES)
+    with jax.default_matmul_precision("default"):
+        return cfg, paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)[
+            "decode"].compile().as_text()
+
+
 @pytest.mark.slow
 def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
     """Compile-only, v5p-16's 8 devices (data 2 x fsdp 2 x tensor 2), int8 KV: the decode loop
@@ -329,21 +351,7 @@ def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
     docs/paged_kv.md.)"""
     import re
 
-    from qurl_jax.models import param_logical_axes
-    from qurl_jax.parallel.sharding import logical_shardings, make_mesh
-    from tests.compile_only import compiler_or_skip
-
-    t = compiler_or_skip("tpu:v5p-16")
-    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
-    mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
-    shapes = jax.eval_shape(lambda: _random_params(cfg))
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
-    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1, kv_page_size=16,
-                          kv_pages=32, kv_precision="int8", **SIZES)
-    with jax.default_matmul_precision("default"):
-        text = paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)[
-            "decode"].compile().as_text()
+    cfg, text = _compiled_int8_paged_decode("tpu:v5p-16")
     # A device's pool: kv heads 2 / tensor 2, pages 32 / 4 batch shards, 16 tokens, D 128.
     page = "1,8,16,128"
     loop_state = next(line for line in text.splitlines()
@@ -371,21 +379,7 @@ def test_gpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
     value of a page's shape is a float anywhere in the program."""
     import re
 
-    from qurl_jax.models import param_logical_axes
-    from qurl_jax.parallel.sharding import logical_shardings, make_mesh
-    from tests.compile_only import compiler_or_skip
-
-    t = compiler_or_skip("gpu:h100-8")
-    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
-    mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
-    shapes = jax.eval_shape(lambda: _random_params(cfg))
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
-    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1, kv_page_size=16,
-                          kv_pages=32, kv_precision="int8", **SIZES)
-    with jax.default_matmul_precision("default"):
-        text = paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)[
-            "decode"].compile().as_text()
+    cfg, text = _compiled_int8_paged_decode("gpu:h100-8")
     lines = text.splitlines()
     page, scales = "s8[1,8,16,128]", "f32[1,8,16]"  # a device's pool and its per-token scales
     loop = next(line for line in lines if " while(" in line)
