@@ -112,8 +112,8 @@ def test_refilled_slot_never_reads_its_previous_contents(qwen, monkeypatch) -> N
     def poisoned_init(**shapes):
         state = clean_init(**shapes)
         c = state.slots.cache
-        nan = lambda x: jnp.full_like(x, POISON)  # noqa: E731
-        cache = KVCache(k=tuple(map(nan, c.k)), v=tuple(map(nan, c.v)),
+        poison = lambda x: jnp.full_like(x, POISON)  # noqa: E731
+        cache = KVCache(k=tuple(map(poison, c.k)), v=tuple(map(poison, c.v)),
                         pos=jnp.broadcast_to(jnp.arange(c.length, dtype=jnp.int32), c.pos.shape),
                         n_used=jnp.full_like(c.n_used, 3), next_pos=jnp.full_like(c.next_pos, 40))
         return state.replace(slots=state.slots.replace(cache=cache))

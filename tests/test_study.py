@@ -66,3 +66,10 @@ def test_study_rejects_an_unknown_variant(tmp_path):
     proc = _study(f"--out={tmp_path}", "--variants=fp,int4_magic")
     assert proc.returncode == 2
     assert "--variants: unknown ['int4_magic']" in proc.stderr
+
+
+def test_study_rejects_a_first_seed_for_rows_run_under_the_first_seed_only(tmp_path):
+    proc = _study(f"--out={tmp_path}", "--variants=int8_acr,jetrl_fp8_block", "--first_seed=1")
+    assert proc.returncode == 2
+    assert "--first_seed=1: ['jetrl_fp8_block'] run under the first seed only" in proc.stderr
+    assert not list(tmp_path.iterdir())  # refused before anything is written

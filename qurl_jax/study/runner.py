@@ -356,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         list(QUICK_VARIANTS) if args.quick else list(known))
     if unknown := [n for n in names if n not in known]:
         parser.error(f"--variants: unknown {unknown}; known: {list(known)}")
+    first = 0 if args.quick else args.first_seed
+    if first and (unseeded := [n for n in names if not known[n].seeded]):
+        parser.error(f"--first_seed={first}: {unseeded} run under the first seed only; "
+                     "leave them out or run them without --first_seed")
     seeds = 1 if args.quick else args.seeds
     base = load_config_file(args.config)
     shared = {"train.num_steps": args.steps, **(quick_overrides() if args.quick else {})}
@@ -371,7 +375,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One persistent compilation cache for all runs: most programs are the same in every run.
         "train.compilation_cache_dir": os.path.join(os.path.abspath(args.out), "compile_cache")})
     runs, commands = [], {}
-    first = 0 if args.quick else args.first_seed
     for seed in range(first, first + seeds):  # every variant's first seed before any second one
         for name in names:
             variant = known[name]
