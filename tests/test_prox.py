@@ -137,6 +137,9 @@ def test_recompute_where_pi_prox_is_not_the_update_forward(minibatches, epochs, 
     source = prox_source(num_minibatches=minibatches, ppo_epochs=epochs, precision=precision)
     assert source.recompute
     assert "separate log-prob pass" in source.describe()
+    # Only several minibatches of one float epoch leave the first update's rows out of the pass.
+    assert source.skip_first == (minibatches > 1 and epochs == 1 and precision == "fp")
+    assert ("first minibatch" in source.describe()) == source.skip_first
 
 
 def test_one_float_step_takes_pi_prox_from_the_update():
@@ -145,6 +148,37 @@ def test_one_float_step_takes_pi_prox_from_the_update():
     assert "update's own forward" in source.describe()
     with pytest.raises(ValueError, match="num_minibatches"):
         prox_source(num_minibatches=0, ppo_epochs=1)
+    with pytest.raises(ValueError, match="skip_first"):
+        ProxSource(False, "no pass", skip_first=True)
+
+
+def test_marked_rows_take_pi_prox_from_the_forward():
+    """Rows marked `prox_from_forward` ignore the logp_prox they carry (here garbage) and take the
+    update's own forward; unmarked rows keep theirs. Loss, gradients and metrics equal the full
+    recompute's, and the Sparse-RL counts the update reports are the marked rows' only."""
+    objective = OBJECTIVES["sparse_rl"]
+    learner = _learner(objective)
+    params = learner.shard_params(init_params(CFG, jax.random.key(3)))
+    batch = _batch(params, seed=3)
+    logp_prox = learner.logprobs(params, batch)
+    marked = jnp.asarray(np.arange(B) % 2 == 0)
+    partial = dict(batch, prox_from_forward=marked,
+                   logp_prox=jnp.where(marked[:, None], -7.0, logp_prox))
+    grad = jax.jit(jax.value_and_grad(learner.loss, has_aux=True))
+    (loss_a, metrics_a), grads_a = grad(params, dict(batch, logp_prox=logp_prox))
+    (loss_b, metrics_b), grads_b = grad(params, partial)
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    for k, v in metrics_a.items():
+        np.testing.assert_allclose(metrics_b[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    expected = sparse_rl_rejections(logp_prox, batch["logp_behav"],
+                                    batch["resp_mask"] * marked[:, None], objective)
+    everyone = sparse_rl_rejections(logp_prox, batch["logp_behav"], batch["resp_mask"],
+                                    objective)
+    assert 0 < expected["band_masked_tokens"] < everyone["band_masked_tokens"]
+    for k, v in expected.items():
+        np.testing.assert_allclose(metrics_b[f"sparse/{k}"], v, err_msg=k)
 
 
 @pytest.mark.slow  # two tiny trainers' compiles
@@ -172,5 +206,48 @@ def test_trainer_step_without_the_pass_equals_the_step_with_it(tmp_path):
               "sparse/vetoed_sequences", "sparse/band_masked_tokens"):
         np.testing.assert_allclose(m_b[k], m_a[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert m_a["kl_behav_prox_k3"] > 0  # an int8 rollout: behaviour and proximal differ
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+@pytest.mark.slow  # two tiny trainers' compiles
+@pytest.mark.parametrize("mode", ["acr", "sparse_rl"])
+def test_trainer_step_with_the_first_minibatch_from_its_forward(tmp_path, mode):
+    """Two minibatches: the pass covers the second minibatch's rows only, the first update takes
+    its rows' pi_prox from its own forward; metrics (Sparse-RL's counts of both parts added) and
+    updated parameters equal a run forced to recompute every row."""
+    from test_trainer import tiny_config
+
+    from qurl_jax.train.trainer import Trainer
+
+    kw = {"rollout.precision": "int8", "rl.loss_mode": mode, "rl.num_minibatches": 2,
+          "train.num_steps": 1}
+    if mode == "sparse_rl":
+        kw.update({"rl.veto_tau": 0.5, "rl.sparse_mask_band": (0.999, 1.001)})
+    out = []
+    for full in (True, False):
+        t = Trainer(tiny_config(**kw), str(tmp_path / str(full)))
+        assert t.prox.recompute and t.prox.skip_first
+        if full:
+            t.prox = ProxSource(True, "forced by the test")
+        seen = []
+        logprobs = t.learner.logprobs
+        t.learner.logprobs = lambda params, batch: seen.append(
+            batch["tokens"].shape[0]) or logprobs(params, batch)
+        m = t.step()
+        rows = t.settings.rollout_rows
+        assert seen == [rows if full else rows // 2]
+        out.append((m, jax.device_get(t.params)))
+    (m_a, params_a), (m_b, params_b) = out
+    keys = ["update/loss", "update/grad_norm", "kl_behav_prox_k3", "raw_is_weight_max",
+            "truncated_frac", "is_weight_mean"]
+    if mode == "sparse_rl":
+        keys += ["masked_token_frac", "vetoed_seq_frac", "sparse/vetoed_sequences",
+                 "sparse/vetoed_tokens", "sparse/band_masked_tokens",
+                 "sparse/band_masked_sequences"]
+        assert m_a["sparse/band_masked_tokens"] > 0
+    for k in keys:
+        np.testing.assert_allclose(m_b[k], m_a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert m_a["kl_behav_prox_k3"] > 0
     for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-6)

@@ -110,11 +110,16 @@ def count(config_path: str, target_name: str, seed: int = 0,
     # Log-prob passes: pi_prox unless the update's forward gives it (`learner.prox`, as the
     # trainer decides), and pi_ref with a KL term.
     prox = prox_source(num_minibatches=minibatches, ppo_epochs=epochs, precision=train.precision)
-    ref = int(prox.recompute) + (1 if train.objective.kl_coef else 0)
-    f32, i32 = jnp.float32, jnp.int32
+    kl = bool(train.objective.kl_coef)
+    ref = int(prox.recompute) + int(kl)
+    mb = rows // minibatches
+    # pi_prox's pass leaves out the first minibatch's rows when their update's forward gives it
+    prox_rows = rows - mb if prox.skip_first else rows
+    i32 = jnp.int32
     per_seq = ("resp_mask", "logp_behav", "advantages") + (
         ("logp_prox",) if prox.recompute else ()) + (
-        ("logp_ref",) if train.objective.kl_coef else ())
+        ("prox_from_forward",) if prox.skip_first else ()) + (
+        ("logp_ref",) if kl else ())
 
     def learner(packing_on: bool, budget: int, layers: int):
         tr = dataclasses.replace(train, packing=packing_on, tokens_per_micro_batch=budget,
@@ -127,18 +132,18 @@ def count(config_path: str, target_name: str, seed: int = 0,
             jax.eval_shape(lambda: init_params(shape, jax.random.key(0))))
         return ln, params, opt
 
-    def compile_pair(packing_on: bool, budget: int, update_batch: dict[str, Any],
+    def compile_pair(packing_on: bool, budget: int, update_batch: dict[str, Any] | None,
                      logprob_batch: dict[str, Any]) -> tuple[float, float]:
-        """FLOPs per device of one update micro-batch and one log-prob slice at the model's
-        depth: compiled at 1 and 2 decoder layers, extrapolated linearly (every layer is the
-        same program; an unrolled 28-layer compile takes far longer)."""
+        """FLOPs per device of one update micro-batch (0 without `update_batch`) and one log-prob
+        slice at the model's depth: compiled at 1 and 2 decoder layers, extrapolated linearly
+        (every layer is the same program; an unrolled 28-layer compile takes far longer)."""
         counted = {}
         for layers in (1, 2):
             ln, params, opt = learner(packing_on, budget, layers)
-            upd = ln.update_fn(params, opt, update_batch).lower(params, opt,
-                                                                update_batch).compile()
+            upd = 0.0 if update_batch is None else _flops(ln.update_fn(
+                params, opt, update_batch).lower(params, opt, update_batch).compile())
             lp = ln.logprobs_fn(params, logprob_batch).lower(params, logprob_batch).compile()
-            counted[layers] = (_flops(upd), _flops(lp))
+            counted[layers] = (upd, _flops(lp))
             log(f"  {layers} layer(s): update micro-batch {counted[layers][0]:.4g}, log-prob "
                 f"slice {counted[layers][1]:.4g} FLOPs per device")
         depth = model_config.num_layers
@@ -148,20 +153,21 @@ def count(config_path: str, target_name: str, seed: int = 0,
     out: dict[str, Any] = {"config": config_path, "target": target.name, "rows": rows,
                            "prompt_len": p, "max_new_tokens": g, "real_tokens": real,
                            "minibatches": minibatches, "ppo_epochs": epochs,
-                           "logprob_passes": ref}
+                           "logprob_passes": ref, "prox_pass_rows": prox_rows if prox.recompute
+                           else 0}
 
     # Padded: micro-batches of micro_batch_rows sequences of P + G; log-prob slices the same.
     micro = settings.train.micro_batch_rows(rows)
     log(f"padded: micro-batches and log-prob slices of {micro} rows x {t}")
     ub = {"tokens": _spec(mesh, (micro, t), i32), "positions": _spec(mesh, (micro, t), i32),
           "attn_mask": _spec(mesh, (micro, t), jnp.bool_),
-          **{k: _spec(mesh, (micro, g) if k != "advantages" else (micro,), f32) for k in per_seq}}
+          **{k: _spec(mesh, _per_seq_shape(k, micro, g), _per_seq_dtype(k)) for k in per_seq}}
     lb = {k: ub[k] for k in ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav")}
     upd, lp = compile_pair(False, 0, ub, lb)
     n_upd = rows // micro * epochs
-    n_lp = rows // micro
-    out["padded"] = {"update_programs": n_upd, "logprob_programs": n_lp * ref,
-                     "update_flops": upd * n_upd, "logprob_flops": lp * n_lp * ref,
+    n_lp = (prox_rows // micro if prox.recompute else 0) + (rows // micro if kl else 0)
+    out["padded"] = {"update_programs": n_upd, "logprob_programs": n_lp,
+                     "update_flops": upd * n_upd, "logprob_flops": lp * n_lp,
                      "computed_tokens": rows * t * epochs, "real_token_share": real / (rows * t)}
 
     # Packed, as the config's learner packs (its pack length and token budget).
@@ -186,21 +192,27 @@ def count(config_path: str, target_name: str, seed: int = 0,
         return num, packing.bucket_rows(most, shards) * count
 
     rng = np.random.default_rng(seed)
-    mb = rows // minibatches
     update_micro, update_seqs = 0, 0
     lengths = packing.sequence_lengths(mask)
+    first = None  # the first update's rows
     for _ in range(epochs):  # the trainer's minibatches: a random permutation each epoch
         order = rng.permutation(rows)
         for i in range(minibatches):
             idx = np.sort(order[i * mb:(i + 1) * mb])
             if minibatches > 1:  # as `Trainer._update`: each process's block, equal tokens
                 idx = packing.balance_blocks(idx, lengths[idx], count)
+            first = idx if first is None else first
             num, slots = plan(mask[idx])
             update_micro += num
             update_seqs = max(update_seqs, slots)
     lp_m, lp_seqs = plan(mask)
+    if prox.skip_first:  # the pass over the other minibatches' rows
+        prox_m, prox_seqs = plan(mask[np.setdiff1d(np.arange(rows), first)])
+    else:
+        prox_m, prox_seqs = lp_m, lp_seqs
     log(f"packed: rows of {length}, {per} a micro-batch; update {update_micro} micro-batches "
-        f"over {minibatches} minibatches x {epochs} epochs, log-probs {lp_m} slices")
+        f"over {minibatches} minibatches x {epochs} epochs, log-probs {lp_m} slices"
+        + (f" (pi_prox: {prox_m} slices of {prox_rows} rows)" if prox.skip_first else ""))
 
     def packed_batch(slots: int, seq_rows: int, keys: tuple[str, ...]) -> dict[str, Any]:
         b = {"tokens": _spec(mesh, (per, length), i32),
@@ -208,22 +220,38 @@ def count(config_path: str, target_name: str, seed: int = 0,
              "segment_ids": _spec(mesh, (per, length), i32),
              "attn_mask": _spec(mesh, (per, length), jnp.bool_),
              "resp_index": _spec(mesh, (slots, g), i32), "seq_index": _spec(mesh, (slots,), i32)}
-        b.update({k: _spec(mesh, (seq_rows, g) if k != "advantages" else (seq_rows,), f32)
+        b.update({k: _spec(mesh, _per_seq_shape(k, seq_rows, g), _per_seq_dtype(k))
                   for k in keys})
         return b
 
     upd, lp = compile_pair(True, budget, packed_batch(update_seqs, mb, per_seq),
                            packed_batch(lp_seqs, rows, ("resp_mask",)))
+    lp_prox = lp
+    if prox.recompute and (prox_seqs, prox_rows) != (lp_seqs, rows):
+        # The pi_prox pass's slices hold another number of sequence slots: their own program.
+        lp_prox = compile_pair(True, budget, None,
+                               packed_batch(prox_seqs, prox_rows, ("resp_mask",)))[1]
+    lp_flops = (lp_prox * prox_m if prox.recompute else 0.0) + (lp * lp_m if kl else 0.0)
     out["packed"] = {"pack_length": length, "rows_per_micro_batch": per,
-                     "update_programs": update_micro, "logprob_programs": lp_m * ref,
-                     "update_flops": upd * update_micro, "logprob_flops": lp * lp_m * ref,
+                     "update_programs": update_micro,
+                     "logprob_programs": (prox_m if prox.recompute else 0) + (lp_m if kl else 0),
+                     "update_flops": upd * update_micro, "logprob_flops": lp_flops,
                      "computed_tokens": update_micro * per * length,
                      "real_token_share": real * epochs / (update_micro * per * length),
-                     "logprob_real_token_share": real / (lp_m * per * length)}
+                     "logprob_real_token_share": real / (lp_m * per * length),
+                     "prox_logprob_programs": prox_m if prox.recompute else 0}
     for side in ("padded", "packed"):
         out[side]["step_flops"] = out[side]["update_flops"] + out[side]["logprob_flops"]
     out["fewer_flops"] = out["padded"]["step_flops"] / out["packed"]["step_flops"]
     return out
+
+
+def _per_seq_shape(key: str, rows: int, g: int) -> tuple[int, ...]:
+    return (rows,) if key in ("advantages", "prox_from_forward") else (rows, g)
+
+
+def _per_seq_dtype(key: str) -> Any:
+    return jnp.bool_ if key == "prox_from_forward" else jnp.float32
 
 
 def describe(out: dict[str, Any]) -> list[str]:

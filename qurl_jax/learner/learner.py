@@ -71,11 +71,12 @@ Batch = dict[str, jax.Array]
 # Keys of a learner batch; all have the global batch as leading axis.
 #   tokens i32[B, P+G], positions i32[B, P+G], attn_mask bool[B, P+G] (real tokens),
 #   resp_mask f32[B, G] (tokens in the loss), logp_behav / logp_prox / logp_ref f32[B, G],
-#   advantages f32[B]. An update batch without logp_prox takes pi_prox from the update's own
-#   forward with the gradient stopped: right only when the parameters are pi_prox's
+#   advantages f32[B], prox_from_forward bool[B]. An update batch without logp_prox takes pi_prox
+#   from the update's own forward with the gradient stopped, and so do the rows whose
+#   prox_from_forward is set: right only when the parameters are pi_prox's
 #   (`qurl_jax.learner.prox.prox_source`).
 BATCH_KEYS = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
-              "logp_ref", "advantages")
+              "logp_ref", "advantages", "prox_from_forward")
 
 
 def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positions: jax.Array,
@@ -590,19 +591,25 @@ class Learner:
                 self.model, params, batch["tokens"], batch["positions"], batch["attn_mask"],
                 response_len, self.temperature, chunk=self.logprob_chunk,
                 with_entropy=need_entropy, precision=self.precision)
+        # pi_prox is these parameters (`learner.prox`) for every row without a recomputed
+        # logp_prox, or for the rows prox_from_forward marks: this forward, gradient stopped.
         logp_prox = batch.get("logp_prox")
-        from_forward = logp_prox is None
-        if from_forward:  # pi_prox is these parameters (`learner.prox`): this forward, stopped
-            logp_prox = jax.lax.stop_gradient(logp)
+        marked = batch.get("prox_from_forward")
+        counted = None  # the rows whose Sparse-RL counts this update reports
+        if logp_prox is None:
+            logp_prox, counted = jax.lax.stop_gradient(logp), batch["resp_mask"]
+        elif marked is not None:
+            logp_prox = jnp.where(marked[:, None], jax.lax.stop_gradient(logp), logp_prox)
+            counted = batch["resp_mask"] * marked[:, None]
         loss, metrics = policy_loss(
             logp, logp_prox, batch["logp_behav"], batch["advantages"],
             batch["resp_mask"], self.objective,
             logp_ref=batch.get("logp_ref") if self.objective.kl_coef else None,
             entropy=entropy,
         )
-        if from_forward and self.objective.mode == Mode.SPARSE_RL:
+        if counted is not None and self.objective.mode == Mode.SPARSE_RL:
             # The counts the trainer takes from a recomputed pi_prox, from this one instead.
-            rejected = sparse_rl_rejections(logp_prox, batch["logp_behav"], batch["resp_mask"],
+            rejected = sparse_rl_rejections(logp_prox, batch["logp_behav"], counted,
                                             self.objective)
             metrics.update({f"sparse/{k}": v for k, v in rejected.items()})
         return loss, metrics

@@ -190,7 +190,8 @@ def _abstract_batch(setup: Setup, rows: int, keys: tuple[str, ...]) -> dict[str,
     shapes = {"tokens": ((rows, t), jnp.int32), "positions": ((rows, t), jnp.int32),
               "attn_mask": ((rows, t), jnp.bool_), "resp_mask": ((rows, g), jnp.float32),
               "logp_behav": ((rows, g), jnp.float32), "logp_prox": ((rows, g), jnp.float32),
-              "logp_ref": ((rows, g), jnp.float32), "advantages": ((rows,), jnp.float32)}
+              "logp_ref": ((rows, g), jnp.float32), "advantages": ((rows,), jnp.float32),
+              "prox_from_forward": ((rows,), jnp.bool_)}
     return {k: jax.ShapeDtypeStruct(shapes[k][0], shapes[k][1],
                                     sharding=shd.batch_sharding(setup.mesh, len(shapes[k][0])))
             for k in keys}
@@ -277,8 +278,11 @@ def _weights_at_work(s: dict[str, int]) -> tuple[str, str, int]:
 
 def learner_update(setup: Setup) -> Program:
     """One optimizer step on one minibatch, micro-batches scanned inside."""
-    keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
-            "advantages") + (("logp_ref",) if setup.settings.train.objective.kl_coef else ())
+    prox = setup.settings.prox  # the batch the trainer passes: with logp_prox when it recomputes
+    keys = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "advantages") + (
+        ("logp_prox",) if prox.recompute else ()) + (
+        ("prox_from_forward",) if prox.skip_first else ()) + (
+        ("logp_ref",) if setup.settings.train.objective.kl_coef else ())
     shapes = _packed_shapes(setup, "update")
     if shapes is None:
         batch = _abstract_batch(setup, setup.minibatch_rows, keys)

@@ -358,17 +358,28 @@ class Trainer:
         metrics.update({"reshard/bytes_per_device": float(moved.received),
                         "reshard/bytes_per_quantized_param": moved.per_quantized_parameter})
         batch = self._learner_batch(r)
+        plan = self._minibatch_plan(batch)
+        # The rows the pi_prox pass covers: all, or (`prox.skip_first`) all but the first
+        # update's, which take pi_prox from that update's own forward (`learner.prox`).
+        prox_rows = None
+        if self.prox.skip_first:
+            prox_rows = np.setdiff1d(np.arange(batch["tokens"].shape[0]), plan[0])
         if self.prox.recompute or self.ref_params is not None:
             with timer.phase("logp_recompute"):
                 if self.prox.recompute:  # else the update's own forward gives pi_prox
-                    batch["logp_prox"] = self.learner.logprobs(self.params, batch)
+                    part = batch if prox_rows is None else self.learner.shard_batch(
+                        {k: v[prox_rows] for k, v in batch.items()})
+                    batch["logp_prox"] = self.learner.logprobs(self.params, part)
                 if self.ref_params is not None:
                     batch["logp_ref"] = self.learner.logprobs(self.ref_params, batch)
                 jax.block_until_ready(batch)
         if self.prox.recompute and self.objective.mode == objectives.Mode.SPARSE_RL:
-            # (From the update's forward, the update reports these counts itself.)
-            rejected = objectives.sparse_rl_rejections(batch["logp_prox"], batch["logp_behav"],
-                                                       batch["resp_mask"], self.objective)
+            # Counts of the recomputed rows (the first update adds its rows' counts when it
+            # takes them from its forward: `_update`).
+            rows = slice(None) if prox_rows is None else prox_rows
+            rejected = objectives.sparse_rl_rejections(
+                batch["logp_prox"], batch["logp_behav"][rows], batch["resp_mask"][rows],
+                self.objective)
             metrics.update({f"sparse/{k}": float(v) for k, v in rejected.items()})
         with timer.phase("reward"):  # only the part the recomputation did not hide
             r.resolve()
@@ -377,7 +388,8 @@ class Trainer:
         # The update donates the parameter buffers, so the diagnostic keeps its own copy.
         old_params = jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes else None
         with timer.phase("update"):
-            metrics.update(self._update(batch))
+            for k, v in self._update(batch, plan, prox_rows).items():
+                metrics[k] = metrics.get(k, 0.0) + v if k.startswith("sparse/") else v
         if self.recipe.quantizes:
             capture = quant.update_capture(old_params, self.params, self.recipe)
             metrics.update({f"quant/{k}": float(v) for k, v in capture.items()})
@@ -421,41 +433,66 @@ class Trainer:
         # This process's rows; the global batch is every process's rows in block order.
         return dist.global_batch(self.mesh, batch)
 
-    def _update(self, batch: dict[str, jax.Array]) -> dict[str, float]:
-        """`rl.ppo_epochs` passes of `rl.num_minibatches` optimizer steps; mean metrics.
+    def _minibatch_plan(self, batch: dict[str, jax.Array]) -> list[np.ndarray | None]:
+        """The rows of every optimizer step of the RL step, in order: `rl.ppo_epochs` passes of
+        `rl.num_minibatches` minibatches, each epoch a permutation of the batch (None: the whole
+        batch, one minibatch). Drawn before the first update, so the pi_prox pass knows which
+        rows the first update covers."""
+        s = self.settings
+        size = batch["tokens"].shape[0]
+        if s.train.num_minibatches == 1:
+            return [None] * s.rl.ppo_epochs
+        mb = size // s.train.num_minibatches
+        balance = self._block_balance(batch)
+        plan = []
+        for epoch in range(s.rl.ppo_epochs):
+            order = np.asarray(jax.random.permutation(self.key(Stream.MINIBATCH, epoch), size))
+            for i in range(s.train.num_minibatches):
+                idx = np.sort(order[i * mb:(i + 1) * mb])
+                if balance is not None:
+                    lengths, count = balance  # each process packs its block of the minibatch
+                    idx = packing.balance_blocks(idx, lengths[idx], count)
+                plan.append(idx)
+        return plan
+
+    def _update(self, batch: dict[str, jax.Array], plan: list[np.ndarray | None],
+                prox_rows: np.ndarray | None = None) -> dict[str, float]:
+        """One optimizer step per entry of `plan` (`_minibatch_plan`); mean metrics (Sparse-RL's
+        `sparse/*` counts summed). `prox_rows`: the rows `batch["logp_prox"]` holds, in order,
+        when the pass left out the first update's rows (`prox.skip_first`); that update marks
+        its rows `prox_from_forward` and the others carry their recomputed log-probs.
 
         With `train.apply_updates` False (the control run) each update is computed on copies of
         the parameters and optimizer state and then discarded.
         """
         s = self.settings
-        size = batch["tokens"].shape[0]
-        mb = size // s.train.num_minibatches
-        # Every epoch's order before the first update, and the metrics fetched once after the
-        # last: the host enqueues all updates (and the minibatch gathers between them) without
-        # waiting for one to finish.
-        orders = [np.asarray(jax.random.permutation(self.key(Stream.MINIBATCH, epoch), size))
-                  for epoch in range(s.rl.ppo_epochs)]
-        balance = self._block_balance(batch)
+        # The metrics are fetched once after the last update: the host enqueues all updates (and
+        # the minibatch gathers between them) without waiting for one to finish.
         pending = []
-        for order in orders:
-            for i in range(s.train.num_minibatches):
-                idx = np.sort(order[i * mb:(i + 1) * mb]) if s.train.num_minibatches > 1 else None
-                if idx is not None and balance is not None:
-                    lengths, count = balance  # each process packs its block of the minibatch
-                    idx = packing.balance_blocks(idx, lengths[idx], count)
-                if pending and jax.process_count() > 1:
-                    # One update ahead at most: ~20 gathers and reshards dispatched behind a
-                    # running update hung two-process CPU runs (docs/scaling.md, "Failures").
-                    jax.block_until_ready(pending[-1])
-                mini = batch if idx is None else self.learner.shard_batch(
-                    {k: v[idx] for k, v in batch.items()})
-                if s.loop.apply_updates:
-                    self.params, self.opt_state, m = self.learner.update(
-                        self.params, self.opt_state, mini)
+        for step, idx in enumerate(plan):
+            if pending and jax.process_count() > 1:
+                # One update ahead at most: ~20 gathers and reshards dispatched behind a
+                # running update hung two-process CPU runs (docs/scaling.md, "Failures").
+                jax.block_until_ready(pending[-1])
+            if idx is None:
+                mini = batch
+            elif prox_rows is None:
+                mini = self.learner.shard_batch({k: v[idx] for k, v in batch.items()})
+            else:
+                mini = {k: v[idx] for k, v in batch.items() if k != "logp_prox"}
+                if step == 0:  # these rows are not in the pass: pi_prox from this forward
+                    mini["logp_prox"] = np.zeros(mini["resp_mask"].shape, np.float32)
                 else:
-                    _, _, m = self.learner.update(jax.tree.map(jnp.copy, self.params),
-                                                  jax.tree.map(jnp.copy, self.opt_state), mini)
-                pending.append(m)
+                    mini["logp_prox"] = batch["logp_prox"][np.searchsorted(prox_rows, idx)]
+                mini["prox_from_forward"] = np.full(len(idx), step == 0)
+                mini = self.learner.shard_batch(mini)
+            if s.loop.apply_updates:
+                self.params, self.opt_state, m = self.learner.update(
+                    self.params, self.opt_state, mini)
+            else:
+                _, _, m = self.learner.update(jax.tree.map(jnp.copy, self.params),
+                                              jax.tree.map(jnp.copy, self.opt_state), mini)
+            pending.append(m)
         sums: dict[str, float] = {}
         for m in jax.device_get(pending):
             for k, v in to_floats(m).items():
@@ -463,7 +500,7 @@ class Trainer:
         count = len(pending)
         # A step is bad when any of its updates was skipped for a non-finite loss or gradient.
         self._bad_steps = self._bad_steps + 1 if sums["update/skipped"] else 0
-        return {k: v / count for k, v in sums.items()}
+        return {k: v if k.startswith("sparse/") else v / count for k, v in sums.items()}
 
     def _block_balance(self, batch: dict[str, jax.Array]) -> tuple[np.ndarray, int] | None:
         """(every sequence's real tokens, row blocks) when processes pack their own blocks of
