@@ -267,6 +267,36 @@ def test_warm_start_is_rebuilt_when_the_training_data_changes(tmp_path, monkeypa
         assert json.load(f)["data_sha256"] == warm_start.data_hash(changed)
 
 
+def test_warm_start_in_chunks_equals_one_step_per_call(monkeypatch):
+    """The warm start runs its steps in `lax.scan` chunks (`_sft_chunk`); the same draws one step
+    per call give the same parameters (10 steps: chunks of 2)."""
+    import jax
+    import numpy as np
+
+    from qurl_jax.data.tokenizer import build_char_tokenizer
+    from qurl_jax.models import init_params
+
+    model = RunSettings.from_config(_config(**{"model.tiny": dict(
+        base_config().model.tiny, num_layers=1, hidden_size=32, intermediate_size=64,
+        head_dim=16)})).model
+    cfg = warm_start.tiny_model_config(model)
+    pairs = [(f"{a}+{b}=", f"{a + b}<|eos|>") for a in range(9) for b in range(5)]
+    tok = build_char_tokenizer()
+    assert warm_start._sft_chunk(10 // 5) == 2
+    out = []
+    for chunk in (None, 1):
+        if chunk:
+            monkeypatch.setattr(warm_start, "_sft_chunk", lambda every, c=chunk: c)
+        params = init_params(cfg, jax.random.key(0))
+        out.append(jax.device_get(warm_start.supervised_warm_start(
+            cfg, params, pairs, tok, steps=10, learning_rate=1e-2, batch_size=8, seed=0)))
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    moved = init_params(cfg, jax.random.key(0))
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(out[0]),
+                                                     jax.tree.leaves(moved)))
+
+
 # ------------------------------------------------------------------------------- evaluate
 def test_evaluate_names_a_missing_checkpoint_step_or_workdir_inassert_one_line(tmp_path):
     assert_one_line(_cli("qurl_jax.evaluate", TINY, f"--workdir={tmp_path}", "--step=7"),

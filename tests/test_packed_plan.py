@@ -159,7 +159,12 @@ def test_bench_learner_flops_counts_a_step(tmp_path):
     out = learner_flops.count(str(tmp_path / "cfg.py"), "tpu:v5p-16", log=lambda _: None)
     padded, packed = out["padded"], out["packed"]
     assert out["logprob_passes"] == 2 and padded["update_programs"] == 128 // 8
-    assert padded["logprob_programs"] == 2 * 128 // 8
+    # pi_prox's pass leaves out the first of the 4 minibatches (its update's forward gives it),
+    # pi_ref's covers every row.
+    assert out["prox_pass_rows"] == 96
+    assert padded["logprob_programs"] == 96 // 8 + 128 // 8
+    assert packed["prox_logprob_programs"] < packed["logprob_programs"] / 2
+    assert packed["step_flops_full_recompute"] > packed["step_flops"]
     for side in (padded, packed):
         assert side["step_flops"] == side["update_flops"] + side["logprob_flops"] > 0
     assert packed["rows_per_micro_batch"] == 8  # one 1024-token row per device, 2 hosts

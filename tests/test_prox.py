@@ -231,9 +231,12 @@ def test_trainer_step_with_the_first_minibatch_from_its_forward(tmp_path, mode):
         if full:
             t.prox = ProxSource(True, "forced by the test")
         seen = []
-        logprobs = t.learner.logprobs
-        t.learner.logprobs = lambda params, batch: seen.append(
-            batch["tokens"].shape[0]) or logprobs(params, batch)
+
+        def counting(params, batch, seen=seen, logprobs=t.learner.logprobs):
+            seen.append(batch["tokens"].shape[0])
+            return logprobs(params, batch)
+
+        t.learner.logprobs = counting
         m = t.step()
         rows = t.settings.rollout_rows
         assert seen == [rows if full else rows // 2]
@@ -251,3 +254,18 @@ def test_trainer_step_with_the_first_minibatch_from_its_forward(tmp_path, mode):
     assert m_a["kl_behav_prox_k3"] > 0
     for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def test_the_step_harness_config_runs_one_float_optimizer_step():
+    """configs/smollm2_135m_step.py (the whole-step timing harness of docs/performance.md) is the
+    setting it says: 32 samples of at most 64 tokens, one optimizer step, no separate pass."""
+    import os
+
+    from qurl_jax.config.base import load_config_file
+    from qurl_jax.config.settings import RunSettings
+
+    c = load_config_file(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                      "smollm2_135m_step.py"))
+    settings = RunSettings.from_config(c)
+    assert settings.rollout_rows == 32 and settings.rollout.max_new_tokens == 64
+    assert not settings.prox.recompute and not settings.learner_logprobs

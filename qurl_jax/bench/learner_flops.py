@@ -232,6 +232,8 @@ def count(config_path: str, target_name: str, seed: int = 0,
         lp_prox = compile_pair(True, budget, None,
                                packed_batch(prox_seqs, prox_rows, ("resp_mask",)))[1]
     lp_flops = (lp_prox * prox_m if prox.recompute else 0.0) + (lp * lp_m if kl else 0.0)
+    # Beside it, the same step with pi_prox recomputed over every row (before `prox.skip_first`)
+    full_recompute = lp * lp_m * (1 + int(kl))
     out["packed"] = {"pack_length": length, "rows_per_micro_batch": per,
                      "update_programs": update_micro,
                      "logprob_programs": (prox_m if prox.recompute else 0) + (lp_m if kl else 0),
@@ -239,7 +241,8 @@ def count(config_path: str, target_name: str, seed: int = 0,
                      "computed_tokens": update_micro * per * length,
                      "real_token_share": real * epochs / (update_micro * per * length),
                      "logprob_real_token_share": real / (lp_m * per * length),
-                     "prox_logprob_programs": prox_m if prox.recompute else 0}
+                     "prox_logprob_programs": prox_m if prox.recompute else 0,
+                     "step_flops_full_recompute": upd * update_micro + full_recompute}
     for side in ("padded", "packed"):
         out[side]["step_flops"] = out[side]["update_flops"] + out[side]["logprob_flops"]
     out["fewer_flops"] = out["padded"]["step_flops"] / out["packed"]["step_flops"]
@@ -267,4 +270,8 @@ def describe(out: dict[str, Any]) -> list[str]:
                      f"{o['update_programs'] + o['logprob_programs']:>10}"
                      f"{o['real_token_share']:>12.3f}")
     lines.append(f"packed: {out['fewer_flops']:.2f}x fewer compiled FLOPs per step")
+    full = out["packed"]["step_flops_full_recompute"]
+    if full != out["packed"]["step_flops"]:
+        lines.append(f"packed, pi_prox recomputed over every row instead: {full:.4g} per step "
+                     f"({full / out['packed']['step_flops']:.3f}x this step's)")
     return lines
