@@ -269,3 +269,31 @@ def test_the_step_harness_config_runs_one_float_optimizer_step():
     settings = RunSettings.from_config(c)
     assert settings.rollout_rows == 32 and settings.rollout.max_new_tokens == 64
     assert not settings.prox.recompute and not settings.learner_logprobs
+
+
+@pytest.mark.slow  # two tiny trainers' compiles
+def test_update_capture_inside_the_update_equals_the_copy(tmp_path):
+    """One optimizer step per RL step: the update program reports the INT8 actor's update
+    capture itself (no copy of the old parameters beside the update), with the values the
+    trainer's copy-and-compare gives."""
+    from test_trainer import _scripted, tiny_config
+
+    from qurl_jax.train.trainer import Trainer
+
+    kw = {"rollout.precision": "int8", "rl.num_minibatches": 1, "train.num_steps": 1,
+          "optim.learning_rate": 1e-2, "optim.warmup_steps": 0}
+    out = []
+    for inside in (True, False):
+        t = Trainer(tiny_config(**kw), str(tmp_path / str(inside)))
+        assert t.settings.capture_in_update and t.learner.update_capture is not None
+        if not inside:
+            t.learner.update_capture = None
+        t.task.rewards = _scripted([1, 0, 0, 1, 0, 1, 1, 0])  # advantages that move params
+        out.append(t.step())
+    for k in ("code_change_fraction", "mean_abs_update", "mean_quant_step",
+              "update_to_step_ratio"):
+        np.testing.assert_allclose(out[0][f"quant/{k}"], out[1][f"quant/{k}"], rtol=1e-6,
+                                   err_msg=k)
+    assert out[0]["quant/code_change_fraction"] > 0 and out[0]["quant/mean_abs_update"] > 0
+    assert not Trainer(tiny_config(**dict(kw, **{"rl.num_minibatches": 2})),
+                       str(tmp_path / "two")).settings.capture_in_update

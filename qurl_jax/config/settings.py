@@ -333,16 +333,18 @@ class TrainSettings:
         return rollout_rows // (self.num_minibatches * self.num_micro_batches)
 
     def learner(self, model_config: ModelConfig, mesh: Mesh, *, temperature: float,
-                rollout_rows: int) -> Learner:
+                rollout_rows: int, update_capture: Any = None) -> Learner:
         """The `Learner` of these settings for a rollout batch of `rollout_rows` sampled at
-        `temperature` (its log-probs are computed in slices of one micro-batch)."""
+        `temperature` (its log-probs are computed in slices of one micro-batch); with
+        `update_capture` (a rollout recipe) its update reports `quant.update_capture`."""
         return Learner(model_config, self.objective, self.optim, mesh, temperature=temperature,
                        num_micro_batches=self.num_micro_batches, remat=self.remat,
                        scan_layers=self.scan_layers, logprob_chunk=self.logprob_chunk,
                        logprob_batch_size=self.micro_batch_rows(rollout_rows),
                        precision=self.precision, packing=self.packing,
                        pack_length=self.pack_length,
-                       tokens_per_micro_batch=self.tokens_per_micro_batch)
+                       tokens_per_micro_batch=self.tokens_per_micro_batch,
+                       update_capture=update_capture)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,6 +456,21 @@ class RunSettings:
         the update's own forward."""
         return prox_source(num_minibatches=self.train.num_minibatches,
                            ppo_epochs=self.rl.ppo_epochs, precision=self.train.precision)
+
+    @property
+    def capture_in_update(self) -> bool:
+        """Whether the update program computes the quantized actor's update capture
+        (`quant.update_capture`) itself: with one optimizer step per RL step that applies, the
+        parameters before and after it are the step's, so no copy of the old parameters is
+        kept beside the update (else the trainer keeps one and compares after the step)."""
+        return (self.rollout.recipe.quantizes and self.loop.apply_updates
+                and self.train.num_minibatches * self.rl.ppo_epochs == 1)
+
+    @property
+    def update_capture(self) -> Any:
+        """The rollout recipe the learner's update reports `quant.update_capture` of, or None
+        (`capture_in_update`)."""
+        return self.rollout.recipe if self.capture_in_update else None
 
     @property
     def learner_logprobs(self) -> bool:

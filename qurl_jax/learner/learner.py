@@ -291,6 +291,9 @@ class Learner:
       sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences. The
       log-prob recomputation runs in slices of the same packed rows (`logprob_batch_size` is
       then unused), its log-probs scattered back to [B, G].
+    update_capture: a rollout recipe whose `quant.update_capture` of this update (the parameters
+      before against after) the update program reports as `quant/*` metrics, so a caller
+      needs no copy of the old parameters beside the update (`RunSettings.capture_in_update`).
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
@@ -298,7 +301,8 @@ class Learner:
                  remat: Remat | str = Remat.NONE, scan_layers: bool = False,
                  logprob_chunk: int = 512, logprob_batch_size: int = 0,
                  precision: str | quant.Recipe = "fp", packing: bool = False,
-                 pack_length: int = 0, tokens_per_micro_batch: int = 0) -> None:
+                 pack_length: int = 0, tokens_per_micro_batch: int = 0,
+                 update_capture: str | quant.Recipe | None = None) -> None:
         objective.validate()
         quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
         self.precision = quant.get_recipe(precision)
@@ -334,6 +338,7 @@ class Learner:
         self.pack_length = int(pack_length)
         self.tokens_per_micro_batch = int(tokens_per_micro_batch)
         self.last_pack: dict[str, float] = {}
+        self.update_capture = None if update_capture is None else quant.get_recipe(update_capture)
         self._pack_cache: tuple[Any, int, Batch] | None = None
         self._budget_cache: tuple[Any, Batch, dict[str, float]] | None = None
 
@@ -686,4 +691,7 @@ class Learner:
         metrics = dict(metrics)
         metrics.update({"update/loss": loss, "update/grad_norm": grad_norm,
                         "update/skipped": 1.0 - ok.astype(jnp.float32)})
+        if self.update_capture is not None:  # inside the program: no copy of the old params
+            capture = quant.update_capture(params, new_params, self.update_capture)
+            metrics.update({f"quant/{k}": v for k, v in capture.items()})
         return new_params, new_opt_state, metrics

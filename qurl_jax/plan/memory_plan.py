@@ -553,7 +553,8 @@ def build_setup(settings: RunSettings, model_config: ModelConfig,
     mesh = shd.make_mesh(settings.mesh.data, settings.mesh.fsdp, settings.mesh.tensor,
                          devices=devices)
     learner = settings.train.learner(model_config, mesh, temperature=settings.rollout.temperature,
-                                     rollout_rows=settings.rollout_rows)
+                                     rollout_rows=settings.rollout_rows,
+                                     update_capture=settings.update_capture)
     return setup_for(settings, model_config, mesh, learner)
 
 

@@ -125,7 +125,8 @@ class Trainer:
         self.model_config = model_config_for(self.settings.model)
         self.learner = self.settings.train.learner(self.model_config, self.mesh,
                                                    temperature=s.rollout.temperature,
-                                                   rollout_rows=self.settings.rollout_rows)
+                                                   rollout_rows=self.settings.rollout_rows,
+                                                   update_capture=self.settings.update_capture)
         # pi_prox: a separate log-prob pass, or the update's own forward (`learner.prox`).
         self.prox = self.settings.prox
         logging.info("%s", self.prox.describe())
@@ -385,12 +386,14 @@ class Trainer:
             r.resolve()
         advantages = self._advantages(self._shaped_rewards(r))
         batch.update(dist.global_batch(self.mesh, {"advantages": advantages}))
-        # The update donates the parameter buffers, so the diagnostic keeps its own copy.
-        old_params = jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes else None
+        # The update donates the parameter buffers, so the diagnostic keeps its own copy,
+        # unless the update program reports it (`RunSettings.capture_in_update`).
+        old_params = (jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes
+                      and self.learner.update_capture is None else None)
         with timer.phase("update"):
             for k, v in self._update(batch, plan, prox_rows).items():
                 metrics[k] = metrics.get(k, 0.0) + v if k.startswith("sparse/") else v
-        if self.recipe.quantizes:
+        if old_params is not None:
             capture = quant.update_capture(old_params, self.params, self.recipe)
             metrics.update({f"quant/{k}": float(v) for k, v in capture.items()})
         metrics.update(self._step_metrics(r, timer, metrics))
