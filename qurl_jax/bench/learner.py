@@ -107,6 +107,12 @@ def main(argv: list[str] | None = None) -> None:
                          "doing the same forward, backward and AdamW step, interleaved "
                          "(bench/learner_vs_torch.py; --rows, --max_prompt_len, "
                          "--max_new_tokens, --rounds, --layers)")
+    ap.add_argument("--remat", default="none",
+                    help="with --vs_torch: our learner's train.remat (none | dots | full)")
+    ap.add_argument("--scan_layers", action="store_true",
+                    help="with --vs_torch: our learner's layers as one lax.scan")
+    ap.add_argument("--logprob_chunk", type=int, default=512,
+                    help="with --vs_torch: our learner's response positions per LM-head chunk")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers (default: 2, or 30 with --vs_torch)")
     ap.add_argument("--config", help="with --flops: a config file (configs/)")
@@ -132,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
             rows=args.rows if given("--rows") else 32,
             max_prompt_len=args.max_prompt_len if given("--max_prompt_len") else 40,
             max_new_tokens=args.max_new_tokens if given("--max_new_tokens") else 64,
-            rounds=args.rounds, layers=args.layers or 30, seed=args.seed)
+            rounds=args.rounds, layers=args.layers or 30, seed=args.seed,
+            learner_kw={"remat": args.remat, "scan_layers": args.scan_layers,
+                        "logprob_chunk": args.logprob_chunk})
         print(f"update (forward + backward + AdamW), median of {args.rounds} interleaved rounds "
               f"on {out['cpus']:.0f} CPUs:")
         print(f"  ours  {out['ours/seconds']:7.2f} s  peak RSS {out['ours/peak_rss_gb']:.2f} GB"

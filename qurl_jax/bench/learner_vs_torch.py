@@ -85,7 +85,8 @@ def _peak_rss_gb() -> float:
 
 
 class _Ours:
-    def __init__(self, host: dict[str, np.ndarray], layers: int, seed: int) -> None:
+    def __init__(self, host: dict[str, np.ndarray], layers: int, seed: int,
+                 learner_kw: dict[str, Any] | None = None) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -98,7 +99,7 @@ class _Ours:
         cfg = smollm2_shapes(layers)
         self.learner = Learner(cfg, ObjectiveConfig(), OptimConfig(learning_rate=1e-6),
                                shd.make_mesh(), packing=True,
-                               logprob_batch_size=host["tokens"].shape[0])
+                               logprob_batch_size=host["tokens"].shape[0], **(learner_kw or {}))
         self.params = self.learner.shard_params(init_params(cfg, jax.random.key(seed)))
         self.opt = self.learner.init_opt_state(self.params)
         self.host = {k: jnp.asarray(v) for k, v in host.items()}
@@ -187,8 +188,10 @@ def op_time_split(trace_dir: str) -> dict[str, float]:
     return split
 
 
-def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn: Any) -> None:
-    runner = (_Ours if side == "ours" else _Torch)(host, layers, seed)
+def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn: Any,
+            learner_kw: dict[str, Any] | None = None) -> None:
+    runner = (_Ours(host, layers, seed, learner_kw) if side == "ours"
+              else _Torch(host, layers, seed))
     while True:
         msg = conn.recv()
         if msg == "stop":
@@ -214,14 +217,16 @@ def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn
 
 def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, rounds: int = 3,
         layers: int = 30, seed: int = 0, profile: bool = True,
-        log: Any = print) -> dict[str, float]:
-    """The comparison (module doc); JSON-able figures."""
+        log: Any = print, learner_kw: dict[str, Any] | None = None) -> dict[str, float]:
+    """The comparison (module doc); JSON-able figures. `learner_kw`: our `Learner`'s memory
+    settings (remat, scan_layers, logprob_chunk)."""
     host = batch(rows, max_prompt_len, max_new_tokens, SMOLLM2_135M["vocab_size"], seed)
     ctx = mp.get_context("spawn")
     workers = {}
     for side in ("ours", "torch"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(side, host, layers, seed, child), daemon=True)
+        proc = ctx.Process(target=_worker, args=(side, host, layers, seed, child, learner_kw),
+                           daemon=True)
         proc.start()
         workers[side] = (proc, parent)
 
