@@ -42,6 +42,20 @@ def _learner(objective: ObjectiveConfig, **kw) -> Learner:
                    shd.make_mesh(), temperature=0.9, **kw)
 
 
+def _same_loss_gradients_metrics(learner: Learner, params, batch_a, batch_b):
+    """`Learner.loss` on two batches: equal loss, gradients and metrics (float rounding);
+    returns both metric dicts."""
+    grad = jax.jit(jax.value_and_grad(learner.loss, has_aux=True))
+    (loss_a, metrics_a), grads_a = grad(params, batch_a)
+    (loss_b, metrics_b), grads_b = grad(params, batch_b)
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    for k, v in metrics_a.items():
+        np.testing.assert_allclose(metrics_b[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    return metrics_a, metrics_b
+
+
 OBJECTIVES = {
     "acr": ObjectiveConfig(),
     "tis": ObjectiveConfig(mode="tis", cap=1.5),
@@ -66,14 +80,7 @@ def test_objective_gradients_and_metrics_equal_the_recompute(name):
     if objective.kl_coef:
         batch["logp_ref"] = batch["logp_behav"] - 0.3
     recomputed = dict(batch, logp_prox=learner.logprobs(params, batch))
-    grad = jax.jit(jax.value_and_grad(learner.loss, has_aux=True))
-    (loss_a, metrics_a), grads_a = grad(params, recomputed)
-    (loss_b, metrics_b), grads_b = grad(params, batch)
-    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
-    for k, v in metrics_a.items():
-        np.testing.assert_allclose(metrics_b[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    metrics_a, metrics_b = _same_loss_gradients_metrics(learner, params, recomputed, batch)
     # The case is not trivial: tokens are truncated and clipped (and vetoed, band-masked).
     if objective.mode in ("acr", "tis"):
         assert metrics_a["truncated_frac"] > 0 and metrics_a["kl_behav_prox_k3"] > 0.05
@@ -164,14 +171,8 @@ def test_marked_rows_take_pi_prox_from_the_forward():
     marked = jnp.asarray(np.arange(B) % 2 == 0)
     partial = dict(batch, prox_from_forward=marked,
                    logp_prox=jnp.where(marked[:, None], -7.0, logp_prox))
-    grad = jax.jit(jax.value_and_grad(learner.loss, has_aux=True))
-    (loss_a, metrics_a), grads_a = grad(params, dict(batch, logp_prox=logp_prox))
-    (loss_b, metrics_b), grads_b = grad(params, partial)
-    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
-    for k, v in metrics_a.items():
-        np.testing.assert_allclose(metrics_b[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    _, metrics_b = _same_loss_gradients_metrics(learner, params,
+                                                dict(batch, logp_prox=logp_prox), partial)
     expected = sparse_rl_rejections(logp_prox, batch["logp_behav"],
                                     batch["resp_mask"] * marked[:, None], objective)
     everyone = sparse_rl_rejections(logp_prox, batch["logp_behav"], batch["resp_mask"],
