@@ -40,6 +40,7 @@ from qurl_jax.bench.sampler import tail_limits
 from qurl_jax.config.base import load_config_file
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.learner import packing
+from qurl_jax.learner.learner import batch_spec
 from qurl_jax.learner.prox import prox_source
 from qurl_jax.models import init_params, positions_from_mask
 from qurl_jax.parallel import sharding as shd
@@ -159,9 +160,8 @@ def count(config_path: str, target_name: str, seed: int = 0,
     # Padded: micro-batches of micro_batch_rows sequences of P + G; log-prob slices the same.
     micro = settings.train.micro_batch_rows(rows)
     log(f"padded: micro-batches and log-prob slices of {micro} rows x {t}")
-    ub = {"tokens": _spec(mesh, (micro, t), i32), "positions": _spec(mesh, (micro, t), i32),
-          "attn_mask": _spec(mesh, (micro, t), jnp.bool_),
-          **{k: _spec(mesh, _per_seq_shape(k, micro, g), _per_seq_dtype(k)) for k in per_seq}}
+    ub = {k: _spec(mesh, *batch_spec(k, micro, p, g))
+          for k in ("tokens", "positions", "attn_mask") + per_seq}
     lb = {k: ub[k] for k in ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav")}
     upd, lp = compile_pair(False, 0, ub, lb)
     n_upd = rows // micro * epochs
@@ -220,8 +220,7 @@ def count(config_path: str, target_name: str, seed: int = 0,
              "segment_ids": _spec(mesh, (per, length), i32),
              "attn_mask": _spec(mesh, (per, length), jnp.bool_),
              "resp_index": _spec(mesh, (slots, g), i32), "seq_index": _spec(mesh, (slots,), i32)}
-        b.update({k: _spec(mesh, _per_seq_shape(k, seq_rows, g), _per_seq_dtype(k))
-                  for k in keys})
+        b.update({k: _spec(mesh, *batch_spec(k, seq_rows, p, g)) for k in keys})
         return b
 
     upd, lp = compile_pair(True, budget, packed_batch(update_seqs, mb, per_seq),
@@ -232,7 +231,8 @@ def count(config_path: str, target_name: str, seed: int = 0,
         lp_prox = compile_pair(True, budget, None,
                                packed_batch(prox_seqs, prox_rows, ("resp_mask",)))[1]
     lp_flops = (lp_prox * prox_m if prox.recompute else 0.0) + (lp * lp_m if kl else 0.0)
-    # Beside it, the same step with pi_prox recomputed over every row (before `prox.skip_first`)
+    # Beside it, the same step with pi_prox's pass over every row (as before `prox.skip_first`,
+    # and as where the update's forward gives pi_prox the pass would be)
     full_recompute = lp * lp_m * (1 + int(kl))
     out["packed"] = {"pack_length": length, "rows_per_micro_batch": per,
                      "update_programs": update_micro,
@@ -247,14 +247,6 @@ def count(config_path: str, target_name: str, seed: int = 0,
         out[side]["step_flops"] = out[side]["update_flops"] + out[side]["logprob_flops"]
     out["fewer_flops"] = out["padded"]["step_flops"] / out["packed"]["step_flops"]
     return out
-
-
-def _per_seq_shape(key: str, rows: int, g: int) -> tuple[int, ...]:
-    return (rows,) if key in ("advantages", "prox_from_forward") else (rows, g)
-
-
-def _per_seq_dtype(key: str) -> Any:
-    return jnp.bool_ if key == "prox_from_forward" else jnp.float32
 
 
 def describe(out: dict[str, Any]) -> list[str]:

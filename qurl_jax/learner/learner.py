@@ -75,8 +75,22 @@ Batch = dict[str, jax.Array]
 #   from the update's own forward with the gradient stopped, and so do the rows whose
 #   prox_from_forward is set: right only when the parameters are pi_prox's
 #   (`qurl_jax.learner.prox.prox_source`).
-BATCH_KEYS = ("tokens", "positions", "attn_mask", "resp_mask", "logp_behav", "logp_prox",
-              "logp_ref", "advantages", "prox_from_forward")
+_BATCH_SPECS = {  # key: (width after the batch axis: P + G, G or none; dtype)
+    "tokens": ("P+G", jnp.int32), "positions": ("P+G", jnp.int32),
+    "attn_mask": ("P+G", jnp.bool_), "resp_mask": ("G", jnp.float32),
+    "logp_behav": ("G", jnp.float32), "logp_prox": ("G", jnp.float32),
+    "logp_ref": ("G", jnp.float32), "advantages": ("", jnp.float32),
+    "prox_from_forward": ("", jnp.bool_)}
+BATCH_KEYS = tuple(_BATCH_SPECS)
+
+
+def batch_spec(key: str, rows: int, prompt_len: int, response_len: int
+               ) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) of the learner batch's array `key` (`BATCH_KEYS`) for `rows` sequences of
+    `prompt_len` + `response_len` slots: what the memory plan and the FLOP count compile."""
+    width, dtype = _BATCH_SPECS[key]
+    tail = {"P+G": (prompt_len + response_len,), "G": (response_len,), "": ()}[width]
+    return (rows, *tail), dtype
 
 
 def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positions: jax.Array,

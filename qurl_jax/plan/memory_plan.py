@@ -73,7 +73,7 @@ from jax.sharding import Mesh
 from qurl_jax import quant
 from qurl_jax.config.settings import MeshSizes, ModelSettings, RunSettings
 from qurl_jax.learner import packed_plan
-from qurl_jax.learner.learner import Learner
+from qurl_jax.learner.learner import Learner, batch_spec
 from qurl_jax.models import ModelConfig, PagedKVCache, hf, init_params, param_logical_axes
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel import rollout_layout, targets
@@ -186,15 +186,12 @@ class Program:
 
 
 def _abstract_batch(setup: Setup, rows: int, keys: tuple[str, ...]) -> dict[str, Any]:
-    t, g = setup.prompt_len + setup.response_len, setup.response_len
-    shapes = {"tokens": ((rows, t), jnp.int32), "positions": ((rows, t), jnp.int32),
-              "attn_mask": ((rows, t), jnp.bool_), "resp_mask": ((rows, g), jnp.float32),
-              "logp_behav": ((rows, g), jnp.float32), "logp_prox": ((rows, g), jnp.float32),
-              "logp_ref": ((rows, g), jnp.float32), "advantages": ((rows,), jnp.float32),
-              "prox_from_forward": ((rows,), jnp.bool_)}
-    return {k: jax.ShapeDtypeStruct(shapes[k][0], shapes[k][1],
-                                    sharding=shd.batch_sharding(setup.mesh, len(shapes[k][0])))
-            for k in keys}
+    out = {}
+    for k in keys:
+        shape, dtype = batch_spec(k, rows, setup.prompt_len, setup.response_len)
+        out[k] = jax.ShapeDtypeStruct(shape, dtype,
+                                      sharding=shd.batch_sharding(setup.mesh, len(shape)))
+    return out
 
 
 def _packed_shapes(setup: Setup, program: str) -> packed_plan.PackedShapes | None:
