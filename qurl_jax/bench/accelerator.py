@@ -14,12 +14,21 @@ Parts:
   to the limit). Decode time = time of the full call - time of a 1-token call (prefill and first
   token), each the fastest of `--rounds`; tokens/s = B * (new_tokens - 1) / difference. Each
   actor runs over each KV cache precision of `--kv_precisions` (bf16, int8, fp8: keys and values
-  quantized as written, per-token scales), in a dense per-row cache (`--page_size=0`: the static
-  sampler, JAX's ragged Pallas kernel on GPU) or a paged pool of `--page_size`-token pages with a
-  page for every token (the refilling sampler, JAX's paged kernels reading 8-bit pages and their
-  scales natively). Beside it, the bytes one decode step reads on average: the actor's parameters
-  once and the rows' live keys and values (prompt + half the new tokens, at the cache's
-  precision, scales included; the kernels read live slots only), over the step time.
+  quantized as written, per-token scales) and each cache of `--page_sizes`: 0, a dense per-row
+  cache (the static sampler, JAX's ragged Pallas kernel on GPU), or P > 0, a paged pool of
+  P-token pages with a page for every token (the refilling sampler, JAX's paged kernels reading
+  8-bit pages and their scales natively). Beside it, the bytes one decode step reads on
+  average: the actor's parameters once and the rows' live keys and values (prompt + half the
+  new tokens, at the cache's precision, scales included; the kernels read live slots only), over
+  the step time.
+- `attention`: one layer's decode attention alone, at the model's heads and B rows whose live
+  context is prompt + half the new tokens: the dense per-row cache through XLA's masked softmax
+  and through JAX's ragged GPU kernel, and a paged pool of `--page_size`-token pages (a
+  shuffled page table, as a pool looks after refills) through JAX's paged kernel in each KV
+  precision. Each is one jitted loop of `--attention_calls` dependent calls (the next query
+  depends on the last output, so nothing is hoisted); time per call, fastest of `--rounds`, and
+  live K/V bytes per call (scales included) over it. It isolates the kernel from the sampler's
+  loop (the refilling sampler's host round-trip every chunk of steps, its bookkeeping).
 - `lowering`: the compiled decode program's matrix products, by custom-call target and operand
   element types: an int8 actor whose products run as `s8 x s8 -> s32` GEMMs (or f8e4m3fn for fp8)
   is native; a bf16 GEMM fed by converted codes is emulated.
@@ -36,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import itertools
 import json
 import os
 import re
@@ -71,8 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rollout actors of `rollout` and `lowering` (fp = bf16)")
     p.add_argument("--kv_precisions", type=csv, default=["bf16"],
                    help="KV cache precisions of `rollout` (bf16, int8, fp8)")
-    p.add_argument("--page_size", type=int, default=0,
-                   help="0: a dense per-row cache; > 0: a paged pool of pages of this many tokens")
+    p.add_argument("--page_sizes", type=lambda s: [int(x) for x in csv(s)], default=[0],
+                   help="rollout caches: 0, a dense per-row cache; P > 0, a paged pool of P-token "
+                        "pages")
+    p.add_argument("--page_size", type=int, default=16, help="pages of `attention`")
+    p.add_argument("--attention_calls", type=int, default=200,
+                   help="dependent calls per timed loop of `attention`")
     p.add_argument("--train_precisions", type=csv, default=["fp", "fp8_block"],
                    help="training precisions of `learner` (config.train.precision values)")
     p.add_argument("--prompt_len", type=int, default=512)
@@ -121,14 +136,14 @@ def actor(config: ModelConfig, precision: str) -> tuple[Any, Any]:
     return quantized, quant.make_dot_general(recipe)
 
 
-def rollout(config: ModelConfig, precision: str, batch: int, kv_precision: str
+def rollout(config: ModelConfig, precision: str, batch: int, kv_precision: str, page_size: int
             ) -> dict[str, Any]:
     p_len, new = ARGS.prompt_len, ARGS.new_tokens
     rollout_params, dot_general = actor(config, precision)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, config.vocab_size, (batch, p_len)).tolist()
     run = sampler_timer(config, rollout_params, dot_general, prompts, new,
-                        kv_precision=kv_precision, page_size=ARGS.page_size)
+                        kv_precision=kv_precision, page_size=page_size)
     t0 = time.perf_counter()
     run(1)
     run(new)  # compiles and warms both programs
@@ -144,13 +159,85 @@ def rollout(config: ModelConfig, precision: str, batch: int, kv_precision: str
     kv_bytes = batch * engine.kv_bytes_per_row(p_len, new)
     live_kv_bytes = kv_bytes * (p_len + new / 2) / (p_len + new)
     del rollout_params
-    return {"precision": precision, "kv_precision": kv_precision, "page_size": ARGS.page_size,
+    return {"precision": precision, "kv_precision": kv_precision, "page_size": page_size,
             "batch": batch, "prompt_len": p_len, "new_tokens": new,
             "decode_tokens_per_s": batch * (new - 1) / decode, "decode_step_ms": step * 1e3,
             "prefill_and_first_token_s": first, "warmup_s": warmup,
             "actor_weight_gib": weight_bytes / GIB, "kv_cache_gib": kv_bytes / GIB,
             "bytes_read_per_step_gib": (weight_bytes + live_kv_bytes) / GIB,
             "achieved_gb_per_s": (weight_bytes + live_kv_bytes) / step / 1e9}
+
+
+def _timed_loop(step: Any, q: jax.Array, operands: tuple) -> float:
+    """Seconds per call of `step(q, *operands)` in one jitted loop of `--attention_calls`
+    dependent calls (the next query is the last one moved by the output, so no call is
+    loop-invariant), the fastest of `--rounds` after a warm-up."""
+    calls = ARGS.attention_calls
+
+    @jax.jit
+    def loop(q, *ops):
+        body = lambda _, x: (x + 1e-3 * step(x, *ops)).astype(x.dtype)  # noqa: E731
+        return jax.lax.fori_loop(0, calls, body, q)
+
+    jax.block_until_ready(loop(q, *operands))
+    best = float("inf")
+    for _ in range(max(ARGS.rounds, 1)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(q, *operands))
+        best = min(best, time.perf_counter() - t0)
+    return best / calls
+
+
+def attention(config: ModelConfig, batch: int) -> list[dict[str, Any]]:
+    """One layer's decode attention alone, dense and paged caches (the module docstring)."""
+    from qurl_jax.models.decode_attention import decode_attention, paged_decode_attention
+    from qurl_jax.models.kv_quant import kv_precision as kv_spec
+    from qurl_jax.models.kv_quant import quantize_kv
+
+    h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    dtype = config.compute_dtype
+    slots = ARGS.prompt_len + ARGS.new_tokens
+    page = ARGS.page_size
+    live = ARGS.prompt_len + ARGS.new_tokens // 2
+    n_pages = -(-slots // page)
+    keys = iter(jax.random.split(jax.random.key(2), 4))
+    q = jax.random.normal(next(keys), (batch, h, d), dtype)
+    lengths = jnp.full((batch,), live, jnp.int32)
+    rows = []
+
+    def record(cache: str, impl: str, kv: str, seconds: float) -> None:
+        kv_bytes = batch * live * kv_spec(kv).bytes_per_token(hkv, d, dtype)  # K and V, scales
+        rate = kv_bytes / seconds / 1e9
+        rows.append({"batch": batch, "cache": cache, "impl": impl, "kv_precision": kv,
+                     "live_slots": live, "slots": slots, "us_per_call": seconds * 1e6,
+                     "live_kv_mib": kv_bytes / 2**20, "achieved_gb_per_s": rate})
+        print(f"  attention {cache:5s} {impl:6s} kv {kv:4s} B={batch:4d}: "
+              f"{seconds * 1e6:8.1f} us/call, {rate:6.0f} GB/s of live K/V", flush=True)
+
+    k = jax.random.normal(next(keys), (batch, hkv, slots, d), dtype)
+    v = jax.random.normal(next(keys), (batch, hkv, slots, d), dtype)
+    for impl in ("xla", "pallas" if jax.default_backend() == "gpu" else "auto"):
+        step = functools.partial(
+            lambda x, k, v, lengths, impl: decode_attention(x, k, v, lengths, impl=impl), impl=impl)
+        record("dense", impl, "bf16", _timed_loop(step, q, (k, v, lengths)))
+    del k, v
+    # A pool with a page for every slot of every row, handed out in a shuffled order.
+    table = jax.random.permutation(next(keys), batch * n_pages).reshape(batch, n_pages)
+    shape = (hkv, batch * n_pages, page, d)
+    for kv in ARGS.kv_precisions:
+        k_pages = jax.random.normal(jax.random.key(3), shape, dtype)
+        v_pages = jax.random.normal(jax.random.key(4), shape, dtype)
+        k_scales = v_scales = None
+        if kv_spec(kv).quantizes:
+            store = kv_spec(kv).storage_dtype(dtype)
+            (k_pages, k_scales), (v_pages, v_scales) = (quantize_kv(k_pages, store),
+                                                        quantize_kv(v_pages, store))
+        step = lambda x, kp, vp, t, n, ks, vs: paged_decode_attention(  # noqa: E731
+            x, kp, vp, t, n, k_scales=ks, v_scales=vs)
+        record("paged", "auto", kv, _timed_loop(
+            step, q, (k_pages, v_pages, table, lengths, k_scales, v_scales)))
+        del k_pages, v_pages
+    return rows
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([\w]+)\[")
@@ -243,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     device = jax.devices()[0]
     out: dict[str, Any] = {"device": device.device_kind, "platform": device.platform,
                            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-                           "rollout": [], "lowering": [], "learner": []}
+                           "rollout": [], "attention": [], "lowering": [], "learner": []}
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
     parts = set(ARGS.parts)
 
@@ -251,16 +338,20 @@ def main(argv: list[str] | None = None) -> None:
         if ARGS.json:
             with open(ARGS.json, "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)
-    for name in ARGS.models if parts & {"rollout", "lowering"} else ():
+    for name in ARGS.models if parts & {"rollout", "attention", "lowering"} else ():
         config = model_config(name)
         print(f"\n{name}: {config.num_params / 1e9:.2f}B params", flush=True)
         for batch in ARGS.batches:
-            for precision in ARGS.precisions:
-                for kv in ARGS.kv_precisions if "rollout" in parts else ():
-                    row = {"model": name, **rollout(config, precision, batch, kv)}
+            if "attention" in parts:
+                out["attention"] += [{"model": name, **r} for r in attention(config, batch)]
+                save()
+            for precision in ARGS.precisions if parts & {"rollout", "lowering"} else ():
+                for kv, page in itertools.product(
+                        ARGS.kv_precisions if "rollout" in parts else (), ARGS.page_sizes):
+                    row = {"model": name, **rollout(config, precision, batch, kv, page)}
                     out["rollout"].append(row)
                     save()
-                    print(f"  rollout {precision:5s} kv {kv:4s} B={batch:4d}: "
+                    print(f"  rollout {precision:5s} kv {kv:4s} pages {page:3d} B={batch:4d}: "
                           f"{row['decode_tokens_per_s']:9.0f} tok/s, step "
                           f"{row['decode_step_ms']:.2f} ms, reads "
                           f"{row['bytes_read_per_step_gib']:.1f} GiB/step = "
@@ -278,24 +369,26 @@ def main(argv: list[str] | None = None) -> None:
               f"compiled peak {row['compiled']['peak_bytes'] / GIB:.2f} GiB, device peak "
               f"{(row['device_peak_bytes_in_use'] or 0) / GIB:.2f} GiB", flush=True)
     rows = out["rollout"]
-    # x bf16: against the bf16 actor over the same cache; x bf16 KV: the same actor over a bf16 one.
-    actor_base = {(r["model"], r["batch"], r["kv_precision"]): r["decode_tokens_per_s"]
-                  for r in rows if r["precision"] == "fp"}
-    kv_base = {(r["model"], r["batch"], r["precision"]): r["decode_tokens_per_s"]
-               for r in rows if r["kv_precision"] == "bf16"}
-    for r in rows:
-        for field, table, key in (("vs_bf16", actor_base, r["kv_precision"]),
-                                  ("vs_bf16_kv", kv_base, r["precision"])):
-            if (r["model"], r["batch"], key) in table:
-                r[field] = r["decode_tokens_per_s"] / table[(r["model"], r["batch"], key)]
-    if rows:
-        print("\nmodel | batch | actor | KV | decode tok/s | x bf16 actor | x bf16 KV | step ms "
-              "| GB/s")
+    # Each row against the one that differs from it only in the actor (bf16), only in the KV
+    # cache's precision (bf16) or only in the cache's layout (dense).
+    bases = {"vs_bf16": ("precision", "fp"), "vs_bf16_kv": ("kv_precision", "bf16"),
+             "vs_dense": ("page_size", 0)}
+    fields = ("model", "batch", "precision", "kv_precision", "page_size")
+    for field, (varied, base) in bases.items():
+        table = {tuple(r[f] for f in fields if f != varied): r["decode_tokens_per_s"]
+                 for r in rows if r[varied] == base}
         for r in rows:
+            key = tuple(r[f] for f in fields if f != varied)
+            if key in table:
+                r[field] = r["decode_tokens_per_s"] / table[key]
+    if rows:
+        print("\nmodel | batch | actor | KV | pages | decode tok/s | x bf16 actor | x bf16 KV "
+              "| x dense | step ms | GB/s")
+        for r in rows:
+            ratios = " | ".join(f"{r.get(f, float('nan')):.2f}" for f in bases)
             print(f"{r['model']} | {r['batch']} | {r['precision']} | {r['kv_precision']} | "
-                  f"{r['decode_tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f} | "
-                  f"{r.get('vs_bf16_kv', float('nan')):.2f} | {r['decode_step_ms']:.2f} | "
-                  f"{r['achieved_gb_per_s']:.0f}")
+                  f"{r['page_size']} | {r['decode_tokens_per_s']:.0f} | {ratios} | "
+                  f"{r['decode_step_ms']:.2f} | {r['achieved_gb_per_s']:.0f}")
     save()
 
 
