@@ -187,3 +187,21 @@ def test_accelerator_bench_learner_runs_its_default_precisions(tmp_path):
     assert [r["precision"] for r in rows] == ["fp", "fp8_block"]
     for r in rows:
         assert r["tokens_per_s"] > 0 and jnp.isfinite(r["loss"]), r
+
+
+def test_accelerator_bench_attention_times_every_cache(tmp_path):
+    """`bench.accelerator --parts=attention` times the dense cache (XLA and the platform's kernel)
+    and a paged pool in each KV precision asked for, with the live bytes each call reads (8-bit
+    pages: codes and scales)."""
+    from qurl_jax.bench import accelerator
+
+    out = tmp_path / "acc.json"
+    accelerator.main(["--parts=attention", "--tiny", "--rounds=1", "--attention_calls=2",
+                      "--kv_precisions=bf16,int8", "--prompt_len=32", "--new_tokens=32",
+                      f"--json={out}"])
+    rows = json.loads(out.read_text())["attention"]
+    assert [(r["cache"], r["kv_precision"]) for r in rows] == [
+        ("dense", "bf16"), ("dense", "bf16"), ("paged", "bf16"), ("paged", "int8")]
+    assert all(r["us_per_call"] > 0 and r["live_slots"] == 48 for r in rows)
+    d = 64  # --tiny's head_dim: an int8 code per element and an f32 scale per token and head
+    assert rows[3]["live_kv_mib"] / rows[2]["live_kv_mib"] == pytest.approx((d + 4) / (2 * d))

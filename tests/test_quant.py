@@ -42,6 +42,7 @@ from qurl_jax.quant import (
 )
 from qurl_jax.quant._requantize import _out_shardings
 from qurl_jax.quant._requantize import _requantize as _requantize_jit
+from tests.tolerances import fp8_accumulation_rtol
 
 STORIES = pathlib.Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
 QUANT_RECIPES = ("int8", "int8_weight_only", "fp8", "fp8_block")
@@ -109,20 +110,6 @@ def np_w8a8(x: np.ndarray, w: np.ndarray, fmt: QuantFormat, block: tuple[int, in
         part = mag(xq) @ mag(wq[g * br:(g + 1) * br])
         out += part * xs * np.repeat(ws[g], bc)[:n]
     return out
-
-
-def fp8_accumulation_rtol() -> float:
-    """Error an FP8 x FP8 -> f32 product may add, relative to the sum of its |terms|, on the
-    backend running the tests (see `test_rollout_dot_general_matches_numpy`).
-
-    0 where FP8 is emulated with float32 products and sums (CPU; TPUs without an FP8 MXU widen the
-    codes to f32). On a GPU, XLA runs FP8 GEMMs in the tensor cores' fast-accumulation mode: an
-    H100 keeps about 14 bits of the running sum inside an FP8 MMA (DeepSeek-V3 technical report,
-    section 3.3.2), and XLA asks for no promotion to float32 (Triton GEMMs always; cuBLASLt at the
-    DEFAULT precision). A model of such an accumulator (terms aligned to the largest exponent and
-    truncated to 13 fraction bits, per 32-deep MMA step) errs by at most 1.7e-4 of the |terms| on
-    this file's products; 2^-9 leaves ten times that."""
-    return 2.0**-9 if jax.default_backend() == "gpu" else 0.0
 
 
 def assert_product_close(got: np.ndarray, want: np.ndarray,
