@@ -17,7 +17,8 @@ Parts:
   quantized as written, per-token scales) and each cache of `--page_sizes`: 0, a dense per-row
   cache (the static sampler, JAX's ragged Pallas kernel on GPU), or P > 0, a paged pool of
   P-token pages with a page for every token (the refilling sampler, JAX's paged kernels reading
-  8-bit pages and their scales natively). Beside it, the bytes one decode step reads on
+  8-bit pages and their scales natively; a host call every page of steps, or every
+  `--steps_per_call`). Beside it, the bytes one decode step reads on
   average: the actor's parameters once and the rows' live keys and values (prompt + half the
   new tokens, at the cache's precision, scales included; the kernels read live slots only), over
   the step time.
@@ -86,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rollout caches: 0, a dense per-row cache; P > 0, a paged pool of P-token "
                         "pages")
     p.add_argument("--page_size", type=int, default=16, help="pages of `attention`")
+    p.add_argument("--steps_per_call", type=int, default=0,
+                   help="paged rollout: most decode steps between two host calls (0: a page's)")
     p.add_argument("--attention_calls", type=int, default=200,
                    help="dependent calls per timed loop of `attention`")
     p.add_argument("--train_precisions", type=csv, default=["fp", "fp8_block"],
@@ -143,7 +146,8 @@ def rollout(config: ModelConfig, precision: str, batch: int, kv_precision: str, 
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, config.vocab_size, (batch, p_len)).tolist()
     run = sampler_timer(config, rollout_params, dot_general, prompts, new,
-                        kv_precision=kv_precision, page_size=page_size)
+                        kv_precision=kv_precision, page_size=page_size,
+                        steps_per_call=ARGS.steps_per_call)
     t0 = time.perf_counter()
     run(1)
     run(new)  # compiles and warms both programs
@@ -160,6 +164,7 @@ def rollout(config: ModelConfig, precision: str, batch: int, kv_precision: str, 
     live_kv_bytes = kv_bytes * (p_len + new / 2) / (p_len + new)
     del rollout_params
     return {"precision": precision, "kv_precision": kv_precision, "page_size": page_size,
+            "steps_per_call": ARGS.steps_per_call if page_size else 0,
             "batch": batch, "prompt_len": p_len, "new_tokens": new,
             "decode_tokens_per_s": batch * (new - 1) / decode, "decode_step_ms": step * 1e3,
             "prefill_and_first_token_s": first, "warmup_s": warmup,
