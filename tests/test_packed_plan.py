@@ -22,6 +22,8 @@ def test_worst_case_is_one_sequence_per_row():
     assert (shapes.rows, shapes.rows_per_slice, shapes.sequences) == (32, 8, 32)
     # 9 sequences a slice on 2 devices: bucket 9 -> 10 rows.
     assert packed_plan.worst_case(18, 2, 64, 2).rows_per_slice == 10
+    # train.pack_buckets = 2 (1, 2, 3, 4, 6, 8, 12, ...): 9 -> 12 rows, as the learner packs them.
+    assert packed_plan.worst_case(18, 2, 64, 2, buckets=2).rows_per_slice == 12
     # Token budget: 8 rows a micro-batch, 256 sequences -> 32 micro-batches, every slot.
     budget = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216)
     assert (budget.slices, budget.rows_per_slice, budget.sequences) == (32, 8, 32 * 256)

@@ -99,6 +99,21 @@ def test_bucket_rows_are_few_and_close():
     assert packing.default_pack_length(100) == 100 and packing.default_pack_length(513) == 1024
 
 
+@pytest.mark.parametrize("per_doubling", [1, 2, 4, 16])
+def test_fewer_bucket_sizes_pad_at_most_their_share(per_doubling):
+    """`train.pack_buckets`: s sizes per doubling above s, at most 1/s of the rows padding."""
+    buckets = {packing.bucket_rows(r, per_doubling=per_doubling) for r in range(1, 257)}
+    assert len(buckets) <= per_doubling + per_doubling * 8
+    for r in range(1, 257):
+        b = packing.bucket_rows(r, per_doubling=per_doubling)
+        assert r <= b <= max(r * (1 + 1 / per_doubling), r + 1), (r, b)
+    assert sorted(b for b in buckets if b <= 64) == (
+        {1: [1, 2, 4, 8, 16, 32, 64], 2: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]}.get(
+            per_doubling, sorted(b for b in buckets if b <= 64)))
+    with pytest.raises(ValueError, match="train.pack_buckets=3 must be a power of two"):
+        packing.bucket_rows(5, per_doubling=3)
+
+
 def test_balance_blocks_equalises_the_processes_tokens():
     # A minibatch in index order: the long sequences all in the first process's block.
     index = np.arange(10, 18)
@@ -230,11 +245,30 @@ def test_dispatcher_passes_segment_ids():
 
 # ------------------------------------------------------------------------------------ learner
 def _learner(mesh, objective, num_micro_batches=1, packing_on=False, attention="dense",
-             logprob_batch_size=0):
+             logprob_batch_size=0, pack_buckets=8):
     cfg = dataclasses.replace(CFG, attention=attention)
     return Learner(cfg, objective, OptimConfig(learning_rate=1e-2), mesh, temperature=0.9,
                    num_micro_batches=num_micro_batches, packing=packing_on,
-                   pack_length=16 if packing_on else 0, logprob_batch_size=logprob_batch_size)
+                   pack_length=16 if packing_on else 0, logprob_batch_size=logprob_batch_size,
+                   pack_buckets=pack_buckets)
+
+
+def test_pack_buckets_sets_the_packed_row_count():
+    """The learner rounds the rows its packer needs to `pack_buckets` sizes per doubling: the
+    same sequences in 5 rows with 8 sizes (5 is one), 6 with 2 (1, 2, 3, 4, 6, 8, ...), 8 with
+    1; the packed rows beyond those the packer filled are empty."""
+    batch = {k: jnp.asarray(v) for k, v in _padded(PROMPTS, RESPONSES, seed=3).items()}
+    mesh = shd.make_mesh()
+    used = packing.rows_needed(np.asarray(batch["attn_mask"]), 16, 1)
+    rows = {}
+    for per in (8, 2, 1):
+        packed = _learner(mesh, ObjectiveConfig(), packing_on=True, pack_buckets=per).pack_batch(
+            batch, 1)
+        rows[per] = packed["tokens"].shape[0]
+        assert not np.asarray(packed["attn_mask"])[used:].any()
+    assert used == 5 and rows == {8: 5, 2: 6, 1: 8}, (used, rows)
+    with pytest.raises(ValueError, match="train.pack_buckets=6"):
+        _learner(mesh, ObjectiveConfig(), packing_on=True, pack_buckets=6)
 
 
 def _rel_close(got, want, what, rel=1e-6, atol=0.0):

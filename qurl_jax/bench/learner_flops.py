@@ -186,10 +186,11 @@ def count(config_path: str, target_name: str, seed: int = 0,
         """(micro-batches, global sequence slots of one) of these sequences, as
         `Learner.pack_budget_batch` packs them: each process its contiguous block."""
         blocks = np.split(m, count)
+        sizes = train.pack_buckets
         num = packing.bucket_rows(max(packing.budget_micro_batches(b, length, local)
-                                      for b in blocks))
+                                      for b in blocks), 1, sizes)
         most = max(packing.budget_assignment(b, length, num)[3] for b in blocks)
-        return num, packing.bucket_rows(most, shards) * count
+        return num, packing.bucket_rows(most, shards, sizes) * count
 
     rng = np.random.default_rng(seed)
     update_micro, update_seqs = 0, 0

@@ -253,6 +253,11 @@ def base_config() -> ml_collections.ConfigDict:
     # as a minibatch needs (bucketed), instead of rl.num_micro_batches; the log-prob passes run
     # in slices of the same rows. Per process, rounded up to its devices; 0 = off.
     c.train.tokens_per_micro_batch = 0
+    # With packing: sizes per doubling of the packed row (and token-budget micro-batch) counts
+    # the learner's programs are compiled for, a power of two: 8 leaves at most 1/8 of the rows
+    # padding; fewer compile fewer programs, for models whose compile costs more than the
+    # padding (the tiny CPU configs: 2).
+    c.train.pack_buckets = 8
     # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.

@@ -138,17 +138,18 @@ def slow_settings(c: ml_collections.ConfigDict) -> list[str]:
 
 def check_packing(c: ml_collections.ConfigDict) -> None:
     """`ConfigError` naming `train.pack_length` when packed rows cannot hold the longest sequence
-    the config allows (data.max_prompt_len + rollout.max_new_tokens), or
-    `train.tokens_per_micro_batch` when it is less than one packed row; only with
-    `train.packing`."""
+    the config allows (data.max_prompt_len + rollout.max_new_tokens),
+    `train.tokens_per_micro_batch` when it is less than one packed row, or `train.pack_buckets`
+    when it is not a power of two; only with `train.packing`."""
     if not c.train.packing:
         return
-    from qurl_jax.learner import packed_plan
+    from qurl_jax.learner import packed_plan, packing
 
     longest = c.data.max_prompt_len + c.rollout.max_new_tokens
     try:
         length = packed_plan.pack_length(c.train.pack_length, longest)
         if c.train.tokens_per_micro_batch:
             packed_plan.budget_rows(c.train.tokens_per_micro_batch, length, 1)
+        packing.bucket_rows(1, per_doubling=c.train.pack_buckets)
     except ValueError as e:
         raise ConfigError(f"config.{e}") from None

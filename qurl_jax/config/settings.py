@@ -317,6 +317,7 @@ class TrainSettings:
     packing: bool = True
     pack_length: int = 0
     tokens_per_micro_batch: int = 0
+    pack_buckets: int = 8
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
@@ -326,7 +327,8 @@ class TrainSettings:
                    remat=c.train.remat, scan_layers=c.train.scan_layers,
                    logprob_chunk=c.train.logprob_chunk, precision=c.train.precision,
                    packing=c.train.packing, pack_length=c.train.pack_length,
-                   tokens_per_micro_batch=c.train.tokens_per_micro_batch)
+                   tokens_per_micro_batch=c.train.tokens_per_micro_batch,
+                   pack_buckets=c.train.pack_buckets)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
@@ -344,7 +346,7 @@ class TrainSettings:
                        precision=self.precision, packing=self.packing,
                        pack_length=self.pack_length,
                        tokens_per_micro_batch=self.tokens_per_micro_batch,
-                       update_capture=update_capture)
+                       pack_buckets=self.pack_buckets, update_capture=update_capture)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -305,6 +305,9 @@ class Learner:
       sequence slots carry no loss. 0: `num_micro_batches` micro-batches of sequences. The
       log-prob recomputation runs in slices of the same packed rows (`logprob_batch_size` is
       then unused), its log-probs scattered back to [B, G].
+    pack_buckets: sizes per doubling of the packed row and micro-batch counts the programs are
+      compiled for (`packing.bucket_rows`; a power of two): 8 leaves at most 1/8 of them padding,
+      fewer compile fewer programs (where a compile costs more than the padding it saves).
     update_capture: a rollout recipe whose `quant.update_capture` of this update (the parameters
       before against after) the update program reports as `quant/*` metrics, so a caller
       needs no copy of the old parameters beside the update (`RunSettings.capture_in_update`).
@@ -316,6 +319,7 @@ class Learner:
                  logprob_chunk: int = 512, logprob_batch_size: int = 0,
                  precision: str | quant.Recipe = "fp", packing: bool = False,
                  pack_length: int = 0, tokens_per_micro_batch: int = 0,
+                 pack_buckets: int = packing_lib.PER_DOUBLING,
                  update_capture: str | quant.Recipe | None = None) -> None:
         objective.validate()
         quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
@@ -331,6 +335,7 @@ class Learner:
         if tokens_per_micro_batch < 0:
             raise ValueError(f"train.tokens_per_micro_batch must be >= 0, got "
                              f"{tokens_per_micro_batch}")
+        packing_lib.bucket_rows(1, per_doubling=pack_buckets)  # ValueError naming the field
         try:
             remat = Remat(remat)
         except ValueError as e:
@@ -351,6 +356,7 @@ class Learner:
         self.packing = bool(packing)
         self.pack_length = int(pack_length)
         self.tokens_per_micro_batch = int(tokens_per_micro_batch)
+        self.pack_buckets = int(pack_buckets)
         self.last_pack: dict[str, float] = {}
         self.update_capture = None if update_capture is None else quant.get_recipe(update_capture)
         self._pack_cache: tuple[Any, int, Batch] | None = None
@@ -430,7 +436,7 @@ class Learner:
             shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
             used = dist.agree_max(packing_lib.rows_needed(mask, length, num_slices))
             # Every slice's rows split over this process's devices (`_constrain_rows`).
-            rows = packing_lib.bucket_rows(used, shards)
+            rows = packing_lib.bucket_rows(used, shards, self.pack_buckets)
             host = packing_lib.pack(local_tokens, mask, response_len, length,
                                     num_slices=num_slices, num_rows=rows, resp_mask=resp_mask,
                                     row_offset=index * rows)
@@ -471,10 +477,10 @@ class Learner:
         rows, count = self._budget_rows(length)
         index, _ = dist.row_block(self.mesh)
         m = packing_lib.bucket_rows(dist.agree_max(
-            packing_lib.budget_micro_batches(mask, length, rows)))
+            packing_lib.budget_micro_batches(mask, length, rows)), 1, self.pack_buckets)
         most = packing_lib.budget_assignment(mask, length, m)[3]
         shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
-        seqs = packing_lib.bucket_rows(dist.agree_max(most), shards)
+        seqs = packing_lib.bucket_rows(dist.agree_max(most), shards, self.pack_buckets)
         host = packing_lib.pack_budget(tokens, mask, batch["resp_mask"].shape[1], length,
                                        num_micro=m, rows_per_micro=rows, seqs_per_micro=seqs,
                                        resp_mask=resp_mask, row_offset=index * rows,

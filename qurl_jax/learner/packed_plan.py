@@ -79,20 +79,21 @@ def budget_rows(tokens_per_micro_batch: int, length: int, devices: int) -> int:
 
 
 def worst_case(sequences: int, slices: int, length: int, devices: int,
-               tokens_per_micro_batch: int = 0, processes: int = 1) -> PackedShapes:
+               tokens_per_micro_batch: int = 0, processes: int = 1,
+               buckets: int = packing.PER_DOUBLING) -> PackedShapes:
     """The largest packed program the learner can run on `sequences` sequences cut into `slices`
     micro-batch slices of sequences (or, with `tokens_per_micro_batch`, into token-budget
     micro-batches), its rows split over `devices` (data x fsdp) of `processes` processes, each
     packing its own block of sequences (`Learner.pack_batch`, `Learner.pack_budget_batch`): one
-    sequence per row."""
+    sequence per row, counts rounded to `buckets` sizes per doubling (`train.pack_buckets`)."""
     local = devices // processes  # a process's devices: its rows are a multiple of them
     own = sequences // processes
     if tokens_per_micro_batch:
         rows = budget_rows(tokens_per_micro_batch, length, local)
-        num = packing.bucket_rows(math.ceil(own / rows))
-        slots = packing.bucket_rows(own, local)
+        num = packing.bucket_rows(math.ceil(own / rows), 1, buckets)
+        slots = packing.bucket_rows(own, local, buckets)
         return PackedShapes(rows=num * rows * processes, length=length, slices=num,
                             sequences=num * slots * processes, seq_index=True)
-    rows = packing.bucket_rows(own // slices, local)
+    rows = packing.bucket_rows(own // slices, local, buckets)
     return PackedShapes(rows=slices * rows * processes, length=length, slices=slices,
                         sequences=sequences, seq_index=False)

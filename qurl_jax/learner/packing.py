@@ -13,8 +13,9 @@ advantages, masks and metrics do not change.
 Micro-batches stay sets of sequences (the strided `learner.split_rows` slices): `pack` packs each
 slice on its own into `num_rows` rows and interleaves them like `split_rows` expects (packed row
 j * n + i belongs to slice i), and `resp_index` indexes a slice's own rows. The number of rows is
-rounded up to a bucket (`bucket_rows`: 8 steps per doubling, so at most 1/8 of the rows are empty
-padding and a run compiles few shapes); the padding rows are empty (no real token, no loss).
+rounded up to a bucket (`bucket_rows`: by default 8 sizes per doubling, so at most 1/8 of the rows
+are empty padding and a run compiles few shapes; `train.pack_buckets` sets the sizes); the padding
+rows are empty (no real token, no loss).
 
 Everything here is host-side numpy on this process's own rows: in a multi-process run every
 process packs its block and the row counts are agreed on (`qurl_jax.learner.learner.Learner`).
@@ -44,13 +45,21 @@ def default_pack_length(sequence_length: int, block: int = 512) -> int:
     return -(-sequence_length // block) * block
 
 
-def bucket_rows(rows: int, multiple: int = 1) -> int:
-    """`rows` rounded up to the next of 1, 2, ..., 8, 9, 10, ..., 15, 16, 18, ..., 30, 32, 36, ...
-    (8 sizes per doubling above 8), then to a multiple of `multiple` (the devices the rows are
-    split over)."""
+PER_DOUBLING = 8  # `bucket_rows`' default: `train.pack_buckets`
+
+
+def bucket_rows(rows: int, multiple: int = 1, per_doubling: int = PER_DOUBLING) -> int:
+    """`rows` rounded up to the next of `per_doubling` sizes per doubling above `per_doubling`
+    (8: 1, 2, ..., 8, 9, 10, ..., 15, 16, 18, ..., 30, 32, 36, ...; 2: 1, 2, 3, 4, 6, 8, 12, 16,
+    24, 32, 48, ...), so at most 1/per_doubling of the rows are padding, then to a multiple of
+    `multiple` (the devices the rows are split over). `per_doubling`: a power of two."""
+    if per_doubling < 1 or per_doubling & (per_doubling - 1):
+        raise ValueError(f"train.pack_buckets={per_doubling} must be a power of two (1, 2, 4, "
+                         f"8, ...)")
     rows = max(int(rows), 1)
-    if rows > 8:
-        step = 2 ** (math.ceil(math.log2(rows)) - 4)  # 8 steps between 2^(k-1) and 2^k
+    if rows > per_doubling:
+        # per_doubling steps between 2^(k-1) and 2^k
+        step = 2 ** math.ceil(math.log2(rows)) // (2 * per_doubling)
         rows = -(-rows // step) * step
     return -(-rows // multiple) * multiple
 

@@ -211,7 +211,8 @@ def _packed_shapes(setup: Setup, program: str) -> packed_plan.PackedShapes | Non
             slices = sequences // lbs if lbs and lbs < sequences else 1
         return packed_plan.worst_case(sequences, slices, length, devices,
                                       learner.tokens_per_micro_batch,
-                                      processes=dist.row_block(setup.mesh)[1])
+                                      processes=dist.row_block(setup.mesh)[1],
+                                      buckets=learner.pack_buckets)
     except ValueError as e:
         raise PlanError(str(e)) from None
 
