@@ -5,6 +5,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from qurl_jax.config.base import base_config
@@ -205,3 +206,16 @@ def test_accelerator_bench_attention_times_every_cache(tmp_path):
     assert all(r["us_per_call"] > 0 and r["live_slots"] == 48 for r in rows)
     d = 64  # --tiny's head_dim: an int8 code per element and an f32 scale per token and head
     assert rows[3]["live_kv_mib"] / rows[2]["live_kv_mib"] == pytest.approx((d + 4) / (2 * d))
+    # --paged_tiles' sweep: the GPU paged kernel (here in Pallas' interpreter) at a tiling, the
+    # library's own choice back afterwards.
+    from qurl_jax.models import decode_attention as da
+
+    q, pages = jnp.ones((2, 4, 16)), jax.random.normal(jax.random.key(0), (2, 8, 4, 16))
+    table, lengths = jnp.arange(8, dtype=jnp.int32).reshape(2, 4), jnp.array([10, 16])
+    want = da.paged_decode_attention(q, pages, pages, table, lengths, impl="xla")
+    with accelerator._paged_tiling(2, 1):
+        assert (da.gpu_paged_splits(4), da.pages_per_compute_block(4, 2)) == (2, 1)
+        got = da.paged_decode_attention(q, pages, pages, table, lengths, impl="pallas",
+                                        platform="gpu", interpret=True)
+    assert da.gpu_paged_splits(4) == 4
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -28,8 +28,10 @@ Parts:
   shuffled page table, as a pool looks after refills) through JAX's paged kernel in each KV
   precision. Each is one jitted loop of `--attention_calls` dependent calls (the next query
   depends on the last output, so nothing is hoisted); time per call, fastest of `--rounds`, and
-  live K/V bytes per call (scales included) over it. It isolates the kernel from the sampler's
-  loop (the refilling sampler's host round-trip every chunk of steps, its bookkeeping).
+  live K/V bytes per call (scales included) over it. `--paged_tiles` adds the GPU paged kernel
+  at other tilings than `decode_attention`'s choice (a sweep for the next default). It isolates
+  the kernel from the sampler's loop (the refilling sampler's host round-trip every chunk of
+  steps, its bookkeeping).
 - `lowering`: the compiled decode program's matrix products, by custom-call target and operand
   element types: an int8 actor whose products run as `s8 x s8 -> s32` GEMMs (or f8e4m3fn for fp8)
   is native; a bf16 GEMM fed by converted codes is emulated.
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -91,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="paged rollout: most decode steps between two host calls (0: a page's)")
     p.add_argument("--attention_calls", type=int, default=200,
                    help="dependent calls per timed loop of `attention`")
+    p.add_argument("--paged_tiles", type=csv, default=[],
+                   help="`attention` on a GPU: also time the paged kernel at these tilings, "
+                        "SPLITSxPAGES (k_splits x pages per compute block), e.g. 16x2,12x8,4x8")
     p.add_argument("--train_precisions", type=csv, default=["fp", "fp8_block"],
                    help="training precisions of `learner` (config.train.precision values)")
     p.add_argument("--prompt_len", type=int, default=512)
@@ -193,6 +199,21 @@ def _timed_loop(step: Any, q: jax.Array, operands: tuple) -> float:
     return best / calls
 
 
+@contextlib.contextmanager
+def _paged_tiling(splits: int, per_block: int) -> Any:
+    """`decode_attention`'s GPU paged kernel at this tiling (k_splits, pages per compute block)
+    while the block runs: a benchmark's sweep, not a setting."""
+    from qurl_jax.models import decode_attention as da
+
+    saved = da.gpu_paged_splits, da.pages_per_compute_block
+    da.gpu_paged_splits = lambda n: splits
+    da.pages_per_compute_block = lambda n, partitions=1, largest=8: per_block
+    try:
+        yield
+    finally:
+        da.gpu_paged_splits, da.pages_per_compute_block = saved
+
+
 def attention(config: ModelConfig, batch: int) -> list[dict[str, Any]]:
     """One layer's decode attention alone, dense and paged caches (the module docstring)."""
     from qurl_jax.models.decode_attention import decode_attention, paged_decode_attention
@@ -239,8 +260,16 @@ def attention(config: ModelConfig, batch: int) -> list[dict[str, Any]]:
                                                         quantize_kv(v_pages, store))
         step = lambda x, kp, vp, t, n, ks, vs: paged_decode_attention(  # noqa: E731
             x, kp, vp, t, n, k_scales=ks, v_scales=vs)
-        record("paged", "auto", kv, _timed_loop(
-            step, q, (k_pages, v_pages, table, lengths, k_scales, v_scales)))
+        operands = (k_pages, v_pages, table, lengths, k_scales, v_scales)
+        record("paged", "auto", kv, _timed_loop(step, q, operands))
+        for tile in ARGS.paged_tiles if jax.default_backend() == "gpu" else ():
+            splits, per_block = (int(x) for x in tile.split("x"))
+            if n_pages % splits or (n_pages // splits) % per_block:
+                print(f"  attention paged {tile}: {n_pages} pages per row do not tile", flush=True)
+                continue
+            with _paged_tiling(splits, per_block):
+                # `_timed_loop` jits a new loop each call: traced again at this tiling
+                record("paged", f"pallas {tile}", kv, _timed_loop(step, q, operands))
         del k_pages, v_pages
     return rows
 
