@@ -266,3 +266,19 @@ def test_cli_rejects_missing_gguf_path(tmp_path):
         capture_output=True, text=True, check=False)
     assert out.returncode != 0
     assert "config.model.path=" in out.stderr and "absent.gguf" in out.stderr
+
+
+def test_memory_plan_reads_the_shape_from_the_gguf_header(tiny_gguf, tmp_path):
+    """`bench.memory` and the preflight plan a GGUF config from the file's metadata (no tensor
+    read); a file that is not GGUF is one line naming the field and the file."""
+    from qurl_jax.config.settings import ModelSettings
+    from qurl_jax.plan.memory_plan import PlanError, model_shape
+
+    settings = ModelSettings(source="gguf", path=str(tiny_gguf), dtype="float32")
+    shape = model_shape(settings, str(tmp_path))
+    assert (shape.vocab_size, shape.hidden_size, shape.num_layers, shape.num_kv_heads) == (
+        VOCAB, HIDDEN, LAYERS, KV_HEADS)
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not gguf at all" * 10)
+    with pytest.raises(PlanError, match=r"config.model.path: .*x.gguf"):
+        model_shape(ModelSettings(source="gguf", path=str(bad)), str(tmp_path))

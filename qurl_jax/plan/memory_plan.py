@@ -530,11 +530,20 @@ PROGRAMS: dict[str, Callable[[Setup], Program]] = {
 
 
 def model_shape(model: ModelSettings, shapes_dir: str) -> ModelConfig:
-    """The `ModelConfig` of `model` from its config.json, without weights."""
+    """The `ModelConfig` of `model` from its config.json, or a GGUF file's metadata (no tensor
+    read), without weights."""
     path = model.path
+    if model.source == "gguf":
+        from qurl_jax.models.gguf import config_from_gguf
+
+        try:
+            shape = config_from_gguf(path)
+        except ValueError as e:  # names the file
+            raise PlanError(f"config.model.path: {e}") from None
+        return shape.replace(dtype=model.dtype, attention=model.attention)
     if model.source != "hf":
         raise PlanError(f"config.model.source={model.source!r}: the memory report needs "
-                         "a Hugging Face model shape (source 'hf')")
+                         "a model shape (source 'hf' or 'gguf')")
     candidates = [os.path.join(path, "config.json"),
                   os.path.join(shapes_dir, os.path.basename(os.path.normpath(path)) + ".json")]
     for candidate in candidates:
