@@ -62,7 +62,6 @@ def get_config():
     c.sft.learning_rate = 3e-3
     c.sft.batch_size = 32
     c.train.num_steps = 60
-    c.train.pack_buckets = 2  # fewer packed-row sizes: a compile costs more than the padding
     c.train.checkpoint_every = 30
     c.train.keep_checkpoints = 2
     c.eval.k = 4
