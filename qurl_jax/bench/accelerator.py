@@ -24,7 +24,7 @@ Parts:
   the step time.
 - `attention`: one layer's decode attention alone, at the model's heads and B rows whose live
   context is prompt + half the new tokens: the dense per-row cache through XLA's masked softmax
-  and through JAX's ragged GPU kernel, and a paged pool of `--page_size`-token pages (a
+  and through JAX's ragged GPU kernel, and a paged pool of `--attention_page_size`-token pages (a
   shuffled page table, as a pool looks after refills) through JAX's paged kernel in each KV
   precision. Each is one jitted loop of `--attention_calls` dependent calls (the next query
   depends on the last output, so nothing is hoisted); time per call, fastest of `--rounds`, and
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page_sizes", type=lambda s: [int(x) for x in csv(s)], default=[0],
                    help="rollout caches: 0, a dense per-row cache; P > 0, a paged pool of P-token "
                         "pages")
-    p.add_argument("--page_size", type=int, default=16, help="pages of `attention`")
+    p.add_argument("--attention_page_size", type=int, default=16, help="pages of `attention`")
     p.add_argument("--steps_per_call", type=int, default=0,
                    help="paged rollout: most decode steps between two host calls (0: a page's)")
     p.add_argument("--attention_calls", type=int, default=200,
@@ -223,7 +223,7 @@ def attention(config: ModelConfig, batch: int) -> list[dict[str, Any]]:
     h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     dtype = config.compute_dtype
     slots = ARGS.prompt_len + ARGS.new_tokens
-    page = ARGS.page_size
+    page = ARGS.attention_page_size
     live = ARGS.prompt_len + ARGS.new_tokens // 2
     n_pages = -(-slots // page)
     keys = iter(jax.random.split(jax.random.key(2), 4))
