@@ -348,6 +348,10 @@ def test_trainer_switch() -> None:
         validate(c)
 
 
+# Slow (34 s, the default suite's third longest): the samplers' equality is the default suite's
+# (test_int8_actor_matches_static, test_eos_lengths_and_finish_reasons_match_static, ...), and every
+# trainer test whose rows exceed rollout.max_concurrent_rows runs the refill sampler by default.
+@pytest.mark.slow
 def test_trainer_rollout_refills_by_default_with_the_static_result(tmp_path) -> None:
     # 2 prompts x 4 samples through 4 slots: 'auto' (the default) refills; the step's metrics,
     # which come from the rollout's tokens and log-probs, are those of the static sampler.
