@@ -46,7 +46,7 @@ from qurl_jax.quant import (
 )
 from qurl_jax.quant._qtensor import quantize_row_groups
 from qurl_jax.rl.objectives import ObjectiveConfig
-from tests.tolerances import fp8_accumulation_rtol
+from tests.tolerances import assert_product_close, fp8_accumulation_rtol
 
 FP8 = QuantFormat.FP8_E4M3
 LINEAR_DN = (((2,), (0,)), ((), ()))
@@ -149,18 +149,6 @@ def _grads(x: np.ndarray, w: np.ndarray, dy: np.ndarray, mask: np.ndarray | None
     return tuple(np.asarray(a) for a in run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy), mask))
 
 
-def _assert_within_fp8_accumulation(got: np.ndarray, want: np.ndarray, terms: np.ndarray,
-                                    rtol: float) -> None:
-    """|got - want| <= rtol (|want| + max |want|) + the error the backend's FP8 GEMM may add,
-    `fp8_accumulation_rtol()` x the sum of |terms| (terms: the emulation run on |operands|, whose
-    codes are the |codes|: E4M3 rounding is symmetric). On the CPU that is 0: float32 sums."""
-    tol = rtol * (np.abs(want) + np.abs(want).max()) + fp8_accumulation_rtol() * terms
-    err = np.abs(got - want)
-    assert np.all(err <= tol), (
-        f"max error {err.max():.3g}, over its bound by {(err - tol).max():.3g} at "
-        f"{np.unravel_index(np.argmax(err - tol), err.shape)}")
-
-
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -249,7 +237,7 @@ def test_gradients_equal_numpy_emulation_exactly() -> None:
             np.testing.assert_array_equal(g, e.astype(np.float32))
     terms = np_fp8_linear(np.abs(x), np.abs(w), np.abs(dy), np.ones(256, bool))
     for g, e, t in zip(got, want, terms):
-        _assert_within_fp8_accumulation(g, e, t, 0.0)
+        assert_product_close(g, e, t, rtol=0.0)
 
 
 @pytest.mark.parametrize("m", [150, 40])
@@ -269,7 +257,7 @@ def test_gradients_match_numpy_emulation(m: int) -> None:
     want = np_fp8_linear(x, w, dy, mask)
     terms = np_fp8_linear(np.abs(x), np.abs(w), np.abs(dy), mask)
     for g, e, t in zip(got, want, terms):
-        _assert_within_fp8_accumulation(g, e, t, 1e-5)
+        assert_product_close(g, e, t, rtol=1e-5)
     assert np.all(got[0][~mask] == 0) and np.all(got[1][~mask] == 0)
 
 

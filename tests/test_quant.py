@@ -42,7 +42,7 @@ from qurl_jax.quant import (
 )
 from qurl_jax.quant._requantize import _out_shardings
 from qurl_jax.quant._requantize import _requantize as _requantize_jit
-from tests.tolerances import fp8_accumulation_rtol
+from tests.tolerances import assert_product_close
 
 STORIES = pathlib.Path(__file__).resolve().parents[2] / "shared/models/stories260K/stories260K.bin"
 QUANT_RECIPES = ("int8", "int8_weight_only", "fp8", "fp8_block")
@@ -110,18 +110,6 @@ def np_w8a8(x: np.ndarray, w: np.ndarray, fmt: QuantFormat, block: tuple[int, in
         part = mag(xq) @ mag(wq[g * br:(g + 1) * br])
         out += part * xs * np.repeat(ws[g], bc)[:n]
     return out
-
-
-def assert_product_close(got: np.ndarray, want: np.ndarray,
-                         fp8_terms: np.ndarray | None = None) -> None:
-    """|got - want| <= 2e-5 (|want| + max |want|), plus `fp8_accumulation_rtol()` x the sum of
-    |terms| for an FP8 x FP8 product (fp8_terms: `np_w8a8(..., abs_terms=True)`)."""
-    tol = 2e-5 * (np.abs(want) + np.abs(want).max())
-    if fp8_terms is not None:
-        tol = tol + fp8_accumulation_rtol() * fp8_terms
-    err = np.abs(got - want)
-    over = (err - tol).max()
-    assert over <= 0, f"max error {err.max():.3g}, over its bound by {over:.3g}"
 
 
 # ----------------------------------------------------------------------------- helpers

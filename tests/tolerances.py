@@ -143,3 +143,18 @@ def fp8_accumulation_rtol() -> float:
     2^-11.9 of the |terms| at the five entries reported, at most 0.0091 where the sums of |terms|
     are <= 13.05 (>= 2^-10.5 of it: the bound's margin there is 2.8x or more)."""
     return 2.0**-9 if jax.default_backend() == "gpu" else 0.0
+
+
+def assert_product_close(got: np.ndarray, want: np.ndarray, fp8_terms: np.ndarray | None = None,
+                         rtol: float = 2e-5) -> None:
+    """|got - want| <= rtol (|want| + max |want|), plus `fp8_accumulation_rtol()` x the sum of
+    |terms| for an FP8 x FP8 product (fp8_terms: the product of the |operands|' codes, e.g.
+    `test_quant.np_w8a8(..., abs_terms=True)`; E4M3 rounding is symmetric, so the emulation run
+    on |operands| gives them). With rtol 0 on the CPU (float32 sums) that is exact equality."""
+    tol = rtol * (np.abs(want) + np.abs(want).max())
+    if fp8_terms is not None:
+        tol = tol + fp8_accumulation_rtol() * fp8_terms
+    err = np.abs(got - want)
+    over = (err - tol).max()
+    assert over <= 0, (f"max error {err.max():.3g}, over its bound by {over:.3g} at "
+                       f"{np.unravel_index(np.argmax(err - tol), err.shape)}")

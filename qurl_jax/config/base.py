@@ -256,7 +256,7 @@ def base_config() -> ml_collections.ConfigDict:
     # With packing: sizes per doubling of the packed row (and token-budget micro-batch) counts
     # the learner's programs are compiled for, a power of two: 8 leaves at most 1/8 of the rows
     # padding; fewer compile fewer programs, for models whose compile costs more than the
-    # padding (the tiny CPU configs: 2).
+    # padding (configs/arith_tiny.py: 2).
     c.train.pack_buckets = 8
     # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =

@@ -150,6 +150,6 @@ def check_packing(c: ml_collections.ConfigDict) -> None:
         length = packed_plan.pack_length(c.train.pack_length, longest)
         if c.train.tokens_per_micro_batch:
             packed_plan.budget_rows(c.train.tokens_per_micro_batch, length, 1)
-        packing.bucket_rows(1, per_doubling=c.train.pack_buckets)
+        packing.check_per_doubling(c.train.pack_buckets)
     except ValueError as e:
         raise ConfigError(f"config.{e}") from None

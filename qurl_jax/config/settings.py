@@ -26,6 +26,7 @@ from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.learner.learner import Learner, OptimConfig
+from qurl_jax.learner.packing import PER_DOUBLING
 from qurl_jax.learner.prox import ProxSource, prox_source
 from qurl_jax.models import ModelConfig
 from qurl_jax.rl.objectives import ObjectiveConfig
@@ -317,7 +318,7 @@ class TrainSettings:
     packing: bool = True
     pack_length: int = 0
     tokens_per_micro_batch: int = 0
-    pack_buckets: int = 8
+    pack_buckets: int = PER_DOUBLING
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:

@@ -335,7 +335,7 @@ class Learner:
         if tokens_per_micro_batch < 0:
             raise ValueError(f"train.tokens_per_micro_batch must be >= 0, got "
                              f"{tokens_per_micro_batch}")
-        packing_lib.bucket_rows(1, per_doubling=pack_buckets)  # ValueError naming the field
+        packing_lib.check_per_doubling(pack_buckets)
         try:
             remat = Remat(remat)
         except ValueError as e:

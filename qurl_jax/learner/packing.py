@@ -48,14 +48,19 @@ def default_pack_length(sequence_length: int, block: int = 512) -> int:
 PER_DOUBLING = 8  # `bucket_rows`' default: `train.pack_buckets`
 
 
+def check_per_doubling(per_doubling: int) -> None:
+    """ValueError naming `train.pack_buckets` unless it is a power of two."""
+    if per_doubling < 1 or per_doubling & (per_doubling - 1):
+        raise ValueError(f"train.pack_buckets={per_doubling} must be a power of two (1, 2, 4, "
+                         f"8, ...)")
+
+
 def bucket_rows(rows: int, multiple: int = 1, per_doubling: int = PER_DOUBLING) -> int:
     """`rows` rounded up to the next of `per_doubling` sizes per doubling above `per_doubling`
     (8: 1, 2, ..., 8, 9, 10, ..., 15, 16, 18, ..., 30, 32, 36, ...; 2: 1, 2, 3, 4, 6, 8, 12, 16,
     24, 32, 48, ...), so at most 1/per_doubling of the rows are padding, then to a multiple of
     `multiple` (the devices the rows are split over). `per_doubling`: a power of two."""
-    if per_doubling < 1 or per_doubling & (per_doubling - 1):
-        raise ValueError(f"train.pack_buckets={per_doubling} must be a power of two (1, 2, 4, "
-                         f"8, ...)")
+    check_per_doubling(per_doubling)
     rows = max(int(rows), 1)
     if rows > per_doubling:
         # per_doubling steps between 2^(k-1) and 2^k
