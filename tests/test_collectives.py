@@ -214,3 +214,64 @@ def test_compiled_decode_loop_all_reduces_once_per_layer(target: str) -> None:
     n = len(devices)
     assert collectives.summarize(found).link_bytes == pytest.approx(
         4 * 16 * 64 * 4 * 2 * (n - 1) / n)
+
+
+# A decode loop over an 8-bit cache s8[2,4,8,16] (1024 elements a layer): a fusion that
+# dequantizes the whole cache to bf16 (one written array, its inner convert not a second), an
+# in-place update of the cache and views of it (not written), a nested loop of 2 trips whose
+# body broadcasts scales to the cache's shape (twice), and arrays of other sizes.
+FLOAT_COPIES = """HloModule jit_decode, is_scheduled=true
+
+%dequant (c: s8[2,4,8,16], s: f32[2,4,8]) -> bf16[2,4,8,16] {
+  %c = s8[2,4,8,16]{3,2,1,0} parameter(0)
+  %s = f32[2,4,8]{2,1,0} parameter(1)
+  %cf = bf16[2,4,8,16]{3,2,1,0} convert(%c)
+  %sb = bf16[2,4,8,16]{3,2,1,0} broadcast(%s), dimensions={0,1,2}
+  ROOT %m = bf16[2,4,8,16]{3,2,1,0} multiply(%cf, %sb)
+}
+
+%scales_body (t: (s32[], f32[2,4,8])) -> (s32[], f32[2,4,8]) {
+  %t = (s32[], f32[2,4,8]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[2,4,8]{2,1,0} get-tuple-element(%t), index=1
+  %bc = f32[2,4,8,16]{3,2,1,0} broadcast(%v), dimensions={0,1,2}
+  ROOT %o = (s32[], f32[2,4,8]{2,1,0}) tuple(%i, %v)
+}
+
+%cond (e: (s32[], f32[2,4,8])) -> pred[] {
+  %e = (s32[], f32[2,4,8]{2,1,0}) parameter(0)
+  ROOT %c2 = pred[] constant(true)
+}
+
+%body (d: (s32[], s8[2,4,8,16], f32[2,4,8], f32[8,64])) -> (s32[], s8[2,4,8,16], f32[2,4,8], f32[8,64]) {
+  %d = (s32[], s8[2,4,8,16]{3,2,1,0}, f32[2,4,8]{2,1,0}, f32[8,64]{1,0}) parameter(0)
+  %k = s8[2,4,8,16]{3,2,1,0} get-tuple-element(%d), index=1
+  %ks = f32[2,4,8]{2,1,0} get-tuple-element(%d), index=2
+  %x = f32[8,64]{1,0} get-tuple-element(%d), index=3
+  %new = s8[2,4,1,16]{3,2,1,0} constant({...})
+  %k2 = s8[2,4,8,16]{3,2,1,0} dynamic-update-slice(%k, %new, %z, %z, %z, %z)
+  %kf = bf16[2,4,8,16]{3,2,1,0} fusion(%k2, %ks), kind=kLoop, calls=%dequant
+  %att = f32[2,4,16]{2,1,0} custom-call(%kf), custom_call_target="__gpu$xla.gpu.triton"
+  %y = f32[8,64]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %y2 = f32[8,64]{1,0} fusion(%y), kind=kLoop, calls=%dequant
+  %init = (s32[], f32[2,4,8]{2,1,0}) tuple(%z, %ks)
+  %scales = (s32[], f32[2,4,8]{2,1,0}) while(%init), condition=%cond, body=%scales_body, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %out = (s32[], s8[2,4,8,16]{3,2,1,0}, f32[2,4,8]{2,1,0}, f32[8,64]{1,0}) tuple(%z, %k2, %ks, %y)
+}
+
+ENTRY %main (p: (s32[], s8[2,4,8,16], f32[2,4,8], f32[8,64])) -> f32[8,64] {
+  %p = (s32[], s8[2,4,8,16]{3,2,1,0}, f32[2,4,8]{2,1,0}, f32[8,64]{1,0}) parameter(0)
+  %loop = (s32[], s8[2,4,8,16]{3,2,1,0}, f32[2,4,8]{2,1,0}, f32[8,64]{1,0}) while(%p), condition=%cond, body=%body
+  ROOT %r = f32[8,64]{1,0} get-tuple-element(%loop), index=3
+}
+"""  # noqa: E501
+
+
+def test_float_arrays_of_a_layers_cache_size_the_decode_loop_writes() -> None:
+    found = collectives.loop_body_float_arrays(FLOAT_COPIES, 2 * 4 * 8 * 16)
+    assert found == [("kf", "bf16[2,4,8,16]", 2048)] + [("bc", "f32[2,4,8,16]", 4096)] * 2
+    # Another size: only arrays of exactly that many elements (the dot and the fusion after it;
+    # the views of x are not written).
+    assert collectives.loop_body_float_arrays(FLOAT_COPIES, 8 * 64) == [
+        ("y", "f32[8,64]", 2048), ("y2", "f32[8,64]", 2048)]
+    assert collectives.loop_body_float_arrays(FLOAT_COPIES, 2 * 4 * 8) == []

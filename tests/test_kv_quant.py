@@ -321,10 +321,10 @@ def test_a_run_saved_before_the_field_resumes_at_bf16(tmp_path) -> None:
         run_config.check_and_save(c, str(tmp_path), resuming=True)
 
 
-def _compiled_int8_paged_decode(target: str) -> tuple[Any, str]:
+def _compiled_int8_paged_decode(target: str, paged: bool = True) -> tuple[Any, str]:
     """(model config, compiled HLO text) of the paged sampler's decode program, int8 KV, on
     `target`'s first 8 compile-only devices (data 2 x fsdp 2 x tensor 2); skips where the
-    target's compiler is absent."""
+    target's compiler is absent. `paged=False`: the refilling sampler's dense cache instead."""
     from qurl_jax.models import param_logical_axes
     from qurl_jax.parallel.sharding import logical_shardings, make_mesh
     from tests.compile_only import compiler_or_skip
@@ -335,8 +335,9 @@ def _compiled_int8_paged_decode(target: str) -> tuple[Any, str]:
     shapes = jax.eval_shape(lambda: _random_params(cfg))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             shapes, logical_shardings(param_logical_axes(cfg), shapes, mesh))
-    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1, kv_page_size=16,
-                          kv_pages=32, kv_precision="int8", **SIZES)
+    pool = dict(kv_page_size=16, kv_pages=32) if paged else {}
+    paged = RefillSampler(cfg, mesh=mesh, max_concurrent_rows=8, refill_min=1,
+                          kv_precision="int8", **pool, **SIZES)
     with jax.default_matmul_precision("default"):
         return cfg, paged.lower_programs(abstract, rows=16, p_len=16, g_len=16, n=2)[
             "decode"].compile().as_text()
@@ -368,6 +369,12 @@ def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
     converts = [line for line in text.splitlines()
                 if re.search(rf"= (f32|bf16)\[{page}\].* convert\(", line)]
     assert not converts, converts[:2]
+    # What the loop does write at a pool's size: the wrapper's broadcast scales, K and V of
+    # every layer, each token (what `plan.interconnect` charges an 8-bit cache on TPU).
+    from qurl_jax.plan import collectives
+
+    written = collectives.loop_body_float_arrays(text, 8 * 16 * 128)
+    assert [t for _, t, _ in written] == [f"f32[{page}]"] * (2 * cfg.num_layers), written
 
 
 @pytest.mark.slow
@@ -394,6 +401,29 @@ def test_gpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
         kinds = [types.get(o.split("*/")[-1].strip().lstrip("%")) for o in operands]
         assert kinds.count(page) == 2 and kinds.count(scales) == 2, kinds
     assert not [line for line in lines if re.search(r"= (f32|bf16)\[1,8,16,128\]", line)]
+    from qurl_jax.plan import collectives
+
+    assert collectives.loop_body_float_arrays(text, 8 * 16 * 128) == []
+
+
+@pytest.mark.slow
+def test_gpu_dense_decode_loop_dequantizes_an_8bit_cache() -> None:
+    """Compile-only, h100-8 as above, the refilling sampler's dense cache at int8: JAX's dense
+    GPU decode kernel takes float keys and values, so the loop writes a bf16 copy of every
+    layer's K and V each token (what the engine's start-up warning and `plan.interconnect`'s
+    byte count say)."""
+    from qurl_jax.plan import collectives
+
+    cfg, text = _compiled_int8_paged_decode("gpu:h100-8", paged=False)
+    import re
+
+    # One layer's cache on a device [rows, kv heads, slots, D], read off the loop's s8 buffers.
+    loop = next(line for line in text.splitlines() if " while(" in line)
+    shape = re.search(r"s8\[(\d+),(\d+),(\d+),128\]", loop).groups()
+    elements = int(np.prod([int(d) for d in shape])) * 128
+    written = collectives.loop_body_float_arrays(text, elements)
+    assert len(written) == 2 * cfg.num_layers, written
+    assert {t for _, t, _ in written} == {f"bf16[{','.join(shape)},128]"}
 
 
 @pytest.mark.slow
@@ -442,3 +472,34 @@ def test_kl_behav_prox_holds_the_8bit_cache_error(qwen) -> None:
     assert kl["bf16"] < 1e-9, kl
     assert kl["int8"] > 1e-6 and kl["fp8"] > 1e-6 and min(kl["int8"], kl["fp8"]) > 1e3 * kl[
         "bf16"], kl
+
+
+def test_an_8bit_cache_read_as_floats_is_named_once(caplog) -> None:
+    """Where JAX's kernel for the cache takes no codes (GPU dense; TPU paged, whose wrapper
+    broadcasts the scales), the engine warns once per process; a paged GPU pool, a bf16 cache,
+    XLA's attention and the CPU say nothing."""
+    import logging
+
+    from qurl_jax.sampling import _engine
+
+    cfg = TINY["qwen2"]
+    kw = dict(max_prompt_len=16, max_new_tokens=16)
+    _engine._warn_float_copy.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=_engine.__name__):
+        Sampler(cfg, kv_precision="int8", platform="gpu", **kw)
+        Sampler(cfg, kv_precision="fp8", platform="gpu", **kw)  # once per process
+        gpu = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        Sampler(cfg, platform="gpu", **kw)
+        Sampler(cfg, kv_precision="int8", platform="gpu", decode_attention="xla", **kw)
+        RefillSampler(cfg, kv_precision="int8", platform="gpu", max_concurrent_rows=4,
+                      kv_pages=40, kv_page_size=8, **kw)
+        Sampler(cfg, kv_precision="int8", **kw)
+        quiet = [r.getMessage() for r in caplog.records]
+        RefillSampler(cfg, kv_precision="int8", platform="tpu", max_concurrent_rows=4,
+                      kv_pages=40, kv_page_size=8, **kw)
+        tpu = [r.getMessage() for r in caplog.records]
+    assert len(gpu) == 1 and "dense GPU decode kernel" in gpu[0] and "rollout.kv_pages" in gpu[0]
+    assert quiet == []
+    assert len(tpu) == 1 and "broadcasts the per-token scales" in tpu[0]
+    _engine._warn_float_copy.cache_clear()

@@ -366,6 +366,60 @@ def loop_body_kernels(hlo_text: str | Module, while_name: str | None = None) -> 
     return count
 
 
+
+# Result types of instructions that write no new array: views, tuples, in-place updates of a
+# loop-carried buffer.
+_NOT_WRITTEN = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+                "dynamic-update-slice", "while", "call", "conditional", "async-start",
+                "async-update", "async-done", "copy-start", "copy-done", "opt-barrier")
+_FLOATS = ("f16", "bf16", "f32", "f64")
+# Called computations that hold no materialised arrays of their own: a fusion's body is one
+# kernel, a custom call's, reduce's or sort's computation a scalar function.
+_FOLLOWED = ("while", "call", "conditional", "async-start")
+
+
+def loop_body_float_arrays(hlo_text: str | Module, elements: int,
+                           while_name: str | None = None) -> list[tuple[str, str, int]]:
+    """Float arrays of exactly `elements` elements that one iteration of a loop writes to memory
+    (the decode loop by default), as (instruction name, type, bytes), once per trip of a nested
+    loop. Only the results of instructions the loop body runs as kernels count (fusions,
+    copies, converts, broadcasts, custom calls...), not what happens inside a fusion, and not
+    views or in-place updates (`_NOT_WRITTEN`).
+
+    What it is for: with an 8-bit KV cache the loop should hold no float array as large as one
+    layer's cache on the device; one that it does hold is a dequantised copy of the cache (an
+    attention that takes float values) or a broadcast of its scales to the cache's shape (JAX's
+    TPU paged kernel wrapper), written and read again every step (`plan.interconnect`)."""
+    module = hlo_text if isinstance(hlo_text, Module) else parse(hlo_text)
+    loop = decode_loop(module, while_name)
+    out: list[tuple[str, str, int]] = []
+
+    def visit(computation: str, times: int, seen: tuple[str, ...]) -> None:
+        if computation in seen or computation not in module.computations:
+            return
+        for inst in module.computations[computation]:
+            if inst.opcode not in _NOT_WRITTEN:
+                for dtype, shape, nbytes in _arrays(inst.type):
+                    if dtype in _FLOATS and _elements(shape) == elements:
+                        out.extend([(inst.name, f"{dtype}[{','.join(map(str, shape))}]",
+                                     nbytes)] * times)
+            if inst.opcode in _FOLLOWED:
+                trips = (_trip_count(inst) or 1) if inst.opcode == "while" else 1
+                for callee in inst.called:
+                    if inst.opcode != "while" or callee == _body(inst):
+                        visit(callee, times * trips, seen + (computation,))
+
+    visit(_body(loop), 1, ())
+    return out
+
+
+def _elements(shape: Sequence[int]) -> int:
+    size = 1
+    for d in shape:
+        size *= d
+    return size
+
+
 @dataclasses.dataclass(frozen=True)
 class Summary:
     """Collectives counted: how many, their bytes (`Collective.bytes`) and link bytes, per kind

@@ -28,6 +28,11 @@ per device, where
   steady state, `roofline.live_slots` of the config's prompt and response lengths; `kv_reads`
   says which of the two the compiled program does: 'live' where its decode loop calls a Pallas
   kernel, the ragged decode attention, `collectives.loop_body_kernels`; else 'every slot');
+  with an 8-bit cache, plus twice the bytes of every float array as large as one layer's cache
+  that the compiled loop writes per token (`collectives.loop_body_float_arrays`: a dequantised
+  copy of the cache for an attention that takes float values, such as the dense GPU decode path,
+  or the scales broadcast to the pages' shape by JAX's TPU paged kernel wrapper), written once
+  and read once (`kv_float_copies`, `kv_float_copy_bytes_per_device` in the record);
 - FLOPs = `plan.roofline.step_flops` of the slice's rows over every slot, over the devices;
 - link bytes: `Collective.link_bytes` (what one device sends by a ring algorithm over its group);
 - hops: an all-gather, reduce-scatter or all-to-all on a bidirectional ring of n chips takes
@@ -246,9 +251,13 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
     mesh = setup.settings.mesh
     slice_rows = kv["rows"] * kv["batch_shards"]
     kv_read = kv["rows"] * kv["cache_len"] * kv["token_bytes"]
+    copies = (collectives.loop_body_float_arrays(module, kv["layer_elements"])
+              if jax.numpy.dtype(kv["kv_dtype"]).itemsize == 1 else [])
+    copy_bytes = sum(b for _, _, b in copies)
+    extra = 2 * copy_bytes  # written by one kernel, read by the next
     flops = roofline.step_flops(model, slice_rows, kv["cache_len"]) / setup.mesh.size
     actor = actor_precision(setup.settings)
-    predicted = step(target.chip.name, actor, actor_device + kv_read, flops, found)
+    predicted = step(target.chip.name, actor, actor_device + kv_read + extra, flops, found)
     rollout_mesh = getattr(setup, "rollout_mesh", None)
     record = {
         "rollout_mesh": dict(rollout_mesh.shape) if rollout_mesh is not None else None,
@@ -260,7 +269,10 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
         "actor_fraction": round(actor_device / actor_total, 4),
         "rows_per_device": kv["rows"], "slice_rows": slice_rows, "cache_len": kv["cache_len"],
         "prompt_len": kv["prompt_len"], "max_new_tokens": kv["max_new_tokens"],
-        "kv_read_bytes_per_device": kv_read, "hbm_bytes_per_device": actor_device + kv_read,
+        "kv_read_bytes_per_device": kv_read,
+        "kv_float_copies": len(copies), "kv_float_copy_bytes_per_device": copy_bytes,
+        "kv_float_copy_types": sorted({t for _, t, _ in copies}),
+        "hbm_bytes_per_device": actor_device + kv_read + extra,
         "flops_per_device": flops, "collectives": collectives.to_json(found),
         "compile_s": round(compile_s, 1), **predicted,
         "tokens_per_s": slice_rows / predicted["step_ms"] * 1e3,
@@ -269,8 +281,8 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
     # The same step with a ragged attention that reads only the rows' live slots (the refilling
     # sampler's steady state under `bench.sampler.tail_limits`' lengths: `roofline.live_slots`).
     live = roofline.live_slots(kv["prompt_len"], kv["max_new_tokens"])
-    ragged = step(target.chip.name, actor, actor_device + kv_read * live / kv["cache_len"],
-                  flops, found)
+    ragged = step(target.chip.name, actor,
+                  actor_device + kv_read * live / kv["cache_len"] + extra, flops, found)
     record.update(live_slots=live, step_ms_live=ragged["step_ms"],
                   tokens_per_s_live=slice_rows / ragged["step_ms"] * 1e3,
                   # Which of the two the compiled program does: a Pallas kernel in the loop is
@@ -287,6 +299,10 @@ def predict(settings: RunSettings, shapes_dir: str, target: targets.Target, layo
         f" + links {p['links_ms']:.2f} + latency {p['latency_ms']:.2f} "
         f"(bound: {p['bound']}); {record['tokens_per_s']:,.0f} tokens/s on the slice "
         f"({slice_rows} rows) - a prediction")
+    if copies:
+        log(f"  8-bit KV cache: the loop writes {len(copies)} float arrays of one layer's cache "
+            f"size per token ({', '.join(record['kv_float_copy_types'])}; "
+            f"{copy_bytes / 2**30:.2f} GiB per device, counted written and read)")
     log(f"  decode attention: {kernels} Pallas kernel calls per token ("
         + (f"reads live slots: {record['tokens_per_s_live']:,.0f} tokens/s with the refilling "
            f"sampler's live KV, {live:,.0f} of {kv['cache_len']} slots a row"

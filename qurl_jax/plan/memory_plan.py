@@ -495,8 +495,10 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
     table not counted): the rows' slots, or with `rollout.kv_pages` the page pool's share of
     this device; token_bytes: those bytes per token (the kv heads this device holds, compute
     dtype); prompt_len, max_new_tokens: the config's; rollout_rows: the rollout's rows per
-    device (prompts_per_step x n over the batch shards); batch_shards: data x fsdp. With a pool
-    also pages (this device's) and page_size."""
+    device (prompts_per_step x n over the batch shards); batch_shards: data x fsdp;
+    layer_elements: elements of one layer's keys on this device; kv_dtype: their dtype (the
+    compute dtype's, or the 8-bit codes'). With a pool also pages (this device's) and
+    page_size."""
     sampler, _, slots = _rollout_sampler(setup)
     engine = sampler.engine
     if engine.kv_policy.compresses:
@@ -505,7 +507,9 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
     cache = engine.layout.abstract(slots, cache_len)
     cache_bytes = _bytes_per_device((cache.k, cache.v, cache.k_scale, cache.v_scale))
     shards = setup.replicas
+    layer = cache.k[0].sharding.shard_shape(cache.k[0].shape)
     out = {"cache_len": int(cache_len), "cache_bytes": cache_bytes,
+           "layer_elements": int(np.prod(layer)), "kv_dtype": str(cache.k[0].dtype),
            "prompt_len": setup.prompt_len, "max_new_tokens": setup.response_len,
            "rollout_rows": max(setup.rollout_rows // shards, 1), "batch_shards": shards}
     if isinstance(cache, PagedKVCache):  # pools f[Hkv, P, page_size, D], pages over the shards

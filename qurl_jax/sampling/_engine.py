@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Sequence
 
 import flax.struct
@@ -116,6 +117,25 @@ class DecodeState:
     @property
     def rows(self) -> int:
         return self.tokens.shape[0]
+
+
+
+@functools.cache
+def _warn_float_copy(devices: str, paged: bool) -> None:
+    """Once per process: where JAX's kernel for this cache takes no 8-bit codes, the decode loop
+    writes a float array as large as each layer's cache every step (read from the compiled
+    programs: `plan.collectives.loop_body_float_arrays`, docs/paged_kv.md)."""
+    if devices == "gpu" and not paged:
+        what = ("JAX's dense GPU decode kernel takes float keys and values, so every layer's "
+                "cache is dequantized to a full compute-dtype copy each decode step (more HBM "
+                "traffic than a bf16 cache); a paged pool (rollout.kv_pages) is read by JAX's "
+                "GPU paged kernel as codes")
+    elif devices == "tpu" and paged:
+        what = ("JAX's TPU paged kernel wrapper broadcasts the per-token scales to the pages' "
+                "shape (float32, as large as each layer's pool) every decode step")
+    else:
+        return
+    logging.getLogger(__name__).warning("8-bit KV cache on %s: %s.", devices.upper(), what)
 
 
 class Engine:
@@ -219,6 +239,9 @@ class Engine:
                              f"{self._devices!r} (GPU, or CPU in Pallas' interpreter); use "
                              f"'auto' or 'xla'")
         self.decode_attention = decode_attention
+        if self.kv_precision.quantizes and decode_attention != "xla" \
+                and not self.kv_policy.compresses:
+            _warn_float_copy(self._devices, paging is not None)
 
     # ------------------------------------------------------------------------------ shapes
     @property
