@@ -259,7 +259,8 @@ def test_trainer_step_with_the_first_minibatch_from_its_forward(tmp_path, mode):
 
 def test_the_step_harness_config_runs_one_float_optimizer_step():
     """configs/smollm2_135m_step.py (the whole-step timing harness of docs/performance.md) is the
-    setting it says: 32 samples of at most 64 tokens, one optimizer step, no separate pass."""
+    setting it says: 32 samples of at most 64 tokens, one optimizer step, no separate pass, and
+    the learner's memory settings its docstring gives."""
     import os
 
     from qurl_jax.config.base import load_config_file
@@ -270,6 +271,8 @@ def test_the_step_harness_config_runs_one_float_optimizer_step():
     settings = RunSettings.from_config(c)
     assert settings.rollout_rows == 32 and settings.rollout.max_new_tokens == 64
     assert not settings.prox.recompute and not settings.learner_logprobs
+    train = settings.train
+    assert (train.remat, train.scan_layers, train.logprob_chunk) == ("full", True, 16)
 
 
 @pytest.mark.slow  # two tiny trainers' compiles
