@@ -192,6 +192,11 @@ def _main(argv: list[str]) -> None:
     config = validate(config)
     if not _WORKDIR.value:
         raise ConfigError("--workdir is missing: name a directory (or gs:// URL) for the run")
+    from qurl_jax.runtime import xla_cpu
+
+    not_applied = xla_cpu.apply(config.train.cpu_dots)  # before JAX starts a backend
+    if not_applied:
+        logging.warning("%s", not_applied)
     from qurl_jax.parallel import distributed
 
     try:

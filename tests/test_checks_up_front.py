@@ -209,3 +209,38 @@ def test_the_check_and_the_task_read_a_file_once_and_a_changed_file_again(tmp_pa
     assert len(tasks.task_examples(s)[0]) == 2 and reads == [data]
     _user_file(tmp_path, ROWS[:1])  # rewritten: another size, so read again
     assert len(tasks.task_examples(s)[0]) == 1 and reads == [data, data]
+
+
+def test_cpu_dots_is_validated_and_applied_before_jax_starts(monkeypatch) -> None:
+    """`train.cpu_dots`: a bad value is one ConfigError naming the field; 'eigen' adds XLA's flag
+    to XLA_FLAGS only before JAX starts a backend (after, a line says it was not applied), and a
+    user's own setting of the flag wins."""
+    import jax
+
+    from qurl_jax.runtime import xla_cpu
+
+    c = load_config_file(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                      "arith_tiny.py"))
+    c.train.cpu_dots = "mkl"
+    with pytest.raises(ConfigError, match="train.cpu_dots"):
+        validate(c)
+    with pytest.raises(ValueError, match="cpu_dots"):
+        xla_cpu.apply("mkl")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert xla_cpu.apply("xla") is None
+    jax.devices()  # this process's backends have started
+    assert "not applied" in xla_cpu.apply("eigen")
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
+    assert xla_cpu.apply("eigen") is None
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    # A fresh process: set before its backend starts and read by XLA (it aborts on a flag it
+    # does not know), the product computed.
+    monkeypatch.delenv("XLA_FLAGS")
+    code = ("import os, jax; from qurl_jax.runtime import xla_cpu; "
+            "assert xla_cpu.apply('eigen') is None; print(os.environ['XLA_FLAGS']); "
+            "x = jax.numpy.ones((64, 64)); print(float((x @ x.T).sum()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["--xla_cpu_experimental_ynn_fusion_type=", "262144.0"]

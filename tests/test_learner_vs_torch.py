@@ -19,10 +19,14 @@ def test_batch_has_prompts_and_responses_in_range():
 
 
 @pytest.mark.slow  # a torch and a jax worker, each compiling a 1-layer SmolLM2-shaped model
-def test_one_layer_comparison_runs():
+@pytest.mark.parametrize("apart,cpu_dots", [(False, "xla"), (True, "eigen")])
+def test_one_layer_comparison_runs(apart, cpu_dots):
     pytest.importorskip("transformers")
+    lines = []
     out = learner_vs_torch.run(rows=4, max_prompt_len=24, max_new_tokens=20, rounds=1, layers=1,
-                               log=lambda *_: None)
+                               log=lines.append, apart=apart, cpu_dots=cpu_dots)
+    # Apart: ours, torch, torch, ours, one process at a time, a timed round each visit.
+    assert len(out) and sum(line.startswith("visit") for line in lines) == (4 if apart else 0)
     for key in ("ours/seconds", "torch/seconds", "ours_logprobs/seconds", "ours/cpu_seconds",
                 "torch/cpu_seconds", "ours/peak_rss_gb", "torch/peak_rss_gb"):
         assert math.isfinite(out[key]) and out[key] > 0, key

@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --vs_torch: our learner's train.remat (none | dots | full)")
     ap.add_argument("--scan_layers", action="store_true",
                     help="with --vs_torch: our learner's layers as one lax.scan")
+    ap.add_argument("--cpu_dots", default="xla",
+                    help="with --vs_torch: our process's XLA:CPU float products (xla | eigen; "
+                         "config.train.cpu_dots)")
+    ap.add_argument("--apart", action="store_true",
+                    help="with --vs_torch: one process at a time (ours, torch, torch, ours), each "
+                         "warmed up and timed for --rounds rounds")
     ap.add_argument("--logprob_chunk", type=int, default=512,
                     help="with --vs_torch: our learner's response positions per LM-head chunk")
     ap.add_argument("--layers", type=int, default=None,
@@ -140,9 +146,12 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=args.max_new_tokens if given("--max_new_tokens") else 64,
             rounds=args.rounds, layers=args.layers or 30, seed=args.seed,
             learner_kw={"remat": args.remat, "scan_layers": args.scan_layers,
-                        "logprob_chunk": args.logprob_chunk})
-        print(f"update (forward + backward + AdamW), median of {args.rounds} interleaved rounds "
-              f"on {out['cpus']:.0f} CPUs:")
+                        "logprob_chunk": args.logprob_chunk},
+            cpu_dots=args.cpu_dots, apart=args.apart)
+        how = (f"2 x {args.rounds} rounds, one process at a time" if args.apart
+               else f"{args.rounds} interleaved rounds")
+        print(f"update (forward + backward + AdamW), median of {how} on {out['cpus']:.0f} CPUs "
+              f"(our cpu_dots: {args.cpu_dots}):")
         print(f"  ours  {out['ours/seconds']:7.2f} s  peak RSS {out['ours/peak_rss_gb']:.2f} GB"
               f"  (+ a separate pi_prox pass: {out['ours_logprobs/seconds']:.2f} s)")
         print(f"  torch {out['torch/seconds']:7.2f} s  peak RSS {out['torch/peak_rss_gb']:.2f} GB")

@@ -217,18 +217,42 @@ def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn
 
 def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, rounds: int = 3,
         layers: int = 30, seed: int = 0, profile: bool = True,
-        log: Any = print, learner_kw: dict[str, Any] | None = None) -> dict[str, float]:
+        log: Any = print, learner_kw: dict[str, Any] | None = None, cpu_dots: str = "xla",
+        apart: bool = False) -> dict[str, float]:
     """The comparison (module doc); JSON-able figures. `learner_kw`: our `Learner`'s memory
-    settings (remat, scan_layers, logprob_chunk)."""
+    settings (remat, scan_layers, logprob_chunk); `cpu_dots`: our process's XLA:CPU float
+    products (`qurl_jax.runtime.xla_cpu`). `apart`: never both processes at once, visits in the
+    order ours, torch, torch, ours, each a fresh process with its own warm-up and `rounds` timed
+    rounds (peak RSS: the larger of a side's two visits), for machines where the two processes'
+    memory together presses on the RAM."""
+    from qurl_jax.runtime import xla_cpu
+
     host = batch(rows, max_prompt_len, max_new_tokens, SMOLLM2_135M["vocab_size"], seed)
     ctx = mp.get_context("spawn")
-    workers = {}
-    for side in ("ours", "torch"):
+    workers: dict[str, tuple[Any, Any]] = {}
+
+    def start(side: str) -> None:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(side, host, layers, seed, child, learner_kw),
                            daemon=True)
+        saved = os.environ.get("XLA_FLAGS")
+        if side == "ours":  # the environment the worker starts with
+            os.environ["XLA_FLAGS"] = xla_cpu.xla_flags(cpu_dots, saved or "")
         proc.start()
+        if saved is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = saved
         workers[side] = (proc, parent)
+
+    def stop(side: str) -> None:
+        proc, conn = workers.pop(side)
+        try:
+            conn.send("stop")
+            conn.recv()
+        except (OSError, EOFError):
+            pass
+        proc.join(timeout=30)
 
     def ask(side: str, msg: str) -> Any:
         conn = workers[side][1]
@@ -237,35 +261,59 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
 
     times: dict[str, list[float]] = {"ours": [], "ours_logprobs": [], "torch": []}
     cpu: dict[str, list[float]] = {k: [] for k in times}
+    rss: dict[str, float] = {}
+    split: dict[str, float] = {}
+    resets: list[bool] = []
 
     def timed(key: str, side: str, what: str) -> None:
         wall, used = ask(side, what)
         times[key].append(wall)
         cpu[key].append(used)
 
-    try:
-        # Warm-up (compiles), then the peak-RSS reset, then the interleaved rounds.
-        for side, what in (("ours", "update"), ("ours", "logprobs"), ("torch", "update")):
-            log(f"warm-up {side} {what}: {ask(side, what)[0]:.1f} s")
-        reset = all(ask(side, "reset_rss") for side in workers)
-        for i in range(rounds):
+    def one_round(side: str) -> None:
+        if side == "torch":
             timed("torch", "torch", "update")
+        else:
             timed("ours", "ours", "update")
             timed("ours_logprobs", "ours", "logprobs")
-            log(f"round {i}: ours {times['ours'][-1]:.2f} s (logprobs "
-                f"{times['ours_logprobs'][-1]:.2f} s), torch {times['torch'][-1]:.2f} s; CPU "
-                f"seconds {cpu['ours'][-1]:.2f} ({cpu['ours_logprobs'][-1]:.2f}), "
-                f"{cpu['torch'][-1]:.2f}")
-        rss = {side: ask(side, "rss") for side in workers}
-        split = ask("ours", "profile") if profile else {}
+
+    def warm_up(side: str) -> None:
+        for what in (("update", "logprobs") if side == "ours" else ("update",)):
+            log(f"warm-up {side} {what}: {ask(side, what)[0]:.1f} s")
+        resets.append(ask(side, "reset_rss"))
+
+    try:
+        if apart:
+            for visit, side in enumerate(("ours", "torch", "torch", "ours")):
+                start(side)
+                warm_up(side)
+                for _ in range(rounds):
+                    one_round(side)
+                log(f"visit {visit} ({side}): " + ", ".join(
+                    f"{t:.2f} s" for t in times[side][-rounds:]))
+                rss[side] = max(rss.get(side, 0.0), ask(side, "rss"))
+                if profile and visit == 3:
+                    split = ask("ours", "profile")
+                stop(side)
+        else:
+            # Warm-up (compiles), then the peak-RSS reset, then the interleaved rounds.
+            start("ours")
+            start("torch")
+            warm_up("ours")
+            warm_up("torch")
+            for i in range(rounds):
+                one_round("torch")
+                one_round("ours")
+                log(f"round {i}: ours {times['ours'][-1]:.2f} s (logprobs "
+                    f"{times['ours_logprobs'][-1]:.2f} s), torch {times['torch'][-1]:.2f} s; "
+                    f"CPU seconds {cpu['ours'][-1]:.2f} ({cpu['ours_logprobs'][-1]:.2f}), "
+                    f"{cpu['torch'][-1]:.2f}")
+            rss = {side: ask(side, "rss") for side in workers}
+            split = ask("ours", "profile") if profile else {}
     finally:
-        for proc, conn in workers.values():
-            try:
-                conn.send("stop")
-                conn.recv()
-            except (OSError, EOFError):
-                pass
-            proc.join(timeout=30)
+        for side in list(workers):
+            stop(side)
+    reset = all(resets)
     out = {f"{k}/seconds": statistics.median(v) for k, v in times.items()}
     out.update({f"{k}/cpu_seconds": statistics.median(v) for k, v in cpu.items()})
     out["ratio_update_cpu_ours_over_torch"] = out["ours/cpu_seconds"] / out["torch/cpu_seconds"]

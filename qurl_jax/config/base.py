@@ -33,6 +33,7 @@ from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode
 from qurl_jax.runtime import paths
 from qurl_jax.runtime.errors import ConfigError
+from qurl_jax.runtime.xla_cpu import CPU_DOTS
 from qurl_jax.sampling.factory import DECODE_ATTENTION
 
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
@@ -244,6 +245,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
     c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
+    # XLA:CPU's float matrix products: 'xla' (its choice: YNNPACK fusions where they take the dot)
+    # or 'eigen' (YNNPACK off; faster for real-sized models' updates, `qurl_jax.runtime.xla_cpu`).
+    # Set by `python -m qurl_jax.main` before JAX starts; CPU programs only.
+    c.train.cpu_dots = "xla"
     # Learner batches packed: each micro-batch's sequences, without padding, into rows of
     # train.pack_length tokens (0: the longest sequence the config allows, rounded up to the
     # attention block); False runs today's padded [rows, max_prompt_len + max_new_tokens] layout.
@@ -547,6 +552,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.model.attention, tuple(i.value for i in AttentionImplementation), "model.attention")
     _choice(c.model.decode_attention, DECODE_ATTENTION, "model.decode_attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
+    _choice(c.train.cpu_dots, CPU_DOTS, "train.cpu_dots")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
     _choice(c.rollout.kv_precision, KV_PRECISIONS, "rollout.kv_precision")
     _choice(c.train.precision, TRAIN_PRECISIONS, "train.precision")

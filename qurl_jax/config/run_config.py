@@ -37,7 +37,7 @@ RESUMABLE = (
     "rollout.kv_page_size", "rollout.kv_watermark_pages", "model.attention",
     "model.path", "train.loggers", "train.wandb_project", "train.stall_timeout_s",
     "train.check_collectives", "train.packing", "train.pack_length",
-    "train.tokens_per_micro_batch", "train.pack_buckets", "rollout.tensor",
+    "train.tokens_per_micro_batch", "train.pack_buckets", "train.cpu_dots", "rollout.tensor",
     "rollout.reshard_bucket_mib")
 
 
