@@ -10,8 +10,8 @@ memory harness (docs/performance.md, "The whole RL step against main"), not a tr
 The learner rematerialises its layers in a scan and takes the LM head 16 response positions at a
 time (`train.remat=full`, `train.scan_layers`, `train.logprob_chunk=16`): measured, peak resident
 memory 7.3 GB instead of 14.0 with the library's defaults, the step no slower (docs/performance.md).
-Its float products on the CPU run through Eigen (`train.cpu_dots=eigen`, `qurl_jax.runtime.
-xla_cpu`): the update of this model measured 1.16x faster than with XLA's YNNPACK fusions.
+XLA's own choice of CPU matrix products stays (`train.cpu_dots=xla`): with `eigen` this step
+measured slower (32.8 s against 28.8-29.1; docs/performance.md).
 """
 
 import os
@@ -33,7 +33,6 @@ def get_config():
     c.train.remat = "full"
     c.train.scan_layers = True
     c.train.logprob_chunk = 16
-    c.train.cpu_dots = "eigen"
     c.train.num_steps = 6
     c.train.checkpoint_every = 1000
     c.train.report_speed = False
