@@ -366,15 +366,15 @@ def loop_body_kernels(hlo_text: str | Module, while_name: str | None = None) -> 
     return count
 
 
-
-# Result types of instructions that write no new array: views, tuples, in-place updates of a
-# loop-carried buffer.
+# Opcodes whose results are no newly written array: views, tuples, in-place updates of a
+# loop-carried buffer, control flow (what their computations write is counted there).
 _NOT_WRITTEN = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant",
                 "dynamic-update-slice", "while", "call", "conditional", "async-start",
                 "async-update", "async-done", "copy-start", "copy-done", "opt-barrier")
 _FLOATS = ("f16", "bf16", "f32", "f64")
-# Called computations that hold no materialised arrays of their own: a fusion's body is one
-# kernel, a custom call's, reduce's or sort's computation a scalar function.
+# Opcodes whose called computations are followed (their instructions run as kernels of their
+# own); a fusion's computation is one kernel, and a custom call's, reduce's or sort's a scalar
+# function, so theirs are not.
 _FOLLOWED = ("while", "call", "conditional", "async-start")
 
 

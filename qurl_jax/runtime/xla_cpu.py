@@ -2,14 +2,14 @@
 
 XLA:CPU hands a float dot whose operands are laid out row-major to a YNNPACK fusion and the others
 (transposed operands, as in the weight gradients of a backward pass) to its Eigen matmul. 'xla'
-keeps that choice; 'eigen' turns the YNNPACK fusions off
-(`--xla_cpu_experimental_ynn_fusion_type=`),
-so every float dot runs through Eigen. Measured on a 2-core Intel Xeon (AVX512 + VNNI), float32
-(docs/performance.md): the update of a SmolLM2-135M-shaped learner at the library's defaults (576
-wide, 30 unrolled layers, 2,912 packed positions) 1.16x faster with 'eigen'; the 128-wide
-embedded default's warm start 4% slower; a whole GRPO step of SmolLM2-135M with its layers
-rematerialised in a scan 1.13x slower (its rollout 1.5x). So 'xla' is the default, and 'eigen' is
-for an update like the first. Only CPU programs change; the values differ by float rounding.
+keeps that choice; 'eigen' turns the YNNPACK fusions off (XLA_FLAGS
+`--xla_cpu_experimental_ynn_fusion_type=`), so every float dot runs through Eigen. Measured on a
+2-core Intel Xeon (AVX512 + VNNI), float32 (docs/performance.md): the update of a
+SmolLM2-135M-shaped learner at the library's defaults (576 wide, 30 unrolled layers, 2,912 packed
+positions) 1.16x faster with 'eigen'; the 128-wide embedded default's warm start 4% slower; a
+whole GRPO step of SmolLM2-135M with its layers rematerialised in a scan 1.13x slower (its
+rollout 1.5x). So 'xla' is the default, and 'eigen' is for an update like the first. Only CPU
+programs change; the values differ by float rounding.
 
 XLA reads its flags once, when JAX starts its first backend, so `apply` works only before that:
 `python -m qurl_jax.main` calls it right after reading the config. A user's own

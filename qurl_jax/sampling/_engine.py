@@ -119,7 +119,6 @@ class DecodeState:
         return self.tokens.shape[0]
 
 
-
 @functools.cache
 def _warn_float_copy(devices: str, paged: bool) -> None:
     """Once per process: where JAX's kernel for this cache takes no 8-bit codes, the decode loop
