@@ -111,7 +111,8 @@ def test_decode_kv_of_a_tiny_config_feeds_the_capacity():
     token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * CFG.compute_dtype.itemsize
     assert kv == {"rows": 4, "cache_len": 64, "cache_bytes": 4 * 64 * token,
                   "token_bytes": token, "prompt_len": 16, "max_new_tokens": 48,
-                  "rollout_rows": 8, "batch_shards": 2}
+                  "rollout_rows": 8, "batch_shards": 2, "kv_dtype": str(CFG.compute_dtype),
+                  "layer_elements": 4 * CFG.num_kv_heads * 64 * CFG.head_dim}
     # A report's figures (made-up peak) with room for 6 rows more than the decode program's 4:
     # 10 fixed slots, 10 * 64 / 16 = 40 pages; the batch case is the rollout's 8 rows per device.
     peak = kv["cache_bytes"] + 12345
@@ -142,6 +143,7 @@ def test_an_8bit_cache_counts_its_codes_and_scales(pages):
     assert kv["token_bytes"] == token and full["token_bytes"] == 2 * CFG.num_layers * (
         CFG.num_kv_heads * CFG.head_dim * 4)
     assert kv["cache_bytes"] * full["token_bytes"] == full["cache_bytes"] * token
+    assert kv.pop("kv_dtype") == "int8" and full.pop("kv_dtype") == str(CFG.compute_dtype)
     assert {k: v for k, v in kv.items() if "bytes" not in k} == {
         k: v for k, v in full.items() if "bytes" not in k}
 

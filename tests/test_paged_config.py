@@ -143,7 +143,9 @@ def test_memory_plan_counts_the_pool_not_rows_times_slots(tmp_path):
     kv = memory_plan.decode_kv(setup)
     assert kv == {"rows": 4, "cache_len": 64, "cache_bytes": 20 * 16 * token,
                   "prompt_len": 16, "max_new_tokens": 48, "rollout_rows": 8, "batch_shards": 2,
-                  "token_bytes": token, "pages": 20, "page_size": 16}
+                  "token_bytes": token, "pages": 20, "page_size": 16,
+                  "kv_dtype": str(CFG.compute_dtype),
+                  "layer_elements": CFG.num_kv_heads * 20 * 16 * CFG.head_dim}
     program = memory_plan.rollout_decode(setup)
     (pool,) = [p for p in program.estimate.parts if p[0].startswith("KV page pool")]
     assert pool[2] == kv["cache_bytes"]
