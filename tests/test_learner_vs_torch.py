@@ -33,6 +33,8 @@ def test_one_layer_comparison_runs(apart, cpu_dots):
     assert out["ratio_update_ours_over_torch"] == out["ours/seconds"] / out["torch/seconds"]
     shares = [v for k, v in out.items() if k.startswith("ours/op_share_")]
     assert len(shares) == 3 and abs(sum(shares) - 1.0) < 1e-9
+    # What the shares cover: the traced operations' seconds beside the profiled update's.
+    assert out["ours/op_traced_seconds"] > 0 and out["ours/profiled_update_seconds"] > 0
 
 
 def test_op_time_split_sorts_xla_operations_by_kind(tmp_path):

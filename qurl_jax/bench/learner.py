@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         shares = {k.split("op_share_")[1]: v for k, v in out.items() if "op_share_" in k}
         if shares:
             print("  our update's XLA:CPU op time: " + ", ".join(
-                f"{k} {v:.0%}" for k, v in shares.items()))
+                f"{k} {v:.0%}" for k, v in shares.items())
+                + f" of the traced operations' {out['ours/op_traced_seconds']:.1f} s (the "
+                f"profiled update took {out['ours/profiled_update_seconds']:.1f} s)")
         print(f"  ours / torch: {out['ratio_update_ours_over_torch']:.2f} wall, "
               f"{out['ratio_update_cpu_ours_over_torch']:.2f} CPU seconds "
               f"({out['ours/cpu_seconds']:.2f} / {out['torch/cpu_seconds']:.2f})")

@@ -24,7 +24,9 @@ processes hits both alike. Reported: the median wall seconds of each and their r
 its threads: on a CPU shared with other work, the figure the others' load moves least), and
 each process's peak RSS over the timed rounds (VmHWM after a reset, Linux). Then one more update
 of ours runs under `jax.profiler` and its XLA:CPU operations' time is split into matrix products,
-transposes (layout copies) and the rest (`op_time_split`): where our time goes.
+transposes (layout copies) and the rest (`op_time_split`): where our time goes, as far as the
+traced operations cover the update (reported beside the shares: with XLA:CPU's Eigen products,
+`cpu_dots=eigen`, most of the products' time is in no per-operation event).
 """
 
 from __future__ import annotations
@@ -208,9 +210,9 @@ def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn
 
             with tempfile.TemporaryDirectory() as trace_dir:
                 jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-                runner.round("update")
+                wall, _ = runner.round("update")
                 jax.profiler.stop_trace()
-                conn.send(op_time_split(trace_dir))
+                conn.send({"split": op_time_split(trace_dir), "wall": wall})
         else:
             conn.send(runner.round(msg))
 
@@ -262,7 +264,7 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
     times: dict[str, list[float]] = {"ours": [], "ours_logprobs": [], "torch": []}
     cpu: dict[str, list[float]] = {k: [] for k in times}
     rss: dict[str, float] = {}
-    split: dict[str, float] = {}
+    profiled: dict[str, Any] = {"split": {}, "wall": 0.0}
     resets: list[bool] = []
 
     def timed(key: str, side: str, what: str) -> None:
@@ -293,7 +295,7 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
                     f"{t:.2f} s" for t in times[side][-rounds:]))
                 rss[side] = max(rss.get(side, 0.0), ask(side, "rss"))
                 if profile and visit == 3:
-                    split = ask("ours", "profile")
+                    profiled = ask("ours", "profile")
                 stop(side)
         else:
             # Warm-up (compiles), then the peak-RSS reset, then the interleaved rounds.
@@ -309,7 +311,7 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
                     f"CPU seconds {cpu['ours'][-1]:.2f} ({cpu['ours_logprobs'][-1]:.2f}), "
                     f"{cpu['torch'][-1]:.2f}")
             rss = {side: ask(side, "rss") for side in workers}
-            split = ask("ours", "profile") if profile else {}
+            profiled = ask("ours", "profile") if profile else profiled
     finally:
         for side in list(workers):
             stop(side)
@@ -319,8 +321,12 @@ def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, roun
     out["ratio_update_cpu_ours_over_torch"] = out["ours/cpu_seconds"] / out["torch/cpu_seconds"]
     out.update({f"{k}/peak_rss_gb": v for k, v in rss.items()})
     out["ratio_update_ours_over_torch"] = out["ours/seconds"] / out["torch/seconds"]
+    split = profiled["split"]
     total = sum(split.values())
     out.update({f"ours/op_share_{k}": v / total for k, v in split.items() if total})
+    if total:  # how much of the profiled update the traced operations cover
+        out["ours/op_traced_seconds"] = total
+        out["ours/profiled_update_seconds"] = profiled["wall"]
     out["real_tokens"] = float(host["attn_mask"].sum())
     out["rss_reset_before_rounds"] = float(reset)
     out["cpus"] = float(os.cpu_count() or 0)
