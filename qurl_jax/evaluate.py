@@ -161,11 +161,12 @@ def main(argv: list[str]) -> None:
         from qurl_jax.train.preemption import PreemptionGuard, Stopped
 
         quiet_libraries()  # orbax's INFO line per restored array, as main keeps them out
-        PreemptionGuard().install()  # SIGTERM / Ctrl-C: one line, 128 + the signal
+        guard = PreemptionGuard().install()  # SIGTERM / Ctrl-C: one line, 128 + the signal
         try:
             step, metrics = evaluate_run(_CONFIG.value, _WORKDIR.value, _STEP.value,
                                          _EVAL_FILES.value)
         except Stopped as e:
+            guard.caught()
             print(f"qurl_jax: {signal.Signals(e.signum).name} received during the evaluation: "
                   "stopped; nothing written", file=sys.stderr, flush=True)
             sys.stdout.flush()

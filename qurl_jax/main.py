@@ -232,6 +232,7 @@ def _main(argv: list[str]) -> None:
     try:
         _train(config, guard)
     except preemption.Stopped as e:
+        guard.caught()
         print(e.line(), file=sys.stderr, flush=True)
         logging.flush()
         sys.stdout.flush()
@@ -262,6 +263,7 @@ def _train(config, guard) -> None:
     try:
         summary = trainer.train(preemption=guard)
     except Stopped:
+        guard.caught()  # the listener thread leaves the ending to this handler
         trainer.checkpointer.close()  # a checkpoint still being written is finished, not lost
         trainer.task.close()  # the verifier processes
         raise

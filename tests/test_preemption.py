@@ -6,6 +6,7 @@ this process from inside a step; the slow ones run the CLI (`python -m qurl_jax.
 it from outside, as a scheduler does.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -132,6 +133,29 @@ def test_the_listener_ends_a_process_whose_main_thread_is_inside_xla():
         assert exits == [143]
     finally:
         guard.uninstall()
+
+
+def test_the_listener_ends_a_process_whose_stopped_was_swallowed():
+    """The handler raised `Stopped` but nothing took it (raised inside a finaliser, whose
+    exceptions Python prints and drops): the listener ends the process after the grace; once a
+    handler says it took it (`caught`), the listener leaves the ending to it."""
+    exits = []
+    guard = PreemptionGuard(stop_grace_s=0.2, exit_fn=exits.append, caught_grace_s=0.3).install()
+    try:
+        with contextlib.suppress(Stopped):  # swallowed
+            guard._handle(signal.SIGTERM, None)
+        os.write(guard._wakeup[1], bytes([signal.SIGTERM]))
+        deadline = time.time() + 10
+        while not exits and time.time() < deadline:
+            time.sleep(0.05)
+        assert exits == [143]
+        guard.caught()
+        os.write(guard._wakeup[1], bytes([signal.SIGTERM]))
+        time.sleep(1.0)
+        assert exits == [143]
+    finally:
+        guard.uninstall()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def test_a_signal_during_the_evaluation_before_rl_stops_the_train_call(tmp_path):

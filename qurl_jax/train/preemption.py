@@ -14,7 +14,10 @@ evaluation, the speed check -- there is no step to finish: the first signal rais
 main thread, and `python -m qurl_jax.main` exits with 128 + the signal after one line; checkpoints
 already written are kept (the trainer waits for one still being written). Where the main thread
 sits inside XLA (a compile) and cannot run Python, a listener thread on the signal wakeup fd ends
-the process with the same line and code after `STOP_GRACE_S`.
+the process with the same line and code after `STOP_GRACE_S`. It does the same when the main
+thread raised `Stopped` but no handler took it (`PreemptionGuard.caught`) within `CAUGHT_GRACE_S`:
+an exception raised while a finaliser runs is printed and dropped by Python, and the run goes on
+(a warm start under load once ignored a SIGTERM in a suite run, 2026-11-28).
 
 Multi-process runs must save at the same step on every process, although the signal may reach only
 one of them: `reached(step)`, called once per step on every process (as the trainer does), is a
@@ -47,6 +50,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # How long after a signal outside the step loop the main thread may take to raise `Stopped`
 # before the listener thread ends the process itself (it is inside XLA).
 STOP_GRACE_S = 5.0
+# How long after raising `Stopped` the main thread may take to reach the handler that ends the run
+# (`PreemptionGuard.caught`) before the listener thread ends the process itself.
+CAUGHT_GRACE_S = 15.0
 
 
 class Stopped(BaseException):
@@ -80,9 +86,12 @@ class PreemptionGuard:
     """
 
     def __init__(self, stop_grace_s: float = STOP_GRACE_S,
-                 exit_fn: Callable[[int], None] = os._exit) -> None:
+                 exit_fn: Callable[[int], None] = os._exit,
+                 caught_grace_s: float = CAUGHT_GRACE_S) -> None:
         self.signum: int | None = None
         self.stop_grace_s = stop_grace_s
+        self.caught_grace_s = caught_grace_s
+        self._caught = threading.Event()  # a handler took `Stopped`: it ends the run
         self.listeners: list[Callable[[int], None]] = []  # called with each signal's number
         self._previous: dict[int, object] = {}
         # Inside the step loop (the trainer sets it): a signal finishes the step, saves and stops.
@@ -153,8 +162,15 @@ class PreemptionGuard:
         finally:
             os.close(r)
 
+    def caught(self) -> None:
+        """Called by the handler that took `Stopped` and ends the run: the listener thread
+        leaves the ending to it (it may still wait for a checkpoint being written)."""
+        self._caught.set()
+
     def _backstop(self, signum: int) -> None:
-        if self._raised.wait(self.stop_grace_s) or self._closed.is_set() or self.at_steps:
+        if self._raised.wait(self.stop_grace_s) and self._caught.wait(self.caught_grace_s):
+            return
+        if self._closed.is_set() or self.at_steps or self._caught.is_set():
             return
         print(stop_line(self.signum or signum), file=sys.stderr, flush=True)
         logging.flush()
