@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Sequence
 
@@ -204,10 +205,7 @@ def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
         if dtype not in DTYPE_BYTES:
             continue
         shape = tuple(int(d) for d in dims.split(",") if d)
-        size = 1
-        for d in shape:
-            size *= d
-        out.append((dtype, shape, int(size * DTYPE_BYTES[dtype] + 0.5)))
+        out.append((dtype, shape, int(math.prod(shape) * DTYPE_BYTES[dtype] + 0.5)))
     return out
 
 
@@ -400,7 +398,7 @@ def loop_body_float_arrays(hlo_text: str | Module, elements: int,
         for inst in module.computations[computation]:
             if inst.opcode not in _NOT_WRITTEN:
                 for dtype, shape, nbytes in _arrays(inst.type):
-                    if dtype in _FLOATS and _elements(shape) == elements:
+                    if dtype in _FLOATS and math.prod(shape) == elements:
                         out.extend([(inst.name, f"{dtype}[{','.join(map(str, shape))}]",
                                      nbytes)] * times)
             if inst.opcode in _FOLLOWED:
@@ -411,13 +409,6 @@ def loop_body_float_arrays(hlo_text: str | Module, elements: int,
 
     visit(_body(loop), 1, ())
     return out
-
-
-def _elements(shape: Sequence[int]) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
 
 
 @dataclasses.dataclass(frozen=True)
