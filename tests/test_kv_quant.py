@@ -41,7 +41,15 @@ from qurl_jax.config.base import base_config, validate
 from qurl_jax.config.run_config import ResumeConfigError
 from qurl_jax.models import KVCache, Transformer
 from qurl_jax.models import decode_attention as da
-from qurl_jax.models.kv_quant import KVPrecision, dequantize_kv, kv_precision, quantize_kv
+from qurl_jax.models.kv_quant import (
+    KVPrecision,
+    KVScale,
+    dequantize_kv,
+    kv_precision,
+    kv_scale,
+    quantize_kv,
+    sequence_scales,
+)
 from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.sampling import KVPolicyConfig, RefillSampler, Sampler, SamplingParams
 from tests.test_decode_attention import BF16_TOL, F32_TOL, reference
@@ -210,6 +218,111 @@ def test_paged_kernel_needs_both_scales() -> None:
                                   impl="xla")
 
 
+# ----------------------------------------------------------------- per-sequence scales
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_sequence_scales_and_codes_at_a_given_scale_match_numpy(precision) -> None:
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 2, 6, 16)).astype(np.float32) * 4
+    valid = np.ones((3, 6), bool)
+    valid[0, :2] = False  # left pads: not in the scale
+    x[0, 1, 1] = 1e4  # ... however large
+    valid[2] = False  # a row with no valid token: scale 0
+    scales = jax.jit(sequence_scales, static_argnums=2)(x, valid, CODES[precision])
+    top = 127.0 if precision == "int8" else 448.0
+    want = np.where(valid[:, None, :, None], np.abs(x), 0).max(axis=(2, 3)) / top
+    assert scales.shape == (3, 2, 1)
+    np.testing.assert_allclose(np.asarray(scales)[..., 0], want, rtol=1e-6)
+    # Codes at the row's scale, a later token past its range clipped to the code range.
+    later = x[:, :, :1] * 3
+    codes, got_scale = quantize_kv(jnp.asarray(later), CODES[precision], scales)
+    assert got_scale.shape == (3, 2, 1)
+    ref = np.clip(np.divide(later, np.asarray(scales)[..., None],
+                            out=np.zeros_like(later), where=np.asarray(scales)[..., None] > 0),
+                  -top, top)
+    ref = np.round(ref) if precision == "int8" else ref.astype(ml_dtypes.float8_e4m3fn)
+    got = np.asarray(codes).astype(np.float64)
+    assert np.mean(got == np.asarray(ref, np.float64)) > 0.99
+    assert np.abs(got).max() <= top and not got[2].any()
+    assert kv_scale("sequence") is KVScale.SEQUENCE
+    with pytest.raises(ValueError, match="kv_scale='page'"):
+        kv_scale("page")
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_sequence_keeps_its_prompts_scale_in_every_slot(precision) -> None:
+    """Per-sequence scales in the dense cache: a prefill (left-padded row included) sets each
+    row's scale from its own prompt tokens, a decode step writes its token at that scale
+    (clipped), and every written slot of a row holds the row's scale."""
+    cfg = TINY["qwen2"].replace(kv_scale="sequence")
+    params = _random_params(cfg)
+    model = Transformer(cfg)
+    tokens = np.array([[0, 0, 5, 17, 99], [12, 60, 3, 1, 2]], np.int32)
+    mask = tokens > 0
+    mask[1] = True
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
+
+    @jax.jit
+    def run(cache):
+        _, cache = model.apply({"params": params}, tokens, positions, mask, cache=cache)
+        tok = jnp.array([[7], [8]], jnp.int32)
+        _, cache = model.apply({"params": params}, tok, cache.next_pos[:, None], cache=cache)
+        return cache
+
+    full = Transformer(cfg.replace(kv_scale="token"))
+    full_cache = jax.jit(lambda c: full.apply(
+        {"params": params}, tokens, positions, mask, cache=c)[1])(KVCache.zeros(cfg, 2, 8))
+    quant = run(KVCache.zeros(cfg, 2, 8, precision=precision))
+    top = 127.0 if precision == "int8" else 448.0
+    written = np.asarray(quant.pos) >= 0  # [B, S]
+    for layer in range(cfg.num_layers):
+        for scales, prompt in ((quant.k_scale[layer], full_cache.k[layer]),
+                               (quant.v_scale[layer], full_cache.v[layer])):
+            prompt = np.asarray(prompt, np.float64)
+            want = np.where((np.asarray(full_cache.pos) >= 0)[:, None, :, None],
+                            np.abs(prompt), 0).max(axis=(2, 3)) / top  # [B, Hkv]
+            got = np.asarray(scales)
+            for r in range(2):
+                row = got[r][:, written[r]]  # [Hkv, written slots]: one value per kv head
+                np.testing.assert_array_equal(row, np.repeat(row[:, :1], row.shape[1], 1))
+                if layer == 0:  # later layers' inputs carry the 8-bit cache's error
+                    np.testing.assert_allclose(row[:, 0], want[r], rtol=1e-6)
+                assert not got[r][:, 6:].any()  # slots never written (a pad's hold the row's)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("impl,kwargs", [
+    ("xla", {}),
+    ("pallas", {"interpret": True}),
+    ("pallas", {"interpret": True, "platform": "tpu"}),  # plain 8-bit pages, scaled outside
+], ids=["xla", "gpu-kernel", "tpu-kernel"])
+def test_paged_kernels_with_row_scales_equal_the_dequantized_reference(precision, impl,
+                                                                       kwargs) -> None:
+    from tests.test_decode_attention import LENGTHS, STARTS
+
+    q, kq, ks, vq, vs, table = _paged_case(precision)
+    # Every page of a row at its row's scales (what a per-sequence cache holds); a page no row
+    # holds keeps its own.
+    rng = np.random.default_rng(5)
+    row_k, row_v = (rng.uniform(0.01, 0.05, (table.shape[0], ks.shape[0])) for _ in range(2))
+    ks, vs = np.array(ks), np.array(vs)
+    for r in range(table.shape[0] - 1, -1, -1):  # row 0's page 0 is also row 5's first page
+        for page in set(table[r]):
+            ks[:, page], vs[:, page] = row_k[r][:, None], row_v[r][:, None]
+    lengths = np.where(STARTS > 0, LENGTHS - STARTS, LENGTHS)
+    lengths[5] = 0  # row 5 shares row 0's pages: it reads none
+    fn = jax.jit(lambda q, kq, vq, ks, vs: da.paged_decode_attention(
+        q, kq, vq, table, lengths, k_scales=ks, v_scales=vs, impl=impl, row_scales=True,
+        **kwargs))
+    out = fn(q, kq, vq, jnp.asarray(ks), jnp.asarray(vs))
+    keys = dequantize_kv(da.gather_pages(kq, table), da.gather_pages(ks, table), jnp.float32)
+    values = dequantize_kv(da.gather_pages(vq, table), da.gather_pages(vs, table), jnp.float32)
+    want = reference(q, keys, values, np.zeros(len(lengths), np.int32), lengths)
+    tol = BF16_TOL if kwargs.get("platform") == "tpu" else 5 * F32_TOL
+    err = np.abs(np.asarray(out, np.float64) - want)
+    assert err.max() < tol, err.max(axis=(1, 2))
+    assert not np.asarray(out[lengths == 0]).any()
+
+
 @pytest.fixture(scope="module")
 def qwen() -> tuple:
     cfg = TINY["qwen2"]
@@ -233,9 +346,12 @@ def _assert_same(out, ref, atol=LOGP_TOL) -> None:
                                    atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("precision", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
-def test_static_refilling_and_paged_samplers_agree(qwen, precision) -> None:
+@pytest.mark.parametrize("precision,scale", [
+    ("int8", "token"), pytest.param("fp8", "token", marks=pytest.mark.slow),
+    ("int8", "sequence"), pytest.param("fp8", "sequence", marks=pytest.mark.slow)])
+def test_static_refilling_and_paged_samplers_agree(qwen, precision, scale) -> None:
     cfg, params = qwen
+    cfg = cfg.replace(kv_scale=scale)
     static = _sample(Sampler(cfg, kv_precision=precision, **SIZES), params)
     refill = _sample(RefillSampler(cfg, kv_precision=precision, max_concurrent_rows=4,
                                    refill_min=1, **SIZES), params)
@@ -247,6 +363,10 @@ def test_static_refilling_and_paged_samplers_agree(qwen, precision) -> None:
     bf16 = _sample(Sampler(cfg, **SIZES), params)
     gap = np.abs(np.asarray(static.logp) - np.asarray(bf16.logp)).max()
     assert gap > LOGP_TOL, gap
+    if scale == "sequence":  # not the per-token cache's numbers
+        token = _sample(Sampler(cfg.replace(kv_scale="token"), kv_precision=precision, **SIZES),
+                        params)
+        assert np.abs(np.asarray(static.logp) - np.asarray(token.logp)).max() > LOGP_TOL
 
 
 @pytest.mark.slow
@@ -302,6 +422,14 @@ def test_config_field_reaches_the_rollout_sampler_only() -> None:
     rollout = build_rollout_sampler(cfg, jax.lax.dot_general, settings, **SIZES)
     assert rollout.engine.kv_precision is KVPrecision.FP8
     assert build_eval_sampler(cfg, settings, **SIZES).engine.kv_precision is KVPrecision.BF16
+    c.rollout.kv_scale = "sequence"
+    rollout = build_rollout_sampler(cfg, jax.lax.dot_general, rollout_sampler_settings(c),
+                                    **SIZES)
+    assert rollout.engine.config.kv_scale == "sequence"
+    c.rollout.kv_scale = "page"
+    with pytest.raises(ConfigError, match="rollout.kv_scale='page'"):
+        validate(c)
+    c.rollout.kv_scale = "token"
     c.rollout.kv_precision = "int4"
     with pytest.raises(ConfigError, match="rollout.kv_precision='int4'"):
         validate(c)
@@ -312,25 +440,31 @@ def test_a_run_saved_before_the_field_resumes_at_bf16(tmp_path) -> None:
     run_config.check_and_save(c, str(tmp_path), resuming=False)
     path = tmp_path / run_config.FILE
     saved = json.loads(path.read_text())
-    del saved["rollout.kv_precision"]
+    del saved["rollout.kv_precision"], saved["rollout.kv_scale"]
     path.write_text(json.dumps(saved))
     run_config.check_and_save(c, str(tmp_path), resuming=True)  # bf16: the old runs' cache
+    c.rollout.kv_scale = "sequence"
+    with pytest.raises(ResumeConfigError, match=r"config.rollout.kv_scale is 'sequence'"):
+        run_config.check_and_save(c, str(tmp_path), resuming=True)
+    c.rollout.kv_scale = "token"
     c.rollout.kv_precision = "int8"
     with pytest.raises(ResumeConfigError,
                        match=r"config.rollout.kv_precision is 'int8' but .* started with 'bf16'"):
         run_config.check_and_save(c, str(tmp_path), resuming=True)
 
 
-def _compiled_int8_paged_decode(target: str, paged: bool = True) -> tuple[Any, str]:
-    """(model config, compiled HLO text) of the paged sampler's decode program, int8 KV, on
-    `target`'s first 8 compile-only devices (data 2 x fsdp 2 x tensor 2); skips where the
-    target's compiler is absent. `paged=False`: the refilling sampler's dense cache instead."""
+def _compiled_int8_paged_decode(target: str, paged: bool = True, kv_scale: str = "token"
+                                ) -> tuple[Any, str]:
+    """(model config, compiled HLO text) of the paged sampler's decode program, int8 KV (scales
+    per `kv_scale`), on `target`'s first 8 compile-only devices (data 2 x fsdp 2 x tensor 2);
+    skips where the target's compiler is absent. `paged=False`: the refilling sampler's dense
+    cache instead."""
     from qurl_jax.models import param_logical_axes
     from qurl_jax.parallel.sharding import logical_shardings, make_mesh
     from tests.compile_only import compiler_or_skip
 
     t = compiler_or_skip(target)
-    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128)
+    cfg = TINY["qwen2"].replace(dtype="bfloat16", head_dim=128, kv_scale=kv_scale)
     mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=t.devices()[:8])
     shapes = jax.eval_shape(lambda: _random_params(cfg))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -375,6 +509,29 @@ def test_tpu_decode_loop_reads_8bit_pages_without_a_float_copy() -> None:
 
     written = collectives.loop_body_float_arrays(text, 8 * 16 * 128)
     assert [t for _, t, _ in written] == [f"f32[{page}]"] * (2 * cfg.num_layers), written
+
+
+@pytest.mark.slow
+def test_tpu_decode_loop_with_sequence_scales_writes_no_float_array_of_a_pool() -> None:
+    """Compile-only as above with `kv_scale='sequence'`: JAX's TPU paged kernel takes plain s8
+    pages (no `QuantizedTensor`, so its wrapper broadcasts nothing), the scales are applied on
+    the queries and outputs, and the decode loop writes no float array of a pool's size."""
+    import re
+
+    from qurl_jax.plan import collectives
+
+    cfg, text = _compiled_int8_paged_decode("tpu:v5p-16", kv_scale="sequence")
+    page = "1,8,16,128"
+    loop_state = next(line for line in text.splitlines()
+                      if re.match(r"\s*%wide\S*param\S* = \(", line))
+    assert loop_state.count(f"s8[{page}]") == 2 * cfg.num_layers, loop_state[:400]
+    calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(calls) == cfg.num_layers
+    for call in calls:
+        operands = call.split("operand_layout_constraints=")[1].split("frontend_attributes")[0]
+        assert operands.count(f"s8[{page}]") == 2 and f"f32[{page}]" not in operands, operands
+    assert not [line for line in text.splitlines() if re.search(rf"= (f32|bf16)\[{page}\]", line)]
+    assert collectives.loop_body_float_arrays(text, 8 * 16 * 128) == []
 
 
 @pytest.mark.slow
@@ -496,10 +653,14 @@ def test_an_8bit_cache_read_as_floats_is_named_once(caplog) -> None:
                       kv_pages=40, kv_page_size=8, **kw)
         Sampler(cfg, kv_precision="int8", **kw)
         quiet = [r.getMessage() for r in caplog.records]
+        RefillSampler(cfg.replace(kv_scale="sequence"), kv_precision="int8", platform="tpu",
+                      max_concurrent_rows=4, kv_pages=40, kv_page_size=8, **kw)
+        quiet += [r.getMessage() for r in caplog.records]  # plain 8-bit pages on TPU
         RefillSampler(cfg, kv_precision="int8", platform="tpu", max_concurrent_rows=4,
                       kv_pages=40, kv_page_size=8, **kw)
         tpu = [r.getMessage() for r in caplog.records]
     assert len(gpu) == 1 and "dense GPU decode kernel" in gpu[0] and "rollout.kv_pages" in gpu[0]
     assert quiet == []
     assert len(tpu) == 1 and "broadcasts the per-token scales" in tpu[0]
+    assert "rollout.kv_scale='sequence'" in tpu[0]
     _engine._warn_float_copy.cache_clear()

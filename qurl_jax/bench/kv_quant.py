@@ -9,13 +9,16 @@ KL(fp || rollout) of the next-token distribution, where the rollout is:
 - `int8 weights`: the int8 W8A8 actor (`quant.requantize`, the trainer's default recipe with its
   int8 vocabulary tables), full-precision KV;
 - `int8 KV` / `fp8 KV`: the full-precision weights over an 8-bit cache;
-- `int8 weights + int8 KV`: both.
+- `int8 weights + int8 KV`: both;
+- `int8 KV, per sequence` / `fp8 KV, per sequence`: `rollout.kv_scale='sequence'`, one scale
+  per sequence, layer and kv head, set by the first `--prompt_len` tokens (the prompt's part).
 
 The rollout's logits come from one cached forward over the whole sequence (the prefill path):
 every key and value is quantized as it is written, with its own per-token scale, so each
 position's logits are those a token-by-token decode computes (no scale depends on other tokens).
-Long contexts are where KV error accumulates: the largest length is at most the checkpoint's
-positions.
+With per-sequence scales, two: the prompt's tokens (which set the scales), then the rest at those
+scales (clipped), which again is what a token-by-token decode computes. Long contexts are where
+KV error accumulates: the largest length is at most the checkpoint's positions.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ from qurl_jax.models.llama2c import load_llama2c
 from qurl_jax.models.transformer import KVCache, Transformer, positions_from_mask
 from qurl_jax.sampling import Sampler, SamplingParams
 
-VARIANTS = (("int8 weights", True, KVPrecision.BF16), ("int8 KV", False, KVPrecision.INT8),
-            ("fp8 KV", False, KVPrecision.FP8),
-            ("int8 weights + int8 KV", True, KVPrecision.INT8))
+VARIANTS = (("int8 weights", True, KVPrecision.BF16, "token"),
+            ("int8 KV", False, KVPrecision.INT8, "token"),
+            ("fp8 KV", False, KVPrecision.FP8, "token"),
+            ("int8 weights + int8 KV", True, KVPrecision.INT8, "token"),
+            ("int8 KV, per sequence", False, KVPrecision.INT8, "sequence"),
+            ("fp8 KV, per sequence", False, KVPrecision.FP8, "sequence"))
 
 
 def self_sampled(config: Any, params: Any, seqs: int, length: int, seed: int) -> np.ndarray:
@@ -50,15 +56,27 @@ def self_sampled(config: Any, params: Any, seqs: int, length: int, seed: int) ->
 
 
 def log_probs(config: Any, params: Any, tokens: np.ndarray, dot_general: Any,
-              precision: KVPrecision) -> jax.Array:
+              precision: KVPrecision, kv_scale: str = "token", prompt_len: int = 0
+              ) -> jax.Array:
     """f32[B, T, V] log-softmax of the logits at every position, through a cache at
-    `precision` (the rollout's path) written by one forward."""
-    model = Transformer(config, dot_general=dot_general)
-    mask = np.ones(tokens.shape, bool)
-    cache = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], precision=precision)
-    logits, _ = jax.jit(model.apply)({"params": params}, tokens, positions_from_mask(mask), mask,
-                                     cache=cache)
-    return jax.nn.log_softmax(logits)
+    `precision` (the rollout's path) written by one forward, or with per-sequence scales by two:
+    the first `prompt_len` tokens, then the rest."""
+    model = Transformer(config.replace(kv_scale=kv_scale), dot_general=dot_general)
+    positions = positions_from_mask(np.ones(tokens.shape, bool))
+    split = prompt_len if kv_scale == "sequence" else tokens.shape[1]
+
+    @jax.jit
+    def run(params, cache):
+        logits, cache = model.apply({"params": params}, tokens[:, :split], positions[:, :split],
+                                    cache=cache)
+        if split < tokens.shape[1]:
+            rest, _ = model.apply({"params": params}, tokens[:, split:], positions[:, split:],
+                                  cache=cache)
+            logits = jnp.concatenate([logits, rest], axis=1)
+        return jax.nn.log_softmax(logits)
+
+    return run(params, KVCache.zeros(config, tokens.shape[0], tokens.shape[1],
+                                      precision=precision))
 
 
 def mean_kl(lp: jax.Array, lq: jax.Array) -> float:
@@ -74,6 +92,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--lengths", default="128,512", help="sequence lengths, comma separated")
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt_len", type=int, default=64,
+                        help="tokens that set a sequence's scales (the per-sequence variants)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     if args.gguf:
@@ -90,16 +110,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"{args.gguf or args.llama2c}: {config.num_layers} layers, {config.num_kv_heads} kv "
           f"heads of head_dim {config.head_dim}, {config.max_position_embeddings} positions; "
           f"{args.seqs} self-sampled sequences per length; mean per-token KL(fp || rollout), "
-          f"nats")
+          f"nats; per-sequence scales set by the first {args.prompt_len} tokens")
     for length in map(int, args.lengths.split(",")):
         if length > config.max_position_embeddings:
             raise SystemExit(f"--lengths: {length} is past the checkpoint's "
                              f"{config.max_position_embeddings} positions")
         tokens = self_sampled(config, params, args.seqs, length, args.seed)
         fp = log_probs(config, params, tokens, jax.lax.dot_general, KVPrecision.BF16)
-        for name, int8_weights, precision in VARIANTS:
+        for name, int8_weights, precision, kv_scale in VARIANTS:
             lq = log_probs(config, rollout if int8_weights else params, tokens,
-                           int8_dot if int8_weights else jax.lax.dot_general, precision)
+                           int8_dot if int8_weights else jax.lax.dot_general, precision,
+                           kv_scale, min(args.prompt_len, length))
             row = {"length": length, "rollout": name, "kl": mean_kl(fp, lq)}
             rows.append(row)
             print(f"  length {length:>5}  {name:<24} {row['kl']:.5f}")

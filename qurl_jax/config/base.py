@@ -28,7 +28,7 @@ from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
-from qurl_jax.models.kv_quant import KVPrecision
+from qurl_jax.models.kv_quant import KVPrecision, KVScale
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode
 from qurl_jax.runtime import paths
@@ -39,6 +39,7 @@ from qurl_jax.sampling.factory import DECODE_ATTENTION
 # Choices owned by other modules are read from them: a new recipe or loss mode needs no edit here.
 PRECISIONS = tuple(RECIPES)
 KV_PRECISIONS = tuple(p.value for p in KVPrecision)  # rollout.kv_precision
+KV_SCALES = tuple(g.value for g in KVScale)  # rollout.kv_scale
 # Training precisions: the recipes the learner can run (`Learner(precision=...)`).
 TRAIN_PRECISIONS = ("fp", "fp8_block")
 LOSS_MODES = tuple(m.value for m in Mode)
@@ -150,6 +151,11 @@ def base_config() -> ml_collections.ConfigDict:
     # the sampler's logp_behav, so ACR / TIS correct it like the weights'; evaluation and the
     # learner keep full precision. Changes the math: a run resumes only with its own value.
     c.rollout.kv_precision = "bf16"
+    # What one scale of an 8-bit cache covers: 'token' (per token and kv head) or 'sequence' (per
+    # sequence and kv head, set from its prompt's keys / values; later tokens are clipped to it).
+    # 'sequence' is what JAX's TPU paged kernel reads without a float32 scale array as large as
+    # the pool (docs/paged_kv.md), at an accuracy cost (docs/kv_quant.md). Changes the math.
+    c.rollout.kv_scale = "token"
     # Free pages per batch shard an admission leaves while rows run (rollout.kv_pages); -1 = 1/16
     # of the shard's pages.
     c.rollout.kv_watermark_pages = -1
@@ -556,6 +562,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.train.cpu_dots, CPU_DOTS, "train.cpu_dots")
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
     _choice(c.rollout.kv_precision, KV_PRECISIONS, "rollout.kv_precision")
+    _choice(c.rollout.kv_scale, KV_SCALES, "rollout.kv_scale")
     _choice(c.train.precision, TRAIN_PRECISIONS, "train.precision")
     _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
     _choice(c.rl.agg, AGGREGATIONS, "rl.agg")

@@ -59,7 +59,8 @@ def _resumable(field: str) -> bool:
 
 # Math fields added after runs had started, with the value that reproduces those runs: a config
 # saved without the field ran with it (so a run of an older version resumes with that value set).
-ADDED = {"rollout.quantize_vocab": False, "rollout.kv_precision": "bf16"}
+ADDED = {"rollout.quantize_vocab": False, "rollout.kv_precision": "bf16",
+         "rollout.kv_scale": "token"}
 
 
 def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -92,7 +92,8 @@ def rollout_sampler_settings(c: ml_collections.ConfigDict) -> RolloutSamplerSett
         kv_pages=c.rollout.kv_pages, kv_page_size=c.rollout.kv_page_size,
         kv_watermark_pages=None if c.rollout.kv_watermark_pages < 0
         else c.rollout.kv_watermark_pages,
-        kv_precision=c.rollout.get("kv_precision", "bf16"))
+        kv_precision=c.rollout.get("kv_precision", "bf16"),
+        kv_scale=c.rollout.get("kv_scale", "token"))
 
 
 @dataclasses.dataclass(frozen=True)

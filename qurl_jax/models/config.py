@@ -76,6 +76,9 @@ class ModelConfig:
     # Attention implementation (`attention.Implementation`): a property of how this process runs
     # the model, not of the checkpoint, so `hf.py` neither writes nor reads it.
     attention: str = "auto"
+    # What one scale of an 8-bit decode cache covers (`kv_quant.KVScale`: 'token' | 'sequence'),
+    # a property of the sampler's cache like `attention`; hf.py ignores it too.
+    kv_scale: str = "token"
 
     @property
     def compute_dtype(self) -> Any:
@@ -113,6 +116,9 @@ class ModelConfig:
                 f"ModelConfig.rope_scaling.rope_type={rs.rope_type!r} is not "
                 f"supported; expected one of {SUPPORTED_ROPE_TYPES}"
             )
+        if self.kv_scale not in ("token", "sequence"):
+            raise ValueError(f"ModelConfig.kv_scale={self.kv_scale!r} must be 'token' or "
+                             f"'sequence'")
         if self.attention not in tuple(Implementation):
             raise ValueError(f"ModelConfig.attention={self.attention!r} is not supported; "
                              f"expected one of {tuple(str(i) for i in Implementation)}")

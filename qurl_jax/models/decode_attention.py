@@ -257,12 +257,16 @@ def _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
 
 
 def _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
-               interpret: bool, megacore_mode: str | None):
-    """8-bit pages go to the kernel as `quantization_utils.QuantizedTensor`s, which it
-    dequantizes per block in VMEM as codes x scales / 127.5 (its scales are max|x|-style, so
-    ours, max|x| / code range, are multiplied by 127.5). The kernel takes the scales at the
-    pages' full shape [Hkv, P, page_size, D] (it broadcasts a trailing 1 itself), i.e. a
-    materialised scale array as large as the pool: see docs/paged_kv.md."""
+               interpret: bool, megacore_mode: str | None, row_scales: bool):
+    """8-bit pages with scales per token go to the kernel as
+    `quantization_utils.QuantizedTensor`s, which it dequantizes per block in VMEM as codes x
+    scales / 127.5 (its scales are max|x|-style, so ours, max|x| / code range, are multiplied by
+    127.5). The kernel takes those scales at the pages' full shape [Hkv, P, page_size, D] (it
+    broadcasts a trailing 1 itself), i.e. a materialised scale array as large as the pool: see
+    docs/paged_kv.md. With `row_scales` (one scale per row and kv head, `KVScale.SEQUENCE`) the
+    codes go to the kernel as plain 8-bit pages (it casts a block in VMEM) and the scales are
+    applied outside it: the keys' on the query (q.(s k) = (s q).k), the values' on the output
+    (sum p (s v) = s sum p v)."""
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
     from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import (
@@ -270,17 +274,37 @@ def _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
         QuantizedTensor,
     )
 
+    out_scale = None
     if k_scales is None:
         k_pages, v_pages = k_pages.astype(q.dtype), v_pages.astype(q.dtype)
+    elif row_scales:
+        k_row, v_row = (_per_query_head(row_scale(s, page_table), q.shape[1])
+                        for s in (k_scales, v_scales))
+        q = (q.astype(jnp.float32) * k_row[..., None]).astype(q.dtype)
+        out_scale = v_row
     else:
         k_pages = QuantizedTensor(k_pages, (k_scales * MAX_INT8)[..., None])
         v_pages = QuantizedTensor(v_pages, (v_scales * MAX_INT8)[..., None])
     mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
     with mode:
-        return tpu_paged(_prescaled(q), k_pages, v_pages, lengths,
-                         page_table, mask_value=MASK_VALUE,
-                         pages_per_compute_block=pages_per_compute_block(page_table.shape[1]),
-                         megacore_mode=megacore_mode)
+        out = tpu_paged(_prescaled(q), k_pages, v_pages, lengths,
+                        page_table, mask_value=MASK_VALUE,
+                        pages_per_compute_block=pages_per_compute_block(page_table.shape[1]),
+                        megacore_mode=megacore_mode)
+    if out_scale is None:
+        return out
+    return (out.astype(jnp.float32) * out_scale[..., None]).astype(out.dtype)
+
+
+def row_scale(scales: jax.Array, page_table: jax.Array) -> jax.Array:
+    """f32[B, Hkv]: each row's scale at its first slot (page page_table[r, 0], offset 0) of a
+    scale pool f32[Hkv, P, page_size]; a row's every slot holds it with per-sequence scales."""
+    return scales[:, page_table[:, 0], 0].T
+
+
+def _per_query_head(per_kv_head: jax.Array, heads: int) -> jax.Array:
+    """[B, Hkv] -> [B, H]: query head h takes kv head h // (H / Hkv)'s value."""
+    return jnp.repeat(per_kv_head, heads // per_kv_head.shape[1], axis=1)
 
 
 def _cpu_paged_int8(q, k_pages, v_pages, k_scales, v_scales, page_table, lengths):
@@ -312,8 +336,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, *,
                            k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
                            impl: str = "auto", platform: str | None = None,
-                           interpret: bool = False, megacore_mode: str | None = None
-                           ) -> jax.Array:
+                           interpret: bool = False, megacore_mode: str | None = None,
+                           row_scales: bool = False) -> jax.Array:
     """Attention of one query per row to the first lengths[r] logical slots of a paged cache.
 
     q: f[B, H, D]; k_pages, v_pages: f[Hkv, P, page_size, D] (one layer's pool), or 8-bit codes
@@ -322,7 +346,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     live pages name any page); lengths: i32[B] in [0, n * page_size]. Returns f[B, H, D] in q's
     dtype; zeros for a row of length 0.
     `megacore_mode` is the TPU kernel's (None, 'kv_head' or 'batch'; set it only on a megacore
-    chip such as v5p). See the module docstring for `impl`, `platform` and `interpret`.
+    chip such as v5p). `row_scales` says every slot of a row holds the same scales (per-sequence
+    scales, `models.kv_quant.KVScale`): the TPU kernel then reads plain 8-bit pages, scaled
+    outside it (`_tpu_paged`); the other paths read the per-slot scales as always. See the module
+    docstring for `impl`, `platform` and `interpret`.
     """
     _check_impl(impl)
     b, h, d = q.shape
@@ -356,7 +383,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             out = _xla_dense(q, keys, values, jnp.zeros_like(lengths), lengths)
     elif plat == "tpu":
         out = _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales,
-                         interpret=interpret, megacore_mode=megacore_mode)
+                         interpret=interpret, megacore_mode=megacore_mode,
+                         row_scales=row_scales)
     elif plat == "gpu" or (interpret and plat == "cpu"):
         out = _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales,
                          interpret=interpret)

@@ -14,6 +14,16 @@ GPU paged kernel reads (`k_scales_pages` f32[Hkv, P, page_size]) and the TPU one
 token coarsen every token of its page; per token costs 4 bytes per 2 x head_dim code bytes of
 K and V (head_dim 128: 8-bit KV with scales is 0.516x of bf16, 64: 0.531x).
 
+Or one scale per sequence, layer and kv head (`KVScale.SEQUENCE`, `rollout.kv_scale='sequence'`),
+set where the sequence's first tokens are written (prefill or insert: max|x| over its tokens and
+head_dim) and kept for every later token, whose codes are clipped to it. A kernel can then apply
+the scales outside itself (keys' on the query, values' on the output), which is how JAX's TPU paged
+kernel reads plain 8-bit pages without the float32 scale array its wrapper would broadcast to the
+pages' shape (`models.decode_attention`). The scales are still stored per token (the sequence's
+value in each of its slots), so every cache layout, insert and reader is the same for both
+granularities. The cost is accuracy: one outlier token coarsens its sequence's codes, and a later
+token past the prompt's range is clipped (measured in docs/kv_quant.md).
+
 Quantization happens once, where a key or value is written (prefill, insert, each decode step);
 a page is never re-quantized. Readers dequantize (codes x scale, then the compute dtype), so the
 rollout's own distribution, and with it `logp_behav`, includes the error: ACR / TIS correct it
@@ -56,6 +66,22 @@ class KVPrecision(enum.StrEnum):
         return codes + (2 * num_kv_heads * 4 if self.quantizes else 0)
 
 
+class KVScale(enum.StrEnum):
+    """What one scale of an 8-bit cache covers (`rollout.kv_scale`)."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
+def kv_scale(value: KVScale | str) -> KVScale:
+    """`value` as a KVScale; ValueError naming the choices."""
+    try:
+        return KVScale(value)
+    except ValueError:
+        raise ValueError(f"kv_scale={value!r} must be one of "
+                         f"{[g.value for g in KVScale]}") from None
+
+
 def kv_precision(value: KVPrecision | str) -> KVPrecision:
     """`value` as a KVPrecision; ValueError naming the choices."""
     try:
@@ -73,15 +99,20 @@ def _code_max(dtype: Any) -> float:
     raise ValueError(f"KV codes must be int8 or float8_e4m3fn; got {jnp.dtype(dtype)}")
 
 
-def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """x f[..., D] -> (codes dtype[..., D], scales f32[...]): one scale per vector over D.
+def quantize_kv(x: jax.Array, dtype: Any, scale: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """x f[..., D] -> (codes dtype[..., D], scales f32[...]): one scale per vector over D, or
+    the given `scale` (f32, broadcastable to x.shape[:-1]; returned at that shape).
 
     An all-zero vector (a pad's value) gets scale 0 and zero codes. The division is in float32
-    and the codes are clipped to the code range, so rounding at max|x| never overflows (an e4m3
-    overflow would be NaN)."""
+    and the codes are clipped to the code range, so rounding at max|x| (or a value past a given
+    scale's range) never overflows (an e4m3 overflow would be NaN)."""
     top = _code_max(dtype)
     x32 = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x32), axis=-1) / top
+    if scale is None:
+        scale = jnp.max(jnp.abs(x32), axis=-1) / top
+    else:
+        scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), x.shape[:-1])
     inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
     y = jnp.clip(x32 * inv[..., None], -top, top)
     if jnp.dtype(dtype) == jnp.int8:
@@ -92,3 +123,12 @@ def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
 def dequantize_kv(codes: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """codes [..., D], scale f32[...] -> codes x scale in `dtype` (computed in float32)."""
     return (codes.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def sequence_scales(x: jax.Array, valid: jax.Array, dtype: Any) -> jax.Array:
+    """One scale per row and kv head for `KVScale.SEQUENCE`: x f[B, Hkv, T, D], valid bool[B, T]
+    -> f32[B, Hkv, 1], max|x| over the row's valid tokens and head_dim / the code range (0 for a
+    row with no valid token)."""
+    amax = jnp.max(jnp.where(valid[:, None, :, None], jnp.abs(x.astype(jnp.float32)), 0.0),
+                   axis=(2, 3))
+    return (amax / _code_max(dtype))[..., None]

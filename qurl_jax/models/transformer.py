@@ -39,7 +39,13 @@ import numpy as np
 
 from qurl_jax.models import attention as attn_lib
 from qurl_jax.models.config import ModelConfig, Remat
-from qurl_jax.models.kv_quant import KVPrecision, dequantize_kv, kv_precision, quantize_kv
+from qurl_jax.models.kv_quant import (
+    KVPrecision,
+    dequantize_kv,
+    kv_precision,
+    quantize_kv,
+    sequence_scales,
+)
 from qurl_jax.quant._qtensor import QuantizedTensor
 
 DotGeneral = Callable[..., jax.Array]
@@ -251,12 +257,13 @@ class PagedLayer:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
-    def write(self, k: jax.Array, v: jax.Array, scatter: PagedScatter | None = None
-              ) -> PagedLayer:
+    def write(self, k: jax.Array, v: jax.Array, scatter: PagedScatter | None = None,
+              per_sequence: bool = False) -> PagedLayer:
         """The pools with each live row's key and value k, v f[B, Hkv, 1, D] at its next slot
         (one scatter per pool; rows that are not live target page P and are dropped). `scatter`
         replaces the scatter (`put_tokens`'s contract), e.g. one that runs per batch shard.
-        8-bit pools get k, v quantized here, once, and their scales written alike."""
+        8-bit pools get k, v quantized here, once, and their scales written alike: each token's
+        own, or with `per_sequence` the row's (`row_scales`: set when its prompt was written)."""
         page_size, num_pages = self.k.shape[2], self.k.shape[1]
         page = jnp.take_along_axis(self.page_table, (self.write_slots // page_size)[:, None],
                                    axis=1)[:, 0]
@@ -265,10 +272,20 @@ class PagedLayer:
         put = scatter or put_tokens
         if self.k_scale is None:
             return self.replace(k=put(self.k, page, offset, k), v=put(self.v, page, offset, v))
-        (kq, ks), (vq, vs) = quantize_kv(k, self.k.dtype), quantize_kv(v, self.v.dtype)
+        k_row, v_row = self.row_scales() if per_sequence else (None, None)
+        (kq, ks), (vq, vs) = (quantize_kv(k, self.k.dtype, k_row),
+                              quantize_kv(v, self.v.dtype, v_row))
         return self.replace(k=put(self.k, page, offset, kq), v=put(self.v, page, offset, vq),
                             k_scale=put(self.k_scale, page, offset, ks),
                             v_scale=put(self.v_scale, page, offset, vs))
+
+    def row_scales(self) -> tuple[jax.Array, jax.Array]:
+        """(k, v) f32[B, Hkv, 1]: each row's scales at its first slot (page_table[r, 0], offset
+        0), which a cache of per-sequence scales holds in every slot of the row."""
+        from qurl_jax.models.decode_attention import row_scale
+
+        return tuple(row_scale(pool, self.page_table)[..., None]
+                     for pool in (self.k_scale, self.v_scale))
 
     def lengths(self) -> jax.Array:
         """i32[B]: the slots each row attends to after the write (0 for a row not live)."""
@@ -458,7 +475,8 @@ class Attention(nn.Module):
         if isinstance(cache, PagedLayer):
             if t != 1:
                 raise ValueError(f"Attention: a paged cache takes one token per row; got {t}")
-            new_cache = cache.write(k, v, getattr(self.paged_attention, "write", None))
+            new_cache = cache.write(k, v, getattr(self.paged_attention, "write", None),
+                                    per_sequence=cfg.kv_scale == "sequence")
             lengths = new_cache.lengths()
             if self.paged_attention is not None:
                 scales = {} if new_cache.k_scale is None else dict(
@@ -486,7 +504,14 @@ class Attention(nn.Module):
                 keys, values = put(k_buf, k), put(v_buf, v)
                 new_cache = (keys, values, None, None)
             else:
-                (kq, ks), (vq, vs) = quantize_kv(k, k_buf.dtype), quantize_kv(v, v_buf.dtype)
+                k_row = v_row = None
+                if cfg.kv_scale == "sequence":
+                    k_row, v_row = (_sequence_scale(stored, new, mask, cache_pos, write_slots,
+                                                    buf.dtype)
+                                    for stored, new, buf in ((k_scale, k, k_buf),
+                                                             (v_scale, v, v_buf)))
+                (kq, ks), (vq, vs) = (quantize_kv(k, k_buf.dtype, k_row),
+                                      quantize_kv(v, v_buf.dtype, v_row))
                 new_cache = (put(k_buf, kq), put(v_buf, vq), put(k_scale, ks), put(v_scale, vs))
                 keys = dequantize_kv(new_cache[0], new_cache[2], dt)
                 values = dequantize_kv(new_cache[1], new_cache[3], dt)
@@ -509,6 +534,19 @@ class Attention(nn.Module):
         out = out.reshape(b, t, h * d)
         out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
         return out, new_cache
+
+
+def _sequence_scale(stored: jax.Array, new: jax.Array, valid: jax.Array, cache_pos: jax.Array,
+                    write_slots: jax.Array, dtype: Any) -> jax.Array:
+    """f32[B, Hkv, 1]: the per-sequence scale (`kv_quant.KVScale.SEQUENCE`) this call writes a
+    dense cache's row with: the one stored at the row's first token where it holds tokens from
+    an earlier call (stored f32[B, Hkv, S]; cache_pos already counts this call's, which start at
+    write_slots), else that of its new tokens new f[B, Hkv, T, D] where valid bool[B, T]."""
+    slot = jnp.arange(cache_pos.shape[1], dtype=jnp.int32)
+    before = (cache_pos >= 0) & (slot[None, :] < write_slots[:, None])
+    kept = jnp.take_along_axis(stored, jnp.argmax(before, axis=1)[:, None, None], axis=2)
+    return jnp.where(before.any(axis=1)[:, None, None], kept,
+                     sequence_scales(new, valid, dtype))
 
 
 class MLP(nn.Module):

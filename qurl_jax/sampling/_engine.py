@@ -120,7 +120,7 @@ class DecodeState:
 
 
 @functools.cache
-def _warn_float_copy(devices: str, paged: bool) -> None:
+def _warn_float_copy(devices: str, paged: bool, kv_scale: str) -> None:
     """Once per process: where JAX's kernel for this cache takes no 8-bit codes, the decode loop
     writes a float array as large as each layer's cache every step (read from the compiled
     programs: `plan.collectives.loop_body_float_arrays`, docs/paged_kv.md)."""
@@ -129,9 +129,10 @@ def _warn_float_copy(devices: str, paged: bool) -> None:
                 "cache is dequantized to a full compute-dtype copy each decode step (more HBM "
                 "traffic than a bf16 cache); a paged pool (rollout.kv_pages) is read by JAX's "
                 "GPU paged kernel as codes")
-    elif devices == "tpu" and paged:
+    elif devices == "tpu" and paged and kv_scale == "token":
         what = ("JAX's TPU paged kernel wrapper broadcasts the per-token scales to the pages' "
-                "shape (float32, as large as each layer's pool) every decode step")
+                "shape (float32, as large as each layer's pool) every decode step; "
+                "rollout.kv_scale='sequence' gives it plain 8-bit pages")
     else:
         return
     logging.getLogger(__name__).warning("8-bit KV cache on %s: %s.", devices.upper(), what)
@@ -240,7 +241,7 @@ class Engine:
         self.decode_attention = decode_attention
         if self.kv_precision.quantizes and decode_attention != "xla" \
                 and not self.kv_policy.compresses:
-            _warn_float_copy(self._devices, paging is not None)
+            _warn_float_copy(self._devices, paging is not None, self.config.kv_scale)
 
     # ------------------------------------------------------------------------------ shapes
     @property
@@ -372,7 +373,8 @@ class Engine:
                 devices not in ("gpu", "tpu") or ragged.kernel_platform(self.platform) != devices):
             return None
         kernel = functools.partial(ragged.paged_decode_attention, impl="pallas",
-                                   platform=devices, interpret=devices == "cpu")
+                                   platform=devices, interpret=devices == "cpu",
+                                   row_scales=cfg.kv_scale == "sequence")
         mesh = self.mesh
         if mesh is None or mesh.size == 1:
             return kernel

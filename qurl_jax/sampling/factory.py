@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from qurl_jax.models.config import ModelConfig
-from qurl_jax.models.kv_quant import KVPrecision, kv_precision
+from qurl_jax.models.kv_quant import KVPrecision, KVScale, kv_precision, kv_scale
 from qurl_jax.models.transformer import DotGeneral
 from qurl_jax.sampling._engine import DECODE_ATTENTION
 from qurl_jax.sampling._kv_policy import KVPolicyConfig
@@ -39,6 +39,9 @@ class RolloutSamplerSettings:
       sampler (refill 'off' is an error) and a KV policy that does not compress.
     kv_precision: the rollout cache's keys and values (`models.kv_quant.KVPrecision`): 'bf16'
       (the compute dtype), 'int8' or 'fp8'; the evaluation sampler stays in the compute dtype.
+    kv_scale: what one scale of an 8-bit cache covers (`models.kv_quant.KVScale`): 'token' or
+      'sequence' (one per sequence and kv head, which JAX's TPU paged kernel reads without a
+      float scale array as large as the pool).
     """
 
     refill: str = "auto"
@@ -50,9 +53,11 @@ class RolloutSamplerSettings:
     kv_page_size: int = 16
     kv_watermark_pages: int | None = None
     kv_precision: KVPrecision = KVPrecision.BF16
+    kv_scale: KVScale = KVScale.TOKEN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_precision", kv_precision(self.kv_precision))
+        object.__setattr__(self, "kv_scale", kv_scale(self.kv_scale))
         if self.refill not in REFILL_MODES:
             raise ValueError(f"rollout.refill={self.refill!r} must be one of {REFILL_MODES}")
         if self.decode_attention not in DECODE_ATTENTION:
@@ -93,6 +98,7 @@ def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
     if settings.refills:
         engine_kwargs = {**engine_kwargs, **settings.paging}
     kind = RefillSampler if settings.refills else Sampler
+    model_config = model_config.replace(kv_scale=settings.kv_scale.value)
     return kind(model_config, dot_general, max_concurrent_rows=settings.max_concurrent_rows,
                 kv_policy=settings.kv_policy, decode_attention=settings.decode_attention,
                 kv_precision=settings.kv_precision, **engine_kwargs)

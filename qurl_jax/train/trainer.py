@@ -172,9 +172,11 @@ class Trainer:
                                              sampler_settings, **engine_kwargs)
         pool = (f", a paged KV pool of {sampler_settings.kv_pages} pages of "
                 f"{sampler_settings.kv_page_size} tokens" if sampler_settings.kv_pages else "")
-        logging.info("rollout sampler: %s, %s concurrent rows%s, %s KV cache",
+        kv = sampler_settings.kv_precision
+        logging.info("rollout sampler: %s, %s concurrent rows%s, %s KV cache%s",
                      type(self.sampler).__name__, s.rollout.sampler.max_concurrent_rows or "all",
-                     pool, sampler_settings.kv_precision.value)
+                     pool, kv.value,
+                     f" (a scale per {sampler_settings.kv_scale.value})" if kv.quantizes else "")
         self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
                                                **engine_kwargs)
 
