@@ -584,15 +584,17 @@ def test_gpu_dense_decode_loop_dequantizes_an_8bit_cache() -> None:
 
 
 @pytest.mark.slow
-def test_8bit_paged_pool_on_a_mesh_equals_one_device(qwen, monkeypatch) -> None:
+@pytest.mark.parametrize("scale", ["token", "sequence"])
+def test_8bit_paged_pool_on_a_mesh_equals_one_device(qwen, monkeypatch, scale) -> None:
     """8 host devices (data 2 x fsdp 2 x tensor 2), int8 KV: the paged sampler with JAX's GPU
     paged kernel per shard (Pallas' interpreter; each shard writes its own pages' codes and
-    scales and reads them with its local page ids) gives the one-device static sampler's
-    tokens and log-probs."""
+    scales, reads per-sequence scales off its own first pages, and reads the pages with its
+    local page ids) gives the one-device static sampler's tokens and log-probs."""
     from qurl_jax.models import param_logical_axes
     from qurl_jax.parallel.sharding import make_mesh, shard_params
 
     cfg, params = qwen
+    cfg = cfg.replace(kv_scale=scale)
     traced = []
     kernel = da._gpu_paged
     monkeypatch.setattr(da, "_gpu_paged", lambda *a, **k: traced.append(a[5]) or kernel(*a, **k))

@@ -22,7 +22,7 @@ kernel reads plain 8-bit pages without the float32 scale array its wrapper would
 pages' shape (`models.decode_attention`). The scales are still stored per token (the sequence's
 value in each of its slots), so every cache layout, insert and reader is the same for both
 granularities. The cost is accuracy: one outlier token coarsens its sequence's codes, and a later
-token past the prompt's range is clipped (measured in docs/kv_quant.md).
+token past the prompt's range is clipped (measured in docs/paged_kv.md).
 
 Quantization happens once, where a key or value is written (prefill, insert, each decode step);
 a page is never re-quantized. Readers dequantize (codes x scale, then the compute dtype), so the

@@ -69,6 +69,9 @@ PagedAttention = Callable[..., jax.Array]
 # (pool, page i32[B], offset i32[B], new f[B, Hkv, 1, D]) -> pool: `put_tokens`'s contract. A
 # paged attention hook may carry one as its `write` attribute (the pools written per shard).
 PagedScatter = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# (scale pool f32[Hkv, P, page_size], page table i32[B, n]) -> f32[B, Hkv]: each row's scale
+# (`models.decode_attention.row_scale`); a paged hook's `row_scale` runs it per batch shard.
+RowScale = Callable[[jax.Array, jax.Array], jax.Array]
 # One layer of a dense KVCache as the attention takes it (`KVCache.layer`): keys, values
 # [B, Hkv, S, D] and their scales f32[B, Hkv, S] (None in the compute dtype).
 DenseLayer = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
@@ -258,12 +261,13 @@ class PagedLayer:
     v_scale: jax.Array | None = None
 
     def write(self, k: jax.Array, v: jax.Array, scatter: PagedScatter | None = None,
-              per_sequence: bool = False) -> PagedLayer:
+              row_scale: RowScale | None = None) -> PagedLayer:
         """The pools with each live row's key and value k, v f[B, Hkv, 1, D] at its next slot
         (one scatter per pool; rows that are not live target page P and are dropped). `scatter`
         replaces the scatter (`put_tokens`'s contract), e.g. one that runs per batch shard.
         8-bit pools get k, v quantized here, once, and their scales written alike: each token's
-        own, or with `per_sequence` the row's (`row_scales`: set when its prompt was written)."""
+        own, or with per-sequence scales (`row_scale` given: `decode_attention.row_scale`'s
+        contract, e.g. run per batch shard) the row's, set when its prompt was written."""
         page_size, num_pages = self.k.shape[2], self.k.shape[1]
         page = jnp.take_along_axis(self.page_table, (self.write_slots // page_size)[:, None],
                                    axis=1)[:, 0]
@@ -272,20 +276,15 @@ class PagedLayer:
         put = scatter or put_tokens
         if self.k_scale is None:
             return self.replace(k=put(self.k, page, offset, k), v=put(self.v, page, offset, v))
-        k_row, v_row = self.row_scales() if per_sequence else (None, None)
+        k_row = v_row = None
+        if row_scale is not None:
+            k_row, v_row = (row_scale(pool, self.page_table)[..., None]
+                            for pool in (self.k_scale, self.v_scale))
         (kq, ks), (vq, vs) = (quantize_kv(k, self.k.dtype, k_row),
                               quantize_kv(v, self.v.dtype, v_row))
         return self.replace(k=put(self.k, page, offset, kq), v=put(self.v, page, offset, vq),
                             k_scale=put(self.k_scale, page, offset, ks),
                             v_scale=put(self.v_scale, page, offset, vs))
-
-    def row_scales(self) -> tuple[jax.Array, jax.Array]:
-        """(k, v) f32[B, Hkv, 1]: each row's scales at its first slot (page_table[r, 0], offset
-        0), which a cache of per-sequence scales holds in every slot of the row."""
-        from qurl_jax.models.decode_attention import row_scale
-
-        return tuple(row_scale(pool, self.page_table)[..., None]
-                     for pool in (self.k_scale, self.v_scale))
 
     def lengths(self) -> jax.Array:
         """i32[B]: the slots each row attends to after the write (0 for a row not live)."""
@@ -475,8 +474,12 @@ class Attention(nn.Module):
         if isinstance(cache, PagedLayer):
             if t != 1:
                 raise ValueError(f"Attention: a paged cache takes one token per row; got {t}")
-            new_cache = cache.write(k, v, getattr(self.paged_attention, "write", None),
-                                    per_sequence=cfg.kv_scale == "sequence")
+            row_scale = None
+            if cfg.kv_scale == "sequence":
+                from qurl_jax.models.decode_attention import row_scale
+
+                row_scale = getattr(self.paged_attention, "row_scale", row_scale)
+            new_cache = cache.write(k, v, getattr(self.paged_attention, "write", None), row_scale)
             lengths = new_cache.lengths()
             if self.paged_attention is not None:
                 scales = {} if new_cache.k_scale is None else dict(

@@ -45,6 +45,7 @@ from qurl_jax.models.transformer import (
     DotGeneral,
     PagedAttention,
     PagedScatter,
+    RowScale,
     Transformer,
     cast_floats,
     put_tokens,
@@ -74,10 +75,12 @@ _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows
 @dataclasses.dataclass(frozen=True)
 class _PerShardPaged:
     """A paged attention hook that runs per batch shard, and its pool write (the model's
-    `PagedScatter`, found as `write`) run the same way."""
+    `PagedScatter`, found as `write`) and per-sequence scale read (`RowScale`, found as
+    `row_scale`) run the same way."""
 
     attend: Callable[..., jax.Array]
     write: PagedScatter
+    row_scale: RowScale
 
     def __call__(self, *args: jax.Array, **scales: jax.Array) -> jax.Array:
         return self.attend(*args, **scales)
@@ -413,7 +416,19 @@ class Engine:
             return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(rows[0]), P(rows[0]), rows),
                                  out_specs=spec, check_vma=False)(pool, page, offset, new)
 
-        return _PerShardPaged(sharded, write)
+        def row_scale(scales, page_table):
+            # Each shard's rows read their first page in their own block of the pool: a global
+            # gather would all-gather the page table and all-reduce the scales, every layer
+            # and token.
+            spec = logical_to_mesh_spec(P("kv_heads", "batch"), scales.shape[:2], mesh)
+            rows = logical_to_mesh_spec(P("batch", "kv_heads"),
+                                        (page_table.shape[0], scales.shape[0]), mesh)
+            per_shard = scales.shape[1] // shards
+            return jax.shard_map(lambda s, t: ragged.row_scale(s, t % per_shard), mesh=mesh,
+                                 in_specs=(spec, P(rows[0], None)), out_specs=rows,
+                                 check_vma=False)(scales, page_table)
+
+        return _PerShardPaged(sharded, write, row_scale)
 
     def attention_hook(self) -> DecodeAttention | None:
         """The decode model's attention hook (None: XLA's masked attention over every slot), by
