@@ -189,13 +189,9 @@ def _learner_decode(setup: memory_plan.Setup) -> tuple[Any, dict[str, int]]:
     cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
     cache = engine.layout.abstract(slots, cache_len)
     k = cache.k[0]
-    # One layer's keys on a device, an 8-bit cache's scales included (rollout.kv_precision),
-    # but for JAX's TPU paged kernel over per-sequence scales: it reads plain pages, the
-    # scales once per row (rollout.kv_scale).
-    row_scales = isinstance(cache, PagedKVCache) and engine.config.kv_scale == "sequence" and (
-        engine.platform == "tpu")
+    # One layer's keys on a device, an 8-bit cache's scales included (rollout.kv_precision).
     per_device = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                     for x in (k, *cache.k_scale[:0 if row_scales else 1]))
+                     for x in (k, *cache.k_scale[:1]))
     mesh = setup.mesh.shape
     kv = {"cache_len": int(cache_len), "prompt_len": setup.prompt_len,
           "max_new_tokens": setup.response_len, "batch_shards": mesh["data"] * mesh["fsdp"]}
