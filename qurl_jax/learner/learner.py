@@ -53,6 +53,7 @@ from qurl_jax.models import (
     Remat,
     Transformer,
     chunked_token_logprobs,
+    cpu_weight_grads,
     lm_head_logits,
     param_logical_axes,
 )
@@ -274,6 +275,13 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
+def _products_for(mesh: Mesh) -> Any:
+    """The model's products on the mesh's platform: on XLA:CPU with weight gradients as plain
+    row-major products (`models.cpu_weight_grads`), elsewhere `lax.dot_general`."""
+    cpu = next(iter(mesh.devices.flat)).platform == "cpu"
+    return cpu_weight_grads.dot_general if cpu else jax.lax.dot_general
+
+
 class Learner:
     """Holds the jitted, sharded `logprobs` and `update` functions for one model and mesh.
 
@@ -341,8 +349,8 @@ class Learner:
         except ValueError as e:
             raise ValueError(f"remat={remat!r} is not one of {[str(r) for r in Remat]}") from e
         self.model_config = model_config.validate()
-        self.model = Transformer(model_config, remat=remat, scan_layers=scan_layers,
-                                 shard_activation=self._shard_activation)
+        self.model = Transformer(model_config, _products_for(mesh), remat=remat,
+                                 scan_layers=scan_layers, shard_activation=self._shard_activation)
         self.objective = objective
         self.mesh = mesh
         self.temperature = float(temperature)
