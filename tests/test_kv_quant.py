@@ -117,15 +117,18 @@ def test_field_choices_and_bytes() -> None:
         2 * cfg.head_dim * 4)
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
-def test_the_cache_holds_the_written_keys_quantized_once(precision) -> None:
-    cfg = TINY["qwen2"]
-    params = _random_params(cfg)
-    model = Transformer(cfg)
+def _prompts() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, positions, mask) of two 5-token prompts, the first left-padded by 2."""
     tokens = np.array([[0, 0, 5, 17, 99], [12, 60, 3, 1, 2]], np.int32)
     mask = tokens > 0
     mask[1] = True
-    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
+    return tokens, np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32), mask
+
+
+def _prefill_then_decode(cfg: Any, params: Any, cache: KVCache) -> KVCache:
+    """`cache` after `_prompts`' prefill and one decode step of each row."""
+    tokens, positions, mask = _prompts()
+    model = Transformer(cfg)
 
     @jax.jit
     def run(cache):
@@ -134,8 +137,15 @@ def test_the_cache_holds_the_written_keys_quantized_once(precision) -> None:
         _, cache = model.apply({"params": params}, tok, cache.next_pos[:, None], cache=cache)
         return cache
 
-    full = run(KVCache.zeros(cfg, 2, 8))
-    quant = run(KVCache.zeros(cfg, 2, 8, precision=precision))
+    return run(cache)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_the_cache_holds_the_written_keys_quantized_once(precision) -> None:
+    cfg = TINY["qwen2"]
+    params = _random_params(cfg)
+    full = _prefill_then_decode(cfg, params, KVCache.zeros(cfg, 2, 8))
+    quant = _prefill_then_decode(cfg, params, KVCache.zeros(cfg, 2, 8, precision=precision))
     assert quant.k[0].dtype == CODES[precision] and quant.k_scale[0].shape == (2, 2, 8)
     np.testing.assert_array_equal(np.asarray(quant.pos), np.asarray(full.pos))
     for codes, scales, values in ((quant.k[0], quant.k_scale[0], full.k[0]),
@@ -255,23 +265,11 @@ def test_a_sequence_keeps_its_prompts_scale_in_every_slot(precision) -> None:
     (clipped), and every written slot of a row holds the row's scale."""
     cfg = TINY["qwen2"].replace(kv_scale="sequence")
     params = _random_params(cfg)
-    model = Transformer(cfg)
-    tokens = np.array([[0, 0, 5, 17, 99], [12, 60, 3, 1, 2]], np.int32)
-    mask = tokens > 0
-    mask[1] = True
-    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
-
-    @jax.jit
-    def run(cache):
-        _, cache = model.apply({"params": params}, tokens, positions, mask, cache=cache)
-        tok = jnp.array([[7], [8]], jnp.int32)
-        _, cache = model.apply({"params": params}, tok, cache.next_pos[:, None], cache=cache)
-        return cache
-
+    tokens, positions, mask = _prompts()
     full = Transformer(cfg.replace(kv_scale="token"))
     full_cache = jax.jit(lambda c: full.apply(
         {"params": params}, tokens, positions, mask, cache=c)[1])(KVCache.zeros(cfg, 2, 8))
-    quant = run(KVCache.zeros(cfg, 2, 8, precision=precision))
+    quant = _prefill_then_decode(cfg, params, KVCache.zeros(cfg, 2, 8, precision=precision))
     top = 127.0 if precision == "int8" else 448.0
     written = np.asarray(quant.pos) >= 0  # [B, S]
     for layer in range(cfg.num_layers):

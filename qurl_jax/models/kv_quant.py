@@ -73,22 +73,22 @@ class KVScale(enum.StrEnum):
     SEQUENCE = "sequence"
 
 
+def _member(kind: type[enum.StrEnum], value: Any, field: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{field}={value!r} must be one of "
+                         f"{[m.value for m in kind]}") from None
+
+
 def kv_scale(value: KVScale | str) -> KVScale:
     """`value` as a KVScale; ValueError naming the choices."""
-    try:
-        return KVScale(value)
-    except ValueError:
-        raise ValueError(f"kv_scale={value!r} must be one of "
-                         f"{[g.value for g in KVScale]}") from None
+    return _member(KVScale, value, "kv_scale")
 
 
 def kv_precision(value: KVPrecision | str) -> KVPrecision:
     """`value` as a KVPrecision; ValueError naming the choices."""
-    try:
-        return KVPrecision(value)
-    except ValueError:
-        raise ValueError(f"kv_precision={value!r} must be one of "
-                         f"{[p.value for p in KVPrecision]}") from None
+    return _member(KVPrecision, value, "kv_precision")
 
 
 def _code_max(dtype: Any) -> float:
