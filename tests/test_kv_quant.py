@@ -176,14 +176,27 @@ def _paged_case(precision: str, seed: int = 1):
     ("pallas", {"interpret": True}),  # the GPU kernel: k_scales_pages / v_scales_pages
     ("pallas", {"interpret": True, "platform": "tpu"}),  # the TPU kernel: QuantizedTensor pages
 ], ids=["xla", "gpu-kernel", "tpu-kernel"])
-def test_paged_kernels_on_8bit_pages_equal_the_dequantized_reference(precision, impl,
-                                                                      kwargs) -> None:
+@pytest.mark.parametrize("row_scales", [False, True], ids=["per-token", "per-sequence"])
+def test_paged_kernels_on_8bit_pages_equal_the_dequantized_reference(precision, impl, kwargs,
+                                                                      row_scales) -> None:
+    """Per token: the TPU kernel takes `QuantizedTensor` pages. Per sequence (every page of a
+    row at its row's scales, as such a cache holds them): plain 8-bit pages, scaled outside."""
     from tests.test_decode_attention import LENGTHS, STARTS
 
     q, kq, ks, vq, vs, table = _paged_case(precision)
     lengths = np.where(STARTS > 0, LENGTHS - STARTS, LENGTHS)
+    if row_scales:
+        rng = np.random.default_rng(5)
+        row_k, row_v = (rng.uniform(0.01, 0.05, (table.shape[0], ks.shape[0])) for _ in range(2))
+        ks, vs = np.array(ks), np.array(vs)
+        for r in range(table.shape[0] - 1, -1, -1):  # row 0's page 0 is also row 5's first
+            for page in set(table[r]):
+                ks[:, page], vs[:, page] = row_k[r][:, None], row_v[r][:, None]
+        ks, vs = jnp.asarray(ks), jnp.asarray(vs)
+        lengths[5] = 0  # row 5 shares row 0's pages: it reads none
     fn = jax.jit(lambda q, kq, vq, ks, vs: da.paged_decode_attention(
-        q, kq, vq, table, lengths, k_scales=ks, v_scales=vs, impl=impl, **kwargs))
+        q, kq, vq, table, lengths, k_scales=ks, v_scales=vs, impl=impl, row_scales=row_scales,
+        **kwargs))
     out = fn(q, kq, vq, ks, vs)
     keys = dequantize_kv(da.gather_pages(kq, table), da.gather_pages(ks, table), jnp.float32)
     values = dequantize_kv(da.gather_pages(vq, table), da.gather_pages(vs, table), jnp.float32)
@@ -285,40 +298,6 @@ def test_a_sequence_keeps_its_prompts_scale_in_every_slot(precision) -> None:
                 if layer == 0:  # later layers' inputs carry the 8-bit cache's error
                     np.testing.assert_allclose(row[:, 0], want[r], rtol=1e-6)
                 assert not got[r][:, 6:].any()  # slots never written (a pad's hold the row's)
-
-
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
-@pytest.mark.parametrize("impl,kwargs", [
-    ("xla", {}),
-    ("pallas", {"interpret": True}),
-    ("pallas", {"interpret": True, "platform": "tpu"}),  # plain 8-bit pages, scaled outside
-], ids=["xla", "gpu-kernel", "tpu-kernel"])
-def test_paged_kernels_with_row_scales_equal_the_dequantized_reference(precision, impl,
-                                                                       kwargs) -> None:
-    from tests.test_decode_attention import LENGTHS, STARTS
-
-    q, kq, ks, vq, vs, table = _paged_case(precision)
-    # Every page of a row at its row's scales (what a per-sequence cache holds); a page no row
-    # holds keeps its own.
-    rng = np.random.default_rng(5)
-    row_k, row_v = (rng.uniform(0.01, 0.05, (table.shape[0], ks.shape[0])) for _ in range(2))
-    ks, vs = np.array(ks), np.array(vs)
-    for r in range(table.shape[0] - 1, -1, -1):  # row 0's page 0 is also row 5's first page
-        for page in set(table[r]):
-            ks[:, page], vs[:, page] = row_k[r][:, None], row_v[r][:, None]
-    lengths = np.where(STARTS > 0, LENGTHS - STARTS, LENGTHS)
-    lengths[5] = 0  # row 5 shares row 0's pages: it reads none
-    fn = jax.jit(lambda q, kq, vq, ks, vs: da.paged_decode_attention(
-        q, kq, vq, table, lengths, k_scales=ks, v_scales=vs, impl=impl, row_scales=True,
-        **kwargs))
-    out = fn(q, kq, vq, jnp.asarray(ks), jnp.asarray(vs))
-    keys = dequantize_kv(da.gather_pages(kq, table), da.gather_pages(ks, table), jnp.float32)
-    values = dequantize_kv(da.gather_pages(vq, table), da.gather_pages(vs, table), jnp.float32)
-    want = reference(q, keys, values, np.zeros(len(lengths), np.int32), lengths)
-    tol = BF16_TOL if kwargs.get("platform") == "tpu" else 5 * F32_TOL
-    err = np.abs(np.asarray(out, np.float64) - want)
-    assert err.max() < tol, err.max(axis=(1, 2))
-    assert not np.asarray(out[lengths == 0]).any()
 
 
 @pytest.fixture(scope="module")
