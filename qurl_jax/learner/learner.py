@@ -59,6 +59,7 @@ from qurl_jax.models import (
 )
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel import sharding as shd
+from qurl_jax.parallel.targets import platform_of
 from qurl_jax.rl.objectives import (
     Mode,
     ObjectiveConfig,
@@ -278,7 +279,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 def _products_for(mesh: Mesh) -> Any:
     """The model's products on the mesh's platform: on XLA:CPU with weight gradients as plain
     row-major products (`models.cpu_weight_grads`), elsewhere `lax.dot_general`."""
-    cpu = next(iter(mesh.devices.flat)).platform == "cpu"
+    cpu = platform_of(mesh) == "cpu"
     return cpu_weight_grads.dot_general if cpu else jax.lax.dot_general
 
 
