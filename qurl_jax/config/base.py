@@ -154,7 +154,7 @@ def base_config() -> ml_collections.ConfigDict:
     # What one scale of an 8-bit cache covers: 'token' (per token and kv head) or 'sequence' (per
     # sequence and kv head, set from its prompt's keys / values; later tokens are clipped to it).
     # 'sequence' is what JAX's TPU paged kernel reads without a float32 scale array as large as
-    # the pool (docs/paged_kv.md), at an accuracy cost (docs/paged_kv.md). Changes the math.
+    # the pool, at an accuracy cost (both in docs/paged_kv.md). Changes the math.
     c.rollout.kv_scale = "token"
     # Free pages per batch shard an admission leaves while rows run (rollout.kv_pages); -1 = 1/16
     # of the shard's pages.

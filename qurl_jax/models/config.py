@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from qurl_jax.models.attention import Implementation
+from qurl_jax.models.kv_quant import KVScale
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -116,9 +117,9 @@ class ModelConfig:
                 f"ModelConfig.rope_scaling.rope_type={rs.rope_type!r} is not "
                 f"supported; expected one of {SUPPORTED_ROPE_TYPES}"
             )
-        if self.kv_scale not in ("token", "sequence"):
-            raise ValueError(f"ModelConfig.kv_scale={self.kv_scale!r} must be 'token' or "
-                             f"'sequence'")
+        if self.kv_scale not in tuple(KVScale):
+            raise ValueError(f"ModelConfig.kv_scale={self.kv_scale!r} must be one of "
+                             f"{tuple(str(g) for g in KVScale)}")
         if self.attention not in tuple(Implementation):
             raise ValueError(f"ModelConfig.attention={self.attention!r} is not supported; "
                              f"expected one of {tuple(str(i) for i in Implementation)}")
