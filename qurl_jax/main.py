@@ -192,11 +192,13 @@ def _main(argv: list[str]) -> None:
     config = validate(config)
     if not _WORKDIR.value:
         raise ConfigError("--workdir is missing: name a directory (or gs:// URL) for the run")
-    from qurl_jax.runtime import xla_cpu
+    from qurl_jax.runtime import malloc, xla_cpu
 
-    not_applied = xla_cpu.apply(config.train.cpu_dots)  # before JAX starts a backend
-    if not_applied:
-        logging.warning("%s", not_applied)
+    # Both before JAX starts a backend (its flags) and its threads (their arenas).
+    for not_applied in (xla_cpu.apply(config.train.cpu_dots),
+                        malloc.cap_arenas(config.train.malloc_arenas)):
+        if not_applied:
+            logging.warning("%s", not_applied)
     from qurl_jax.parallel import distributed
 
     try:

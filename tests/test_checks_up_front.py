@@ -244,3 +244,51 @@ def test_cpu_dots_is_validated_and_applied_before_jax_starts(monkeypatch) -> Non
                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["--xla_cpu_experimental_ynn_fusion_type=", "262144.0"]
+
+
+_ARENAS = """
+import ctypes, sys, threading
+from qurl_jax.runtime import malloc
+print(malloc.cap_arenas(int(sys.argv[1])), flush=True)
+libc = ctypes.CDLL(None)
+barrier = threading.Barrier(6)
+def allocate():
+    barrier.wait(); libc.malloc(1000); barrier.wait()  # five threads alive at once, each allocating
+threads = [threading.Thread(target=allocate) for _ in range(5)]
+for t in threads: t.start()
+barrier.wait(); barrier.wait(); libc.malloc_stats()  # one 'Arena i:' block per arena, on stderr
+for t in threads: t.join()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc arenas")
+def test_malloc_arenas_is_validated_and_caps_the_arenas_threads_get() -> None:
+    """`train.malloc_arenas`: a negative value is one ConfigError naming the field; set in a
+    running process (as `main` does, before JAX starts its threads), glibc gives five threads
+    that allocate at once no more arenas than the cap; 0 leaves glibc's one per thread; a user's
+    MALLOC_ARENA_MAX wins."""
+    import platform
+
+    from qurl_jax.runtime import malloc
+
+    c = load_config_file(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                      "arith_tiny.py"))
+    c.train.malloc_arenas = -1
+    with pytest.raises(ConfigError, match="train.malloc_arenas"):
+        validate(c)
+    with pytest.raises(ValueError, match="malloc_arenas"):
+        malloc.cap_arenas(-1)
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+
+    def arenas(cap: int, **env: str) -> int:
+        environ = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        out = subprocess.run([sys.executable, "-c", _ARENAS, str(cap)], capture_output=True,
+                             text=True, timeout=60, env={**environ, **env})
+        assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-2000:]
+        return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+
+    assert arenas(0) == 6  # the main thread's and one per thread
+    assert arenas(1) == 1
+    assert arenas(2) == 2
+    assert arenas(1, MALLOC_ARENA_MAX="3") == 3

@@ -37,8 +37,8 @@ RESUMABLE = (
     "rollout.kv_page_size", "rollout.kv_watermark_pages", "model.attention",
     "model.path", "train.loggers", "train.wandb_project", "train.stall_timeout_s",
     "train.check_collectives", "train.packing", "train.pack_length",
-    "train.tokens_per_micro_batch", "train.pack_buckets", "train.cpu_dots", "rollout.tensor",
-    "rollout.reshard_bucket_mib")
+    "train.tokens_per_micro_batch", "train.pack_buckets", "train.cpu_dots", "train.malloc_arenas",
+    "rollout.tensor", "rollout.reshard_bucket_mib")
 
 
 def flatten(c: ml_collections.ConfigDict | dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,0 +1,36 @@
+"""How many glibc malloc arenas the run's threads share (`config.train.malloc_arenas`).
+
+glibc gives each thread that allocates an arena of its own, up to 8 per core, and keeps what is
+freed in it for that arena's next allocation. XLA:CPU's worker threads allocate a learner
+update's temporaries, so on a small machine the process's resident memory holds several arenas'
+worth of freed buffers: measured on SmolLM2-135M's GRPO step (docs/performance.md, "Peak
+memory"), capping the arenas at 2 took 0.7-1.0 GB off the step's peak. The cap is glibc's
+`M_ARENA_MAX` (what the `MALLOC_ARENA_MAX` environment variable sets when a process starts);
+`mallopt` sets it in a running process, and it holds for the arenas created after it, so
+`python -m qurl_jax.main` applies it right after reading the config, before JAX starts its
+threads. A user's own `MALLOC_ARENA_MAX` wins. 0 leaves glibc's choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def cap_arenas(arenas: int) -> str | None:
+    """Caps this process's malloc arenas at `arenas` (0: glibc's own limit); returns a line saying
+    why it was not applied (not glibc, the environment already sets it), else None."""
+    if arenas < 0:
+        raise ValueError(f"malloc_arenas={arenas} must be >= 0")
+    if arenas == 0:
+        return None
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return None  # the user's own cap, read by glibc when the process started
+    if platform.libc_ver()[0] != "glibc":
+        return f"config.train.malloc_arenas={arenas} not applied: this C library is not glibc"
+    if ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas) != 1:
+        return f"config.train.malloc_arenas={arenas} not applied: glibc's mallopt refused it"
+    return None
