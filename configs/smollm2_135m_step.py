@@ -11,8 +11,10 @@ The learner rematerialises its layers in a scan and takes the LM head 16 respons
 time (`train.remat=full`, `train.scan_layers`, `train.logprob_chunk=16`): measured, peak resident
 memory 7.3 GB (weights from an HF directory) or 8.1-8.7 GB (from the GGUF file) instead of 14.0
 with the library's defaults, the step no slower; with the learner's plain weight-gradient
-products on CPU (2026-11-28) 23.8 s a step and 7.56 GB from the GGUF file, 6.5-6.9 GB with
-`MALLOC_ARENA_MAX=2` in the environment (24.3-25.4 s; docs/performance.md).
+products on CPU (2026-11-28) 23.8 s a step and 7.56 GB from the GGUF file. glibc's malloc arenas
+are capped at 2 (`train.malloc_arenas`): measured on a 2-core AMD EPYC (AVX2), A B B A, peak
+6.54-6.61 GB against 7.41-7.55 GB uncapped, the step 59.3 s against 57.6 s (pooled medians; its
+rollout 14.7 s against 12.7 s; docs/performance.md).
 XLA's own choice of CPU matrix products stays (`train.cpu_dots=xla`): with `eigen` this step
 measured slower (32.8 s against 28.8-29.1; docs/performance.md).
 """
@@ -36,6 +38,7 @@ def get_config():
     c.train.remat = "full"
     c.train.scan_layers = True
     c.train.logprob_chunk = 16
+    c.train.malloc_arenas = 2
     c.train.num_steps = 6
     c.train.checkpoint_every = 1000
     c.train.report_speed = False
