@@ -3,11 +3,11 @@
 glibc gives each thread that allocates an arena of its own, up to 8 per core, and keeps what is
 freed in it for that arena's next allocation. XLA:CPU's worker threads allocate a learner
 update's temporaries, so on a small machine the process's resident memory holds several arenas'
-worth of freed buffers: measured on SmolLM2-135M's GRPO step (docs/performance.md, "Peak
-memory"), capping the arenas at 2 took 0.7-1.0 GB off the step's peak. The cap is glibc's
-`M_ARENA_MAX` (what the `MALLOC_ARENA_MAX` environment variable sets when a process starts);
-`mallopt` sets it in a running process, and it holds for the arenas created after it, so
-`python -m qurl_jax.main` applies it right after reading the config, before JAX starts its
+worth of freed buffers: measured on SmolLM2-135M's GRPO step (docs/performance.md, "The whole
+RL step against main"), capping the arenas at 2 took 0.7-1.0 GB off the step's peak. The cap
+is glibc's `M_ARENA_MAX` (what the `MALLOC_ARENA_MAX` environment variable sets when a process
+starts); `mallopt` sets it in a running process, and it holds for the arenas created after it,
+so `python -m qurl_jax.main` applies it right after reading the config, before JAX starts its
 threads. A user's own `MALLOC_ARENA_MAX` wins. 0 leaves glibc's choice.
 """
 
