@@ -94,17 +94,21 @@ def test_eos_lengths_and_finish_reasons_match_static(qwen) -> None:
 # JAX's GPU decode kernel, and XLA's dense path where the CPU kernel cannot run (a CPU without
 # AVX512), load every slot and give the masked ones weight 0, and 0 x NaN is NaN: there the poison
 # is a large finite value, which changes the log-probs wherever a slot outside the live window
-# gets any weight. The CPU kernel reads only live slots, so NaN tests it.
-POISON = jnp.nan if jax.default_backend() == "cpu" and cpu_decode.available() else 1e3
+# gets any weight. The CPU kernel reads only live slots, so NaN tests it where the sampler takes
+# it (the engine's own rule: `cpu_kernels.decode_attention.usable`).
+def _poison(cfg) -> float:
+    kernel = jax.default_backend() == "cpu" and cpu_decode.usable(cfg.compute_dtype, cfg.head_dim)
+    return jnp.nan if kernel else 1e3
 
 
 def test_refilled_slot_never_reads_its_previous_contents(qwen, monkeypatch) -> None:
     # One slot holds every row in turn (lengths 16, 1, 3, ...: long rows followed by short ones
-    # with shorter prompts). The slot starts poisoned: POISON keys and values, every cache slot
-    # marked visible at positions 0..S-1, bogus counters. A read of anything an insert did not
-    # overwrite (the initial poison or the previous row's keys, which sit at positions the next
-    # row's queries would see) changes the log-probs or makes them NaN.
+    # with shorter prompts). The slot starts poisoned: `_poison` keys and values, every cache
+    # slot marked visible at positions 0..S-1, bogus counters. A read of anything an insert did
+    # not overwrite (the initial poison or the previous row's keys, which sit at positions the
+    # next row's queries would see) changes the log-probs or makes them NaN.
     cfg, params, static = qwen
+    value = _poison(cfg)
     kw = dict(key=jax.random.key(9), n=2,
               settings=SamplingParams(max_new_tokens=16, temperature=1.0))
     ref = static.sample(params, PROMPTS6, **kw)
@@ -114,7 +118,7 @@ def test_refilled_slot_never_reads_its_previous_contents(qwen, monkeypatch) -> N
     def poisoned_init(**shapes):
         state = clean_init(**shapes)
         c = state.slots.cache
-        poison = lambda x: jnp.full_like(x, POISON)  # noqa: E731
+        poison = lambda x: jnp.full_like(x, value)  # noqa: E731
         cache = KVCache(k=tuple(map(poison, c.k)), v=tuple(map(poison, c.v)),
                         pos=jnp.broadcast_to(jnp.arange(c.length, dtype=jnp.int32), c.pos.shape),
                         n_used=jnp.full_like(c.n_used, 3), next_pos=jnp.full_like(c.next_pos, 40))
