@@ -1,6 +1,7 @@
 """Test configuration: the platform and devices the tests see, and their compute dtype.
 
-Default suite: 8 host CPU devices for the sharding tests, float32 compute. Accelerator mode
+Default suite: 8 host CPU devices for the sharding tests, float32 compute, programs compiled
+for a short compile (`tests.cli.SUITE_XLA_FLAGS`). Accelerator mode
 (QURL_TEST_ACCELERATOR=1, set by `python -m tests.accelerator`): the platform and devices JAX
 finds are left as they are, and the tests that take the `precision` fixture compute in
 QURL_TEST_COMPUTE_DTYPE (bfloat16 by default) with the tolerances of tests/tolerances.py.
@@ -13,7 +14,10 @@ ACCELERATOR = os.environ.get("QURL_TEST_ACCELERATOR") == "1"
 
 # Must happen before JAX is imported anywhere in the test session.
 if not ACCELERATOR:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    from tests.cli import SUITE_XLA_FLAGS
+
+    os.environ.setdefault("XLA_FLAGS",
+                          f"--xla_force_host_platform_device_count=8 {SUITE_XLA_FLAGS}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

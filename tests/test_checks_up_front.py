@@ -16,16 +16,15 @@ from qurl_jax.config.base import load_config_file, validate
 from qurl_jax.config.settings import RunSettings
 from qurl_jax.runtime.errors import ConfigError, DataError
 from qurl_jax.train import tasks
+from tests.cli import cli_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "configs/arith_tiny.py"
 
 
 def _main(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "qurl_jax.main", f"--config={TINY}", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
 
 
 def _only_line(out: subprocess.CompletedProcess, workdir, *words: str) -> str:

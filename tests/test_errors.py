@@ -9,16 +9,14 @@ import sys
 
 import pytest
 
-from tests.cli import assert_one_line
+from tests.cli import assert_one_line, cli_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "--config=configs/arith_tiny.py"
 
 
 def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "qurl_jax.main", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "qurl_jax.main", *args], cwd=REPO, env=cli_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from qurl_jax.train.trainer import Trainer
+from tests.cli import cli_env
 from tests.test_trainer import REPO, tiny_config
 
 TINY = ("--config.sft.steps=0", "--config.model.tiny.num_layers=1",
@@ -45,7 +46,7 @@ def test_evaluate_keeps_orbax_info_out_as_main_does(tmp_path):
     evaluated = subprocess.run(
         [sys.executable, "-m", "qurl_jax.evaluate", f"--config={REPO}/configs/arith_tiny.py",
          f"--workdir={workdir}", *TINY],
-        cwd=REPO, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+        cwd=REPO, env=cli_env(),
         capture_output=True, text=True, timeout=600)
     text = evaluated.stdout + evaluated.stderr
     assert evaluated.returncode == 0, text[-3000:]

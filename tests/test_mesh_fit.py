@@ -13,6 +13,7 @@ from absl import logging
 
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.runtime.errors import MeshError
+from tests.cli import cli_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,10 +87,8 @@ def test_dcn_without_slices_or_processes_fails_in_one_line():
 
 def _on_16_host_devices(code: str) -> subprocess.CompletedProcess:
     """Runs `code` in a Python process that sees 16 host CPU devices; it must succeed."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(16),
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 

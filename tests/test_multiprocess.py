@@ -32,6 +32,7 @@ from safetensors.numpy import load_file
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel.sharding import make_mesh
 from qurl_jax.runtime.metrics import MetricWriter, read_metrics
+from tests.cli import cli_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 5
@@ -71,8 +72,7 @@ class _Children:
 
     def start(self, workdir: str, *args: str, devices: int, log: str, tiny: bool = True
               ) -> subprocess.Popen:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, PYTHONUNBUFFERED="1",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        env = cli_env(devices, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
         cmd = ["timeout", "-s", "KILL", str(RUN_TIMEOUT_S), sys.executable, "-m", "qurl_jax.main",
                f"--config={REPO}/configs/arith_tiny.py", f"--workdir={workdir}",
                *(TINY if tiny else ()), *args]

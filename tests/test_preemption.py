@@ -18,6 +18,7 @@ import pytest
 from qurl_jax.runtime.metrics import read_metrics
 from qurl_jax.train.preemption import PreemptionGuard, Stopped
 from qurl_jax.train.trainer import Trainer
+from tests.cli import cli_env
 from tests.test_trainer import REPO, _last_rows, _main, tiny_config
 
 
@@ -269,7 +270,7 @@ def test_cli_ctrl_c_during_evaluate_is_one_line_and_130(tmp_path):
          f"--workdir={workdir}", *TINY, "--config.eval.max_examples=256",
          "--config.eval.max_new_tokens=64", "--config.rollout.max_new_tokens=64",
          "--config.eval.k=64"],  # an evaluation of minutes: the signal lands inside it
-        cwd=REPO, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+        cwd=REPO, env=cli_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(25)  # past the imports, on a loaded machine too: in the set-up or the evaluation
     assert proc.poll() is None

@@ -13,11 +13,10 @@ from qurl_jax.data import reward_hook
 from qurl_jax.data.rewards import RewardComputer
 from qurl_jax.runtime.errors import RewardError
 from qurl_jax.runtime.metrics import format_summary
-from tests.cli import assert_one_line
+from tests.cli import assert_one_line, cli_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-           PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+ENV = cli_env(PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
 
 HOOKS = '''
 def always_raises(responses, answers):

@@ -28,6 +28,7 @@ from qurl_jax.runtime.checkpoint import CheckpointMismatchError
 from qurl_jax.runtime.metrics import PhaseTimer, read_metrics
 from qurl_jax.train.rollout import Rollout, regenerate_groups
 from qurl_jax.train.trainer import Stream, Trainer, _Progress, stream_key
+from tests.cli import cli_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,7 +161,7 @@ def _main(workdir: str, *overrides: str, env: dict | None = None, **popen) -> su
             "--config.rollout.n=4", "--config.rollout.max_new_tokens=4",
             "--config.eval.max_examples=4", "--config.eval.max_new_tokens=4",
             "--config.train.progress=False", *overrides]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", **(env or {}))
+    env = cli_env(**(env or {}))
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)
 
