@@ -16,7 +16,8 @@ are capped at 2 (`train.malloc_arenas`): measured on a 2-core AMD EPYC (AVX2), A
 6.54-6.61 GB against 7.41-7.55 GB uncapped, the step 59.3 s against 57.6 s (pooled medians; its
 rollout 14.7 s against 12.7 s; docs/performance.md).
 XLA's own choice of CPU matrix products stays (`train.cpu_dots=xla`): with `eigen` this step
-measured slower (32.8 s against 28.8-29.1; docs/performance.md).
+measured slower (32.8 s against 28.8-29.1 on a Xeon, 63.0 against 56.0 on an AVX2 EPYC;
+docs/performance.md).
 """
 
 import os
