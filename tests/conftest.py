@@ -1,7 +1,7 @@
 """Test configuration: the platform and devices the tests see, and their compute dtype.
 
-Default suite: 8 host CPU devices for the sharding tests, float32 compute, programs compiled
-for a short compile (`tests.cli.SUITE_XLA_FLAGS`). Accelerator mode
+Default suite: 8 host CPU devices for the sharding tests, float32 compute, XLA flags that
+make its tiny programs compile faster (`tests.cli.SUITE_XLA_FLAGS`). Accelerator mode
 (QURL_TEST_ACCELERATOR=1, set by `python -m tests.accelerator`): the platform and devices JAX
 finds are left as they are, and the tests that take the `precision` fixture compute in
 QURL_TEST_COMPUTE_DTYPE (bfloat16 by default) with the tolerances of tests/tolerances.py.
