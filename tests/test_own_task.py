@@ -306,8 +306,7 @@ def test_warm_start_in_chunks_equals_one_step_per_call():
     subprocess without the suite's XLA flags): the property is of that compile. Under the
     suite's loop emitters the two programs round differently, and ten Adam steps move 7 of one
     tensor's 32 weights apart by up to 4e-4 relative."""
-    env = cli_env(PYTHONPATH=REPO)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run([sys.executable, "-c", CHUNKS_EQUAL], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "chunks equal" in out.stdout, out.stderr[-3000:]
