@@ -253,7 +253,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
     # XLA:CPU's float matrix products: 'xla' (its choice: YNNPACK fusions where they take the dot)
     # or 'eigen' (YNNPACK off: a 135M model's unrolled update 1.16x on an AVX512 Xeon, 0.88x
-    # torch's on an AVX2 EPYC; the rollout and a scanned update slower; `qurl_jax.runtime.xla_cpu`).
+    # torch's on an AVX2 EPYC; the rollout slower, a scanned update no faster;
+    # `qurl_jax.runtime.xla_cpu`).
     # Set by `python -m qurl_jax.main` before JAX starts; CPU programs only.
     c.train.cpu_dots = "xla"
     # glibc malloc arenas the process's threads share (0: glibc's own, 8 per core); 2 takes
