@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --vs_torch: our learner's train.remat (none | dots | full)")
     ap.add_argument("--scan_layers", action="store_true",
                     help="with --vs_torch: our learner's layers as one lax.scan")
-    ap.add_argument("--cpu_dots", default="xla",
-                    help="with --vs_torch: our process's XLA:CPU float products (xla | eigen; "
-                         "config.train.cpu_dots)")
+    ap.add_argument("--cpu_dots", default="auto",
+                    help="with --vs_torch: our learner's XLA:CPU float products (auto | xla | "
+                         "learner | eigen; config.train.cpu_dots)")
     ap.add_argument("--apart", action="store_true",
                     help="with --vs_torch: one process at a time (ours, torch, torch, ours), each "
                          "warmed up and timed for --rounds rounds")

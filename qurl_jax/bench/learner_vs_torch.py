@@ -219,17 +219,19 @@ def _worker(side: str, host: dict[str, np.ndarray], layers: int, seed: int, conn
 
 def run(rows: int = 32, max_prompt_len: int = 40, max_new_tokens: int = 64, rounds: int = 3,
         layers: int = 30, seed: int = 0, profile: bool = True,
-        log: Any = print, learner_kw: dict[str, Any] | None = None, cpu_dots: str = "xla",
+        log: Any = print, learner_kw: dict[str, Any] | None = None, cpu_dots: str = "auto",
         apart: bool = False) -> dict[str, float]:
     """The comparison (module doc); JSON-able figures. `learner_kw`: our `Learner`'s memory
-    settings (remat, scan_layers, logprob_chunk); `cpu_dots`: our process's XLA:CPU float
-    products (`qurl_jax.runtime.xla_cpu`). `apart`: never both processes at once, visits in the
-    order ours, torch, torch, ours, each a fresh process with its own warm-up and `rounds` timed
-    rounds (peak RSS: the larger of a side's two visits), for machines where the two processes'
-    memory together presses on the RAM."""
+    settings (remat, scan_layers, logprob_chunk); `cpu_dots`: our learner's XLA:CPU float
+    products (`train.cpu_dots`, `qurl_jax.runtime.xla_cpu`; 'eigen' for the whole process).
+    `apart`: never both processes at once, visits in the order ours, torch, torch, ours, each a
+    fresh process with its own warm-up and `rounds` timed rounds (peak RSS: the larger of a
+    side's two visits), for machines where the two processes' memory together presses on the
+    RAM."""
     from qurl_jax.runtime import xla_cpu
 
     host = batch(rows, max_prompt_len, max_new_tokens, SMOLLM2_135M["vocab_size"], seed)
+    learner_kw = {**(learner_kw or {}), "cpu_dots": cpu_dots}
     ctx = mp.get_context("spawn")
     workers: dict[str, tuple[Any, Any]] = {}
 

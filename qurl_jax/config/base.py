@@ -251,12 +251,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
     c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
-    # XLA:CPU's float matrix products: 'xla' (its choice: YNNPACK fusions where they take the dot)
-    # or 'eigen' (YNNPACK off: a 135M model's unrolled update 1.16x on an AVX512 Xeon, 0.88x
-    # torch's on an AVX2 EPYC; the rollout slower, a scanned update no faster;
-    # `qurl_jax.runtime.xla_cpu`).
-    # Set by `python -m qurl_jax.main` before JAX starts; CPU programs only.
-    c.train.cpu_dots = "xla"
+    # XLA:CPU's float matrix products (`qurl_jax.runtime.xla_cpu`): 'xla' (its choice: YNNPACK
+    # fusions where they take the dot), 'learner' (Eigen's in the learner's update and log-prob
+    # programs only), 'eigen' (YNNPACK off in every program: set by `python -m qurl_jax.main`
+    # before JAX starts), 'auto' ('learner' on a CPU without AVX512, else 'xla'). CPU only.
+    c.train.cpu_dots = "auto"
     # glibc malloc arenas the process's threads share (0: glibc's own, 8 per core); 2 takes
     # 0.7-1.0 GB off a 135M model's step on CPU (`qurl_jax.runtime.malloc`). Set by
     # `python -m qurl_jax.main` before JAX starts; a user's MALLOC_ARENA_MAX wins.

@@ -306,7 +306,7 @@ class RolloutSettings:
 class TrainSettings:
     """The learner: its `objective` and `optim`, the rollout batch cut into `num_minibatches`
     optimizer steps of `num_micro_batches` accumulated micro-batches (`rl`), and its memory and
-    precision knobs (`train`: remat, scan_layers, logprob_chunk, precision)."""
+    precision knobs (`train`: remat, scan_layers, logprob_chunk, precision, cpu_dots)."""
 
     objective: ObjectiveConfig = ObjectiveConfig()
     optim: OptimConfig = OptimConfig()
@@ -320,6 +320,7 @@ class TrainSettings:
     pack_length: int = 0
     tokens_per_micro_batch: int = 0
     pack_buckets: int = PER_DOUBLING
+    cpu_dots: str = "auto"
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
@@ -330,7 +331,7 @@ class TrainSettings:
                    logprob_chunk=c.train.logprob_chunk, precision=c.train.precision,
                    packing=c.train.packing, pack_length=c.train.pack_length,
                    tokens_per_micro_batch=c.train.tokens_per_micro_batch,
-                   pack_buckets=c.train.pack_buckets)
+                   pack_buckets=c.train.pack_buckets, cpu_dots=c.train.cpu_dots)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
@@ -348,7 +349,8 @@ class TrainSettings:
                        precision=self.precision, packing=self.packing,
                        pack_length=self.pack_length,
                        tokens_per_micro_batch=self.tokens_per_micro_batch,
-                       pack_buckets=self.pack_buckets, update_capture=update_capture)
+                       pack_buckets=self.pack_buckets, update_capture=update_capture,
+                       cpu_dots=self.cpu_dots)
 
 
 @dataclasses.dataclass(frozen=True)

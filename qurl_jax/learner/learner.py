@@ -67,6 +67,7 @@ from qurl_jax.rl.objectives import (
     policy_loss,
     sparse_rl_rejections,
 )
+from qurl_jax.runtime import xla_cpu
 
 Batch = dict[str, jax.Array]
 
@@ -320,6 +321,9 @@ class Learner:
     update_capture: a rollout recipe whose `quant.update_capture` of this update (the parameters
       before against after) the update program reports as `quant/*` metrics, so a caller
       needs no copy of the old parameters beside the update (`RunSettings.capture_in_update`).
+    cpu_dots: on XLA:CPU, which library runs the update's and log-prob passes' float products
+      (`train.cpu_dots`, `runtime.xla_cpu`: 'auto' takes Eigen's instead of YNNPACK's on a CPU
+      without AVX512); other platforms ignore it.
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
@@ -329,7 +333,8 @@ class Learner:
                  precision: str | quant.Recipe = "fp", packing: bool = False,
                  pack_length: int = 0, tokens_per_micro_batch: int = 0,
                  pack_buckets: int = packing_lib.PER_DOUBLING,
-                 update_capture: str | quant.Recipe | None = None) -> None:
+                 update_capture: str | quant.Recipe | None = None,
+                 cpu_dots: str = "auto") -> None:
         objective.validate()
         quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
         self.precision = quant.get_recipe(precision)
@@ -370,6 +375,10 @@ class Learner:
         self.update_capture = None if update_capture is None else quant.get_recipe(update_capture)
         self._pack_cache: tuple[Any, int, Batch] | None = None
         self._budget_cache: tuple[Any, Batch, dict[str, float]] | None = None
+        # Per-program XLA:CPU options of the update and log-prob programs (None: XLA's defaults).
+        xla_cpu.resolve(cpu_dots)  # ValueError: not one of xla_cpu.CPU_DOTS
+        self.compiler_options = (xla_cpu.learner_compiler_options(cpu_dots)
+                                 if platform_of(mesh) == "cpu" else None)
 
     # ----------------------------------------------------------------------------------- placement
     def param_shardings(self, params: Any) -> Any:
@@ -544,7 +553,8 @@ class Learner:
             repl = NamedSharding(self.mesh, PartitionSpec())
             self._logprob_fns[key] = jax.jit(
                 fn, in_shardings=(self.param_shardings(params), self._batch_shardings(batch)),
-                out_shardings=shd.batch_sharding(self.mesh, 2) if self.mesh.size > 1 else repl)
+                out_shardings=shd.batch_sharding(self.mesh, 2) if self.mesh.size > 1 else repl,
+                compiler_options=self.compiler_options)
         return self._logprob_fns[key]
 
     def _logprobs(self, params: Any, batch: Batch, response_len: int) -> jax.Array:
@@ -671,7 +681,8 @@ class Learner:
             repl = NamedSharding(self.mesh, PartitionSpec())
             self._update_fns[key] = jax.jit(
                 self._update, in_shardings=(p_sh, o_sh, b_sh),
-                out_shardings=(p_sh, o_sh, repl), donate_argnums=(0, 1))
+                out_shardings=(p_sh, o_sh, repl), donate_argnums=(0, 1),
+                compiler_options=self.compiler_options)
         return self._update_fns[key]
 
     def _update(self, params: Any, opt_state: Any, batch: Batch):

@@ -1,35 +1,83 @@
 """Which library runs a run's float matrix products on XLA:CPU (`config.train.cpu_dots`).
 
 XLA:CPU hands a float dot whose operands are laid out row-major to a YNNPACK fusion and the others
-(transposed operands, as in the weight gradients of a backward pass) to its Eigen matmul. 'xla'
-keeps that choice; 'eigen' turns the YNNPACK fusions off (XLA_FLAGS
-`--xla_cpu_experimental_ynn_fusion_type=`), so every float dot runs through Eigen. Measured on a
-2-core Intel Xeon (AVX512 + VNNI), float32 (docs/performance.md): the update of a
-SmolLM2-135M-shaped learner at the library's defaults (576 wide, 30 unrolled layers, 2,912 packed
-positions) 1.16x faster with 'eigen'; the 128-wide embedded default's warm start 4% slower; a
-whole GRPO step of SmolLM2-135M with its layers rematerialised in a scan 1.13x slower (its
-rollout 1.5x). So 'xla' is the default, and 'eigen' is for an update like the first. Only CPU
-programs change; the values differ by float rounding.
+(transposed operands, as in the weight gradients of a backward pass) to its Eigen matmul. With the
+YNNPACK fusions off (`--xla_cpu_experimental_ynn_fusion_type=`) every float dot runs through Eigen.
+The choices:
+
+- 'xla': XLA's own choice everywhere.
+- 'learner': the learner's programs (its update and log-prob passes) compile with the YNNPACK
+  fusions off (`jax.jit`'s per-program `compiler_options`, `learner_compiler_options`); the
+  rollout, the evaluation and the warm start keep XLA's choice.
+- 'eigen': every program of the process (XLA_FLAGS, `apply`).
+- 'auto' (the default): 'learner' on a CPU without AVX512, 'xla' on one with it.
+
+Measured (docs/performance.md), float32, the update of a SmolLM2-135M-shaped learner at the
+library's defaults (576 wide, 30 unrolled layers, 2,912 packed positions): on a 2-core Intel Xeon
+(AVX512 + VNNI) 1.16x faster with Eigen before the learner's plain weight-gradient products
+(`models.cpu_weight_grads`), and the 128-wide warm start 4% slower; on a 2-core AMD EPYC with
+AVX2 only, Eigen's products are the faster side for the learner, while the INT8 rollout there
+loses about 40% without YNNPACK (a whole GRPO step 1.13x slower with 'eigen'). Only CPU programs
+change; the values differ by float rounding.
 
 XLA reads its flags once, when JAX starts its first backend, so `apply` works only before that:
 `python -m qurl_jax.main` calls it right after reading the config. A user's own
-`--xla_cpu_experimental_ynn_fusion_type` in `XLA_FLAGS` wins.
+`--xla_cpu_experimental_ynn_fusion_type` in `XLA_FLAGS` wins, for the learner's programs too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
-CPU_DOTS = ("xla", "eigen")
+CPU_DOTS = ("auto", "xla", "learner", "eigen")
 _FLAG_NAME = "xla_cpu_experimental_ynn_fusion_type"
+
+
+@functools.cache
+def has_avx512() -> bool:
+    """Whether this host's CPU has AVX512F (Linux's /proc/cpuinfo; False where it cannot tell)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and "avx512f" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def resolve(choice: str) -> str:
+    """`choice` with 'auto' replaced by what it means on this host ('learner' or 'xla')."""
+    if choice not in CPU_DOTS:
+        raise ValueError(f"cpu_dots={choice!r} must be one of {CPU_DOTS}")
+    if choice == "auto":
+        return "xla" if has_avx512() else "learner"
+    return choice
+
+
+def learner_compiler_options(choice: str) -> dict[str, Any] | None:
+    """`jax.jit` compiler options for the learner's CPU programs under `choice`: YNNPACK's fusions
+    off for 'learner' (and 'auto' where it means that); None otherwise, and when the user's
+    XLA_FLAGS set the option themselves."""
+    if resolve(choice) != "learner" or _FLAG_NAME in os.environ.get("XLA_FLAGS", ""):
+        return None
+    return {_FLAG_NAME: ""}
+
+
+def describe(choice: str) -> str:
+    """One line for a run's log: what `choice` means on this host."""
+    what = {"xla": "XLA's choice (YNNPACK where it takes the dot) in every program",
+            "learner": "Eigen's in the learner's programs, XLA's choice elsewhere",
+            "eigen": "Eigen's in every program"}[resolve(choice)]
+    why = (f" (auto: this CPU has {'' if has_avx512() else 'no '}AVX512)" if choice == "auto"
+           else "")
+    return f"XLA:CPU float products: {what}, train.cpu_dots={choice!r}{why}"
 
 
 def xla_flags(choice: str, flags: str = "") -> str:
     """`XLA_FLAGS` (given as `flags`) with what `choice` (one of `CPU_DOTS`) adds: a process
-    that starts JAX with it runs its float products that way; a flag already there wins."""
-    if choice not in CPU_DOTS:
-        raise ValueError(f"cpu_dots={choice!r} must be one of {CPU_DOTS}")
-    if choice == "xla" or _FLAG_NAME in flags:
+    that starts JAX with it runs its float products that way ('eigen' only: the other choices
+    add nothing process-wide); a flag already there wins."""
+    if resolve(choice) != "eigen" or _FLAG_NAME in flags:
         return flags
     return f"{flags} --{_FLAG_NAME}=".strip()
 

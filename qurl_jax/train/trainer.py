@@ -52,7 +52,7 @@ from qurl_jax.plan import memory_plan
 from qurl_jax.plan.rollout_speed import compare_rollout_speed
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
-from qurl_jax.runtime import compilation, report
+from qurl_jax.runtime import compilation, report, xla_cpu
 from qurl_jax.runtime.checkpoint import Checkpointer
 from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.runtime.metrics import (
@@ -130,6 +130,8 @@ class Trainer:
         # pi_prox: a separate log-prob pass, or the update's own forward (`learner.prox`).
         self.prox = self.settings.prox
         logging.info("%s", self.prox.describe())
+        if targets.platform_of(self.mesh) == "cpu":
+            logging.info("%s", xla_cpu.describe(s.train.cpu_dots))
         check_task_data(self.settings)  # the data files and prompt lengths, before any write
         for warning in resolved.warnings:
             logging.warning("%s", warning)
