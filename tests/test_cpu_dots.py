@@ -71,3 +71,21 @@ def test_learner_programs_take_eigen_with_the_same_values(monkeypatch) -> None:
     for k, v in metrics_x.items():
         np.testing.assert_allclose(metrics_e[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
     assert float(metrics_x["update/grad_norm"]) > 0
+
+
+def test_bench_compares_the_two_in_one_run(capsys) -> None:
+    """`bench.learner --cpu_dots_ab`: the same packed batch through both choices, a ratio out;
+    'eigen' (a process-wide flag) is refused there."""
+    import json
+
+    from qurl_jax.bench import learner as bench
+
+    bench.main(["--cpu_dots_ab", "--rows=4", "--max_prompt_len=16", "--max_new_tokens=16",
+                "--rounds=1", "--hidden=32", "--heads=2", "--vocab=64"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["xla/seconds"] > 0 and out["learner/seconds"] > 0
+    assert out["speedup"] == pytest.approx(out["xla/seconds"] / out["learner/seconds"])
+    assert out["xla/real_token_share"] == out["learner/real_token_share"] <= 1.0
+    with pytest.raises(SystemExit):
+        bench.main(["--cpu_dots=eigen"])
+    assert "--cpu_dots=eigen needs --vs_torch" in capsys.readouterr().err

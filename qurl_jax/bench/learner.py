@@ -14,6 +14,11 @@ reports each side's median seconds, real tokens per second (the batch's prompt +
 over the time: the same numerator for both) and the real-token share of what the programs
 compute (real tokens / rows x row length). Prints one JSON line with every figure at the end.
 
+`--cpu_dots_ab` instead runs the same packed batch through two `Learner`s that differ only in
+`cpu_dots`: XLA:CPU's own choice of float products ('xla') and Eigen's in the learner's programs
+('learner'), interleaved the same way: which is faster for this model's width on this CPU
+(`train.cpu_dots`, `qurl_jax.runtime.xla_cpu`).
+
 `--vs_torch` instead times one update of a SmolLM2-135M-shaped model against torch doing the same
 forward, backward and AdamW step on the same tokens (`qurl_jax.bench.learner_vs_torch`).
 """
@@ -46,11 +51,16 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     real = int(host["attn_mask"].sum())
     mesh = shd.make_mesh()
     params0 = init_params(cfg, jax.random.key(args.seed))
+    if args.cpu_dots_ab:
+        kinds = {"xla": (True, "xla"), "learner": (True, "learner")}
+    else:
+        kinds = {"padded": (False, args.cpu_dots), "packed": (True, args.cpu_dots)}
     sides = {}
-    for name, packed in (("padded", False), ("packed", True)):
+    for name, (packed, cpu_dots) in kinds.items():
         learner = Learner(cfg, ObjectiveConfig(), OptimConfig(learning_rate=1e-6), mesh,
                           num_micro_batches=args.micro_batches, packing=packed,
-                          logprob_batch_size=args.rows // args.micro_batches)
+                          logprob_batch_size=args.rows // args.micro_batches,
+                          cpu_dots=cpu_dots)
         params = learner.shard_params(params0)
         sides[name] = {"learner": learner, "params": params,
                        "opt": learner.init_opt_state(params), "times": []}
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     padded_tokens = args.rows * (args.max_prompt_len + args.max_new_tokens)
     for name, side in sides.items():
         t = statistics.median(side["times"])
-        if name == "packed":  # rows x pack length of the last packing (the update's)
+        if side["learner"].packing:  # rows x pack length of the last packing (the update's)
             share = side["learner"].last_pack["learner/real_token_share"]
         else:
             share = real / padded_tokens
@@ -83,7 +93,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         out.update({f"{name}/seconds": t, f"{name}/real_tokens_per_s": real / t,
                     f"{name}/computed_tokens": float(computed),
                     f"{name}/real_token_share": share})
-    out["speedup"] = out["padded/seconds"] / out["packed/seconds"]
+    if args.cpu_dots_ab:
+        out["speedup"] = out["xla/seconds"] / out["learner/seconds"]
+    else:
+        out["speedup"] = out["padded/seconds"] / out["packed/seconds"]
     return out
 
 
@@ -112,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scan_layers", action="store_true",
                     help="with --vs_torch: our learner's layers as one lax.scan")
     ap.add_argument("--cpu_dots", default="auto",
-                    help="with --vs_torch: our learner's XLA:CPU float products (auto | xla | "
-                         "learner | eigen; config.train.cpu_dots)")
+                    help="our learner's XLA:CPU float products (auto | xla | learner | eigen; "
+                         "config.train.cpu_dots; 'eigen' only with --vs_torch)")
+    ap.add_argument("--cpu_dots_ab", action="store_true",
+                    help="instead of padded vs packed: cpu_dots 'xla' vs 'learner', both packed")
     ap.add_argument("--apart", action="store_true",
                     help="with --vs_torch: one process at a time (ours, torch, torch, ours), each "
                          "warmed up and timed for --rounds rounds")
@@ -124,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", help="with --flops: a config file (configs/)")
     ap.add_argument("--target", default="tpu:v5p-16", help="with --flops: a compile target")
     args = ap.parse_args(argv)
+    if args.cpu_dots == "eigen" and not args.vs_torch:  # a process-wide flag set before JAX starts
+        ap.error("--cpu_dots=eigen needs --vs_torch (or XLA_FLAGS=--xla_cpu_experimental_ynn_"
+                 "fusion_type= in the environment)")
     if args.flops:
         if not args.config:
             ap.error("--flops needs --config")
@@ -168,11 +186,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.layers = args.layers or 2
     out = run(args)
+    names = ("xla", "learner") if args.cpu_dots_ab else ("padded", "packed")
     print(f"{'layout':<8}{'median s':>10}{'real tok/s':>12}{'computed tok':>14}{'real share':>12}")
-    for name in ("padded", "packed"):
+    for name in names:
         print(f"{name:<8}{out[f'{name}/seconds']:>10.3f}{out[f'{name}/real_tokens_per_s']:>12.0f}"
               f"{out[f'{name}/computed_tokens']:>14.0f}{out[f'{name}/real_token_share']:>12.3f}")
-    print(f"packed speedup (log-probs + update, same run): {out['speedup']:.2f}x")
+    if args.cpu_dots_ab:
+        print(f"'learner' speedup over 'xla' (log-probs + update, same run, {args.hidden} wide, "
+              f"{args.layers} layers): {out['speedup']:.2f}x")
+    else:
+        print(f"packed speedup (log-probs + update, same run): {out['speedup']:.2f}x")
     print(json.dumps(out))
 
 
