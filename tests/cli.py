@@ -26,6 +26,15 @@ def cli_env(devices: int = 1, **extra: str) -> dict[str, str]:
     return env
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tree_first_pythonpath() -> str:
+    """PYTHONPATH with this tree first: a subprocess imports this tree's qurl_jax from any working
+    directory (as an installed package would be), then what the user's PYTHONPATH holds."""
+    return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
+
 def assert_one_line(out: subprocess.CompletedProcess, *words: str) -> str:
     """The one `qurl_jax: ...` error line of a run that stopped with rc 2 and no traceback; each
     of `words` must be in it."""

@@ -20,13 +20,11 @@ from qurl_jax.data.datasets import MathExample, load_math_file
 from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.runtime.metrics import read_metrics
 from qurl_jax.train import warm_start
-from tests.cli import assert_one_line, cli_env
+from tests.cli import REPO, assert_one_line, cli_env, tree_first_pythonpath
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "own_task")
 TINY = "--config=configs/arith_tiny.py"
-# This tree's qurl_jax also from another working directory (as an installed package would be).
-ENV = cli_env(PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+ENV = cli_env(PYTHONPATH=tree_first_pythonpath())
 
 HOOKS = '''
 import time

@@ -3,7 +3,6 @@ summary counts the failures, a batch in which every call failed stops the run in
 (`RewardError`), and a wrong-length or non-numeric return is named a bad reward function."""
 
 import logging
-import os
 import subprocess
 import sys
 
@@ -13,10 +12,9 @@ from qurl_jax.data import reward_hook
 from qurl_jax.data.rewards import RewardComputer
 from qurl_jax.runtime.errors import RewardError
 from qurl_jax.runtime.metrics import format_summary
-from tests.cli import assert_one_line, cli_env
+from tests.cli import REPO, assert_one_line, cli_env, tree_first_pythonpath
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = cli_env(PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+ENV = cli_env(PYTHONPATH=tree_first_pythonpath())
 
 HOOKS = '''
 def always_raises(responses, answers):
