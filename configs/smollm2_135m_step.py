@@ -15,9 +15,12 @@ products on CPU (2026-11-28) 23.8 s a step and 7.56 GB from the GGUF file. glibc
 are capped at 2 (`train.malloc_arenas`): measured on a 2-core AMD EPYC (AVX2), A B B A, peak
 6.54-6.61 GB against 7.41-7.55 GB uncapped, the step 59.3 s against 57.6 s (pooled medians; its
 rollout 14.7 s against 12.7 s; docs/performance.md).
-XLA's own choice of CPU matrix products stays (`train.cpu_dots=xla`): with `eigen` this step
-measured slower (32.8 s against 28.8-29.1 on a Xeon, 63.0 against 56.0 on an AVX2 EPYC;
-docs/performance.md).
+CPU matrix products: the library's default (`train.cpu_dots='auto'`): on a CPU without AVX512
+the learner's programs take Eigen's products and the rollout XLA's own; measured on a 2-core AMD
+EPYC (AVX2), A B B A, steps 2-6 pooled: 54.0 s a step (update 38.6 s) against 57.0 s (42.1 s)
+with XLA's own choice everywhere (`xla`, what an AVX512 CPU runs). `eigen` in every program
+measured slower (32.8 s against 28.8-29.1 on a Xeon, 63.0 against 56.0 on an AVX2 EPYC: its
+rollout loses; docs/performance.md).
 """
 
 import os

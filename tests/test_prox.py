@@ -273,7 +273,7 @@ def test_the_step_harness_config_runs_one_float_optimizer_step():
     assert not settings.prox.recompute and not settings.learner_logprobs
     train = settings.train
     assert (train.remat, train.scan_layers, train.logprob_chunk) == ("full", True, 16)
-    assert c.train.cpu_dots == "xla"
+    assert c.train.cpu_dots == "auto"
 
 
 @pytest.mark.slow  # two tiny trainers' compiles
