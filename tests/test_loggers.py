@@ -56,3 +56,29 @@ def test_unknown_logger_is_a_config_error():
     c.train.loggers = ("tensorboard", "mlflow")
     with pytest.raises(ValueError, match="train.loggers"):
         validate(c)
+
+
+_TENSORBOARD = """
+import glob, sys
+from qurl_jax.runtime.metrics import MetricWriter
+writer = MetricWriter(sys.argv[1], tensorboard=True)
+writer.write(1, {"loss": 0.5})
+writer.close()
+assert "torch" not in sys.modules, "tensorboardX imported torch"
+assert glob.glob(sys.argv[1] + "/tensorboard/events.out.tfevents.*")
+import torch  # importable again afterwards
+print("ok", torch.__name__)
+"""
+
+
+def test_tensorboard_sink_does_not_import_torch(tmp_path):
+    """tensorboardX would import torch (3-6 s, 180 MB) when it is installed; the writer keeps it
+    out of a process that had not imported it, and torch stays importable. A fresh process:
+    this one may have imported torch already."""
+    import subprocess
+
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-c", _TENSORBOARD, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok", "torch"]
