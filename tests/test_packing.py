@@ -503,4 +503,6 @@ def test_bf16_packed_differs_from_padded_by_bf16_rounding():
     layouts = diffs(res["bfloat16", True], res["bfloat16", False])
     rounding = diffs(res["bfloat16", False], res["float32", False])
     assert np.all(layouts <= 2 * rounding), (layouts, rounding)
-    assert np.all(layouts > 0)  # bf16 did run: the layouts are not bit-identical
+    # bf16 did run: it is not float32. (The two layouts may agree bit for bit in some of the
+    # three: with Eigen's products, the default on AVX2 CPUs, their log-probs and loss do.)
+    assert np.all(rounding > 0), rounding
