@@ -72,9 +72,9 @@ print("ok", torch.__name__)
 
 
 def test_tensorboard_sink_does_not_import_torch(tmp_path):
-    """tensorboardX would import torch (about 1.8 s and 180 MB) when it is installed; the writer keeps it
-    out of a process that had not imported it, and torch stays importable. A fresh process:
-    this one may have imported torch already."""
+    """tensorboardX would import torch (about 1.8 s and 180 MB) when it is installed; the writer
+    keeps it out of a process that had not imported it, and torch stays importable. A fresh
+    process: this one may have imported torch already."""
     import subprocess
 
     pytest.importorskip("torch")
