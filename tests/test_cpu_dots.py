@@ -32,6 +32,7 @@ def test_auto_picks_by_the_cpu(monkeypatch, avx512, auto) -> None:
     assert xla_cpu.learner_compiler_options("eigen") is None  # the process's flag already
     monkeypatch.setenv("XLA_FLAGS", f"--{_FLAG}=dot")  # a user's own setting wins
     assert xla_cpu.learner_compiler_options("learner") is None
+    assert "XLA_FLAGS" in xla_cpu.describe("learner")  # the log says which setting runs
     with pytest.raises(ValueError, match="cpu_dots"):
         xla_cpu.resolve("mkl")
     with pytest.raises(ValueError, match="cpu_dots"):

@@ -60,9 +60,15 @@ def learner_compiler_options(choice: str) -> dict[str, Any] | None:
     """`jax.jit` compiler options for the learner's CPU programs under `choice`: YNNPACK's fusions
     off for 'learner' (and 'auto' where it means that); None otherwise, and when the user's
     XLA_FLAGS set the option themselves."""
-    if resolve(choice) != "learner" or _FLAG_NAME in os.environ.get("XLA_FLAGS", ""):
+    if resolve(choice) != "learner" or _user_sets_flag():
         return None
     return {_FLAG_NAME: ""}
+
+
+def _user_sets_flag(flags: str | None = None) -> bool:
+    """Whether `flags` (default: this process's XLA_FLAGS) set the YNNPACK option themselves:
+    then they win over every choice."""
+    return _FLAG_NAME in (os.environ.get("XLA_FLAGS", "") if flags is None else flags)
 
 
 def describe(choice: str) -> str:
@@ -72,6 +78,9 @@ def describe(choice: str) -> str:
             "eigen": "Eigen's in every program"}[resolve(choice)]
     why = (f" (auto: this CPU has {'' if has_avx512() else 'no '}AVX512)" if choice == "auto"
            else "")
+    if _user_sets_flag():
+        return (f"XLA:CPU float products: as XLA_FLAGS' --{_FLAG_NAME} says in every program "
+                f"(it wins over train.cpu_dots={choice!r}{why})")
     return f"XLA:CPU float products: {what}, train.cpu_dots={choice!r}{why}"
 
 
@@ -79,7 +88,7 @@ def xla_flags(choice: str, flags: str = "") -> str:
     """`XLA_FLAGS` (given as `flags`) with what `choice` (one of `CPU_DOTS`) adds: a process
     that starts JAX with it runs its float products that way ('eigen' only: the other choices
     add nothing process-wide); a flag already there wins."""
-    if resolve(choice) != "eigen" or _FLAG_NAME in flags:
+    if resolve(choice) != "eigen" or _user_sets_flag(flags):
         return flags
     return f"{flags} --{_FLAG_NAME}=".strip()
 
