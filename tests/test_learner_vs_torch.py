@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from qurl_jax.bench import learner_vs_torch
@@ -41,14 +42,50 @@ def test_op_time_split_sorts_xla_operations_by_kind(tmp_path):
     import gzip
     import json
 
-    events = [{"ph": "X", "name": n, "dur": d} for n, d in (
-        ("ynn_fusion.3", 4e6), ("dot.1", 1e6), ("copy_bitcast_fusion.7", 2e6), ("copy", 1e6),
-        ("add_select_fusion.2", 5e5), ("wrapped_scatter.1", 5e5),
-        ("ThunkExecutor::Execute", 9e9), ("$api.py:2479 block_until_ready", 9e9),
-        ("PjitFunction(_update)", 9e9))] + [{"ph": "i", "name": "dot.2", "dur": 9e9}]
+    ops = (("ynn_fusion.3", 4e6), ("dot.1", 1e6), ("copy_bitcast_fusion.7", 2e6), ("copy", 1e6),
+           ("add_select_fusion.2", 5e5), ("wrapped_scatter.1", 5e5))
+    starts = np.cumsum([0] + [d for _, d in ops])  # one after another
+    events = [{"ph": "X", "name": n, "ts": float(t), "dur": d, "args": {"hlo_op": n}}
+              for (n, d), t in zip(ops, starts, strict=False)]
+    events += [{"ph": "X", "name": n, "ts": 0.0, "dur": 9e9} for n in (  # host side: no HLO op
+        "ThunkExecutor::Execute", "$api.py:2479 block_until_ready", "shard_args")]
+    events += [{"ph": "i", "name": "dot.2", "ts": 0.0, "dur": 9e9}]
     (tmp_path / "run").mkdir()
     with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     assert learner_vs_torch.op_time_split(str(tmp_path)) == {
         "matmul": 5.0, "transpose": 3.0, "other": 1.0}
     assert learner_vs_torch.op_time_split(str(tmp_path / "none")) == {}
+
+
+def test_op_time_split_times_asynchronous_operations_to_their_end_marker(tmp_path):
+    """Eigen's products (`cpu_dots='learner'`) return from their event at launch; the thunk
+    executor's "end: <name>" marker says when they finished. Each start takes the first end of
+    its name after it; an operation without a marker keeps its own duration; time with a
+    product in flight is the product's, whatever else runs beside it."""
+    import gzip
+    import json
+
+    events = [
+        {"ph": "X", "name": "dot_general.3", "ts": 1e6, "dur": 2e3,
+         "args": {"hlo_op": "dot_general.3"}},  # launched; ends at 4e6
+        {"ph": "X", "name": "end: dot_general.3", "ts": 5e5, "dur": 1.0},  # a previous run's
+        {"ph": "X", "name": "end: dot_general.3", "ts": 4e6, "dur": 1.0},
+        {"ph": "X", "name": "dot_general.3", "ts": 6e6, "dur": 1e6,
+         "args": {"hlo_op": "dot_general.3"}},  # the next run's: 1 s
+        {"ph": "X", "name": "end: dot_general.3", "ts": 7e6, "dur": 1.0},
+        {"ph": "X", "name": "wrapped_tanh", "ts": 4e6, "dur": 5e5,
+         "args": {"hlo_op": "wrapped_tanh"}},  # synchronous, no marker
+        {"ph": "X", "name": "copy.2", "ts": 8e6, "dur": 2.5e5,
+         "args": {"hlo_op": "copy.2"}},
+        {"ph": "X", "name": "end: copy.2", "ts": 8.25e6, "dur": 1.0},
+        {"ph": "X", "name": "dot.9", "ts": 9e6, "dur": 1e6,
+         "args": {"hlo_op": "dot.9"}},  # 9-10 s, with a fusion 9.5-10.5 s
+        {"ph": "X", "name": "add_fusion", "ts": 9.5e6, "dur": 1e6,
+         "args": {"hlo_op": "add_fusion"}},
+    ]
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert learner_vs_torch.op_time_split(str(tmp_path)) == {
+        "matmul": 5.0, "transpose": 0.25, "other": 1.0}

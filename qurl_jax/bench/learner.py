@@ -175,10 +175,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  torch {out['torch/seconds']:7.2f} s  peak RSS {out['torch/peak_rss_gb']:.2f} GB")
         shares = {k.split("op_share_")[1]: v for k, v in out.items() if "op_share_" in k}
         if shares:
-            print("  our update's XLA:CPU op time: " + ", ".join(
+            print("  our update's XLA:CPU operations in flight: " + ", ".join(
                 f"{k} {v:.0%}" for k, v in shares.items())
-                + f" of the traced operations' {out['ours/op_traced_seconds']:.1f} s (the "
-                f"profiled update took {out['ours/profiled_update_seconds']:.1f} s)")
+                + f" of {out['ours/op_traced_seconds']:.1f} s (a product running: matmul; a "
+                f"copy but no product: transpose; the profiled update took "
+                f"{out['ours/profiled_update_seconds']:.1f} s)")
         print(f"  ours / torch: {out['ratio_update_ours_over_torch']:.2f} wall, "
               f"{out['ratio_update_cpu_ours_over_torch']:.2f} CPU seconds "
               f"({out['ours/cpu_seconds']:.2f} / {out['torch/cpu_seconds']:.2f})")
