@@ -208,12 +208,11 @@ def op_time_split(trace_dir: str) -> dict[str, float]:
     split = {"matmul": 0.0, "transpose": 0.0, "other": 0.0}
     rank = {kind: i for i, kind in enumerate(split)}  # a product in flight claims the time first
     bounds = sorted({t for a, b, _ in spans for t in (a, b)})
-    opening = sorted(spans)
     active: list[tuple[float, float, str]] = []
     i = 0
     for lo, hi in zip(bounds, bounds[1:]):
-        while i < len(opening) and opening[i][0] <= lo:
-            active.append(opening[i])
+        while i < len(spans) and spans[i][0] <= lo:  # spans are in order of their starts
+            active.append(spans[i])
             i += 1
         active = [s for s in active if s[1] > lo]
         if active:

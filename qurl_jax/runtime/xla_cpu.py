@@ -20,8 +20,7 @@ AVX2 only the learner's programs were 0.98-0.99x as fast with Eigen's products o
 a thousand positions and 1.2-1.3x faster from a few thousand on (128 to 576 wide), the update
 0.89-1.12x torch's (four runs, median 1.00) instead of 1.19x, while the INT8 rollout there
 loses about 40% without YNNPACK (a whole GRPO step 1.13x slower with 'eigen', 1.06x faster with
-'learner').
-Only CPU programs change; the values differ by float rounding.
+'learner'). Only CPU programs change; the values differ by float rounding.
 
 XLA reads its flags once, when JAX starts its first backend, so `apply` works only before that:
 `python -m qurl_jax.main` calls it right after reading the config. A user's own
