@@ -1,0 +1,187 @@
+"""`python -m qurl_jax.bench.explain`: why a decode step is slow on a GPU, read from the compiled
+program, before renting one (the reader: `qurl_jax.plan.kernels`).
+
+    # a run's rollout decode, compiled for its slice
+    python -m qurl_jax.bench.explain --config=configs/deepscaler_r1_1p5b_int8.py \
+        --target=gpu:h100-8
+    # the benchmark's programs (bench.accelerator's rollout): a paper shape on one GPU
+    python -m qurl_jax.bench.explain --model=DeepSeek-R1-Distill-Qwen-1.5B --actor=int8 \
+        --rows=64 --page_size=0 --target=gpu:h100-1 --chip=h200
+
+Compiles the decode program with XLA's dump on for that program only (needs the target's
+compiler, `pip install -e .[gpu-compile]`; no GPU) and prints, per generated token: the launches
+of the decode step, of the loop around it and of each call (`plan.kernels` for what counts), the
+bytes they read and write, by category and per layer, the host reads of loop predicates and other
+host transfers, the weights widened or transposed into new HBM copies, and the predicted step
+(`plan.kernels.predict_step` on `--chip`: the chip's bandwidth, a launch cost and host costs
+calibrated on the leased runs; a prediction, not a measurement). `--json` writes the figures.
+A bad flag ends with one line naming it.
+
+What is compiled:
+- `--config`: the config's `rollout_decode` program (`plan.memory_plan`), on the config's mesh
+  over the target's devices, at its largest shapes; tokens per call: the refilling sampler's
+  steps per call (`rollout.max_steps_per_call`, a page with a paged pool, else the generation),
+  the static sampler's generation; the attention kernels read the live share of the KV cache of
+  rows whose responses follow `plan.roofline.length_pmf` (the refilling steady state).
+- `--model`: `bench.accelerator`'s rollout programs: a paper shape (`configs/shapes/`) with random
+  weights, bf16 compute, `--rows` rows of `--prompt_len` tokens and `--new_tokens` new tokens
+  (every row to the limit), the static sampler's dense cache (`--page_size=0`) or the refilling
+  sampler's paged pool (a page for every token; `--steps_per_call`), on one device of the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import jax
+
+from qurl_jax.bench.interconnect import set_field
+from qurl_jax.config.base import load_config_file
+from qurl_jax.config.settings import RunSettings
+from qurl_jax.models.config import ModelConfig
+from qurl_jax.parallel import sharding as shd
+from qurl_jax.parallel import targets
+from qurl_jax.plan import kernels, memory_plan, roofline
+from qurl_jax.sampling import RefillSampler, Sampler
+
+SHAPES_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes")
+ACTORS = ("bf16", "int8", "fp8")
+
+
+def shape_config(name: str, tiny: bool = False) -> ModelConfig:
+    """A paper shape in bf16 (`--tiny`: shrunk to 2 layers of width 256, as bench.accelerator's
+    --tiny)."""
+    config = roofline.model_config(name) if not tiny else roofline.model_config(name).replace(
+        num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+        head_dim=64, vocab_size=4096)
+    return config
+
+
+def model_program(config: ModelConfig, target: targets.Target, actor: str, rows: int,
+                  prompt_len: int, new_tokens: int, kv_precision: str = "bf16",
+                  page_size: int = 0, steps_per_call: int = 0) -> tuple[Any, int, float]:
+    """(lowered decode program, tokens per call, live fraction of the KV cache) of
+    bench.accelerator's rollout at these settings, on one device of `target`."""
+    mesh = shd.make_mesh(1, 1, 1, devices=target.devices()[:1])
+    params, dot_general = roofline.abstract_actor(config, actor)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                          params)
+    common = dict(prompt_buckets=(prompt_len,), gen_buckets=(new_tokens,), mesh=mesh,
+                  kv_precision=kv_precision)
+    if page_size:
+        pages = rows * -(-(prompt_len + new_tokens) // page_size)
+        sampler: Any = RefillSampler(config, dot_general, kv_pages=pages, kv_page_size=page_size,
+                                     kv_watermark_pages=0, max_steps_per_call=steps_per_call,
+                                     **common)
+        per_call = steps_per_call or page_size
+    else:
+        sampler = Sampler(config, dot_general, **common)
+        per_call = new_tokens
+    lowered = sampler.lower_programs(params, rows, prompt_len, new_tokens)["decode"]
+    live = roofline.live_slots(prompt_len, new_tokens, "equal") / (prompt_len + new_tokens)
+    return lowered, per_call, live
+
+
+def config_program(config: Any, shapes_dir: str, target: targets.Target
+                   ) -> tuple[Any, int, float, int, bool]:
+    """(lowered rollout_decode program, tokens per call, live fraction, layers, paged) of a
+    config on `target`."""
+    settings = RunSettings.from_config(config)
+    model = memory_plan.model_shape(settings.model, shapes_dir)
+    setup = memory_plan.build_setup(settings, model, target.devices())
+    lowered = memory_plan.PROGRAMS["rollout_decode"](setup).lowered
+    sampler = settings.rollout.sampler
+    if sampler.refills:
+        per_call = sampler.max_steps_per_call or (sampler.kv_page_size if sampler.kv_pages
+                                                  else setup.response_len)
+    else:
+        per_call = setup.response_len
+    slots = setup.prompt_len + setup.response_len
+    live = roofline.live_slots(setup.prompt_len, setup.response_len) / slots
+    return lowered, per_call, live, model.num_layers, bool(sampler.refills and sampler.kv_pages)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="a config file: explain its rollout decode on --target")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field (repeatable)")
+    p.add_argument("--shapes_dir", help="model config.json files; default: shapes/ beside "
+                                        "--config")
+    p.add_argument("--model", help="a configs/shapes name: explain bench.accelerator's rollout")
+    p.add_argument("--tiny", action="store_true", help="--model shrunk to 2 layers of width 256")
+    p.add_argument("--actor", default="int8", choices=ACTORS)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--prompt_len", type=int, default=512)
+    p.add_argument("--new_tokens", type=int, default=1024)
+    p.add_argument("--kv", default="bf16", help="KV cache precision: bf16, int8, fp8")
+    p.add_argument("--page_size", type=int, default=0, help="0: dense cache; P: paged pool")
+    p.add_argument("--steps_per_call", type=int, default=0, help="paged: steps per host call")
+    p.add_argument("--target", default="gpu:h100-1", help="gpu:h100-N")
+    p.add_argument("--chip", default="h100", choices=sorted(kernels.CHIPS),
+                   help="the step model's chip")
+    p.add_argument("--dump_dir", help="keep XLA's dump here (default: a scratch directory)")
+    p.add_argument("--json", help="also write the figures here")
+    return p.parse_args(argv)
+
+
+def explain(args: argparse.Namespace) -> dict[str, Any]:
+    """Compiles and reads the program `args` name; returns the JSON-able figures (and prints)."""
+    target = targets.parse(args.target)
+    if target.platform != "gpu":
+        raise targets.TargetError(f"target {args.target!r}: the explain tool reads GPU programs "
+                                  "(gpu:h100-N)")
+    if args.config:
+        config = load_config_file(args.config)
+        for item in args.set:
+            set_field(config, item)
+        shapes_dir = args.shapes_dir or os.path.join(
+            os.path.dirname(os.path.abspath(args.config)), "shapes")
+        lowered, per_call, live, layers, paged = config_program(config, shapes_dir, target)
+        what = {"config": args.config, "set": args.set}
+    else:
+        model = shape_config(args.model, args.tiny)
+        lowered, per_call, live = model_program(
+            model, target, args.actor, args.rows, args.prompt_len, args.new_tokens, args.kv,
+            args.page_size, args.steps_per_call)
+        layers, paged = model.num_layers, args.page_size > 0
+        what = {"model": args.model, "tiny": args.tiny, "actor": args.actor, "rows": args.rows,
+                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "kv": args.kv,
+                "page_size": args.page_size}
+    reading = kernels.compile_and_read(lowered, keep=args.dump_dir)
+    table = kernels.per_token(reading, per_call, live)
+    chip = kernels.CHIPS[args.chip]
+    step = kernels.predict_step(table, chip, "paged" if paged else "dense")
+    print(f"{target.name}: {', '.join(f'{k}={v}' for k, v in what.items() if v)}")
+    print("\n".join(kernels.describe(reading, table, layers)))
+    print(f"  predicted step on {chip.name} (a prediction; plan/kernels.py): "
+          f"{step['step'] * 1e3:.2f} ms = bytes {step['bytes'] * 1e3:.2f} + attention "
+          f"{step['attention'] * 1e3:.2f} + launches {step['launches'] * 1e3:.2f} + host "
+          f"{step['host'] * 1e3:.2f}")
+    return {**what, "target": target.name, "chip": chip.name, "live_fraction": live,
+            **kernels.to_json(reading, table, layers),
+            "predicted_step_s": step, "jax": jax.__version__}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if bool(args.config) == bool(args.model):
+        sys.exit("qurl_jax: bad flag: give one of --config and --model")
+    targets.use_cpu_unless_accelerator_attached()
+    try:
+        out = explain(args)
+    except (targets.TargetError, memory_plan.PlanError, shd.MeshError, kernels.DumpError,
+            KeyError, ValueError, OSError) as e:
+        sys.exit(f"qurl_jax: {e}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
