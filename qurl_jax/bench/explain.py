@@ -19,9 +19,9 @@ A bad flag ends with one line naming it.
 
 What is compiled:
 - `--config`: the config's `rollout_decode` program (`plan.memory_plan`), on the config's mesh
-  over the target's devices, at its largest shapes; tokens per call: the refilling sampler's
-  steps per call (`rollout.max_steps_per_call`, a page with a paged pool, else the generation),
-  the static sampler's generation; the attention kernels read the live share of the KV cache of
+  over the target's devices, at its largest shapes; tokens per call: a page with a paged pool
+  (the refilling sampler's steps per call), else the generation (at most: a refilling call
+  also returns when enough slots finish); the attention kernels read the live share of the KV cache of
   rows whose responses follow `plan.roofline.length_pmf` (the refilling steady state).
 - `--model`: `bench.accelerator`'s rollout programs: a paper shape (`configs/shapes/`) with random
   weights, bf16 compute, `--rows` rows of `--prompt_len` tokens and `--new_tokens` new tokens
@@ -63,7 +63,8 @@ def shape_config(name: str, tiny: bool = False) -> ModelConfig:
 
 def model_program(config: ModelConfig, target: targets.Target, actor: str, rows: int,
                   prompt_len: int, new_tokens: int, kv_precision: str = "bf16",
-                  page_size: int = 0, steps_per_call: int = 0) -> tuple[Any, int, float]:
+                  page_size: int = 0, steps_per_call: int = 0, **engine: Any
+                  ) -> tuple[Any, int, float]:
     """(lowered decode program, tokens per call, live fraction of the KV cache) of
     bench.accelerator's rollout at these settings, on one device of `target`."""
     mesh = shd.make_mesh(1, 1, 1, devices=target.devices()[:1])
@@ -72,7 +73,7 @@ def model_program(config: ModelConfig, target: targets.Target, actor: str, rows:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                           params)
     common = dict(prompt_buckets=(prompt_len,), gen_buckets=(new_tokens,), mesh=mesh,
-                  kv_precision=kv_precision)
+                  kv_precision=kv_precision, **engine)
     if page_size:
         pages = rows * -(-(prompt_len + new_tokens) // page_size)
         sampler: Any = RefillSampler(config, dot_general, kv_pages=pages, kv_page_size=page_size,
@@ -96,11 +97,9 @@ def config_program(config: Any, shapes_dir: str, target: targets.Target
     setup = memory_plan.build_setup(settings, model, target.devices())
     lowered = memory_plan.PROGRAMS["rollout_decode"](setup).lowered
     sampler = settings.rollout.sampler
-    if sampler.refills:
-        per_call = sampler.max_steps_per_call or (sampler.kv_page_size if sampler.kv_pages
-                                                  else setup.response_len)
-    else:
-        per_call = setup.response_len
+    # The refilling sampler's default steps per call: a page with a paged pool (`RefillSampler`).
+    per_call = sampler.kv_page_size if sampler.refills and sampler.kv_pages else \
+        setup.response_len
     slots = setup.prompt_len + setup.response_len
     live = roofline.live_slots(setup.prompt_len, setup.response_len) / slots
     return lowered, per_call, live, model.num_layers, bool(sampler.refills and sampler.kv_pages)
@@ -122,6 +121,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv", default="bf16", help="KV cache precision: bf16, int8, fp8")
     p.add_argument("--page_size", type=int, default=0, help="0: dense cache; P: paged pool")
     p.add_argument("--steps_per_call", type=int, default=0, help="paged: steps per host call")
+    p.add_argument("--decode_chunk", type=int, default=0,
+                   help="--model: decode steps per loop iteration (0: the engine's default)")
+    p.add_argument("--command_buffer", default=None,
+                   help="--model: xla_gpu_enable_command_buffer of the decode program (default: "
+                        "the engine's; '' for XLA's default)")
     p.add_argument("--target", default="gpu:h100-1", help="gpu:h100-N")
     p.add_argument("--chip", default="h100", choices=sorted(kernels.CHIPS),
                    help="the step model's chip")
@@ -148,7 +152,8 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         model = shape_config(args.model, args.tiny)
         lowered, per_call, live = model_program(
             model, target, args.actor, args.rows, args.prompt_len, args.new_tokens, args.kv,
-            args.page_size, args.steps_per_call)
+            args.page_size, args.steps_per_call, decode_chunk=args.decode_chunk,
+            command_buffer=args.command_buffer)
         layers, paged = model.num_layers, args.page_size > 0
         what = {"model": args.model, "tiny": args.tiny, "actor": args.actor, "rows": args.rows,
                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "kv": args.kv,

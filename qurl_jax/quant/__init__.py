@@ -16,7 +16,12 @@ binds the custom-VJP hook `train_dot_general` (`fp8_block_linear` on plain array
 
 from qurl_jax.quant._cpu_kernel import pack_for_decode
 from qurl_jax.quant._diagnostics import quantization_error, quantization_step, update_capture
-from qurl_jax.quant._dot_general import aqt_serving_config, make_dot_general, rollout_dot_general
+from qurl_jax.quant._dot_general import (
+    aqt_serving_config,
+    make_dot_general,
+    rollout_dot_general,
+    transpose_for_gpu,
+)
 from qurl_jax.quant._fp8_train import (
     TrainKernel,
     bind_train_precision,
@@ -45,6 +50,7 @@ __all__ = [
     "keep_rounded",
     "quantize_kernel",
     "rollout_dot_general",
+    "transpose_for_gpu",
     # Per-step requantization and QuRL's invariant scaling
     "invariant_scaling",
     "quantized_kernel_paths",

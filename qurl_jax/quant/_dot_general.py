@@ -29,7 +29,8 @@ FP8 is emulated by XLA (upcast), so the FP8 recipes are for numerics, not speed.
 
 The model calls the hook with two dimension-number patterns: a linear layer contracts the last
 axis of x with axis 0 of a kernel [in, out]; the tied LM head contracts it with axis 1 of the
-embedding [V, E]. Both are handled; anything else raises.
+embedding [V, E]. Both are handled; anything else raises. A kernel stored transposed
+(`QuantizedTensor.transposed`, `transpose_for_gpu`) is read as stored, contracting its other axis.
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kwargs)
     (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
+    if rhs.transposed and rhs.ndim == 2 and len(rhs_c) == 1:  # contract the stored tensor
+        rhs, rhs_c = rhs.stored(), (1 - rhs_c[0],)
+        dimension_numbers = ((lhs_c, rhs_c), (lhs_b, rhs_b))
     if lhs_b or rhs_b or tuple(lhs_c) != (lhs.ndim - 1,) or len(rhs_c) != 1 or rhs.ndim != 2:
         raise ValueError(
             f"rollout_dot_general: a QuantizedTensor rhs of shape {rhs.shape} supports only "
@@ -185,6 +189,26 @@ def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
     else:
         out = _block_product(lhs, rhs, rhs_axis)
     return out.astype(out_dtype)
+
+
+def transpose_for_gpu(params: Any) -> Any:
+    """Rollout parameters for a GPU decode program: every per-channel W8A8 linear kernel (int8,
+    fp8; the leaves named 'kernel') stored transposed, [out, in] with the input axis minor
+    (`QuantizedTensor.transposed`). The GPU's 8-bit tensor-core products (`mma ... s8.s8` and
+    the e4m3 ones) read both operands with the contracting axis minor, so XLA otherwise copies
+    every such kernel into that layout at the start of each call of a decode program (196 copies
+    a call for the 1.5B model, `bench.explain`). Traceable; meant to run once per rollout
+    (`Engine.prepare`). The codes and scales are the same numbers: products are unchanged."""
+
+    def one(path: tuple, x: Any) -> Any:
+        named_kernel = getattr(path[-1], "key", None) == "kernel" if path else False
+        if (named_kernel and isinstance(x, QuantizedTensor) and x.act_format is not None
+                and not x.packed and not x.transposed and x.ndim == 2 and x.is_per_channel(0)):
+            return x.store_transposed()
+        return x
+
+    return jax.tree_util.tree_map_with_path(
+        one, params, is_leaf=lambda x: isinstance(x, QuantizedTensor))
 
 
 def make_dot_general(recipe: str | Recipe) -> Any:

@@ -83,6 +83,11 @@ class QuantizedTensor:
       (static).
     packed: qvalue holds the codes reordered for the CPU int8 kernel (`pack_for_decode`); same
       shape, but only that kernel's product can read it (static).
+    transposed: qvalue and scale hold the bytes of the kernel's transpose ([out, in] codes for a
+      linear layer, row-major: `transpose_for_gpu`), viewed with the kernel's own shapes so that
+      the parameter tree keeps its shapes; `stored()` is the transpose itself (a reshape, no
+      copy). `shape`, `ndim` and `dequantize` give the kernel; the product reads `stored()`
+      (static).
     """
 
     qvalue: jax.Array
@@ -90,6 +95,7 @@ class QuantizedTensor:
     block: tuple[int, int] = flax.struct.field(pytree_node=False)
     act_format: QuantFormat | None = flax.struct.field(pytree_node=False)
     packed: bool = flax.struct.field(pytree_node=False, default=False)
+    transposed: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -123,7 +129,28 @@ class QuantizedTensor:
         if self.packed:
             raise ValueError("QuantizedTensor.dequantize: the codes are packed for the CPU int8 "
                              "kernel; dequantize the unpacked rollout parameters instead")
+        if self.transposed:
+            return self.stored().dequantize(dtype).T
         return (self.qvalue.astype(jnp.float32) * self.expanded_scale()).astype(dtype)
+
+    def stored(self) -> QuantizedTensor:
+        """The tensor as its codes lie in memory: itself, or for a `transposed` one the
+        kernel's transpose (codes [C, R], scales and block transposed; reshapes of the stored
+        arrays, no copy)."""
+        if not self.transposed:
+            return self
+        r, c = self.qvalue.shape
+        scale = self.scale.reshape(self.scale.shape[::-1])
+        return QuantizedTensor(self.qvalue.reshape(c, r), scale, self.block[::-1],
+                               self.act_format, self.packed)
+
+    def store_transposed(self) -> QuantizedTensor:
+        """The same kernel with its codes stored transposed (`transposed`): one copy of the codes
+        in the transposed layout, viewed with the kernel's shapes."""
+        if self.transposed:
+            return self
+        return self.replace(qvalue=self.qvalue.T.reshape(self.qvalue.shape),
+                            scale=self.scale.T.reshape(self.scale.shape), transposed=True)
 
     def codes_as(self, dtype: Any) -> QuantizedTensor:
         """The same tensor with its codes held in a float `dtype` (exact: int8 and E4M3 values are

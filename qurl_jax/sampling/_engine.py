@@ -52,7 +52,7 @@ from qurl_jax.models.transformer import (
 )
 from qurl_jax.parallel.sharding import activation_pinner, logical_to_mesh_spec
 from qurl_jax.parallel.targets import platform_of
-from qurl_jax.quant import QuantizedTensor, pack_for_decode
+from qurl_jax.quant import QuantizedTensor, pack_for_decode, transpose_for_gpu
 from qurl_jax.sampling._cache import Cache, Paging, cache_layout
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sampling._host import (
@@ -70,6 +70,15 @@ from qurl_jax.sampling.settings import Decoding, SamplingParams
 
 DECODE_ATTENTION = ("auto", "xla", "pallas")  # `Engine.decode_attention` choices
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
+# Decode steps per iteration of a GPU decode loop (`Engine.decode_while`).
+GPU_DECODE_CHUNK = 16
+# XLA's command types a GPU decode program records into command buffers (CUDA graphs): XLA's
+# default list (FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION) and the loops
+# and conditionals, so a chunk of decode steps is one graph whose loop runs on the device. Per
+# program (`compiler_options`), a full list: the '+WHILE' form of XLA_FLAGS is refused there
+# ("'+WHILE' is not a valid enum value", jaxlib 0.10.2). `Engine.compiler_options`.
+GPU_COMMAND_BUFFER = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,"
+                      "CONDITIONAL")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +186,12 @@ class Engine:
         gather otherwise (`paged_hook`).
       paging: a paged KV pool (`_cache.Paging`; the refilling sampler's `kv_pages`) instead of
         a dense cache of prompt + generation slots per row.
+      decode_chunk: decode steps per iteration of the samplers' decode loops (`decode_while`);
+        0 = `GPU_DECODE_CHUNK` where the programs run on GPU devices, 1 elsewhere (a plain
+        `lax.while_loop`, one step per iteration).
+      command_buffer: the GPU decode programs' `xla_gpu_enable_command_buffer` (a comma list
+        of XLA's command types; `compiler_options`); None = `GPU_COMMAND_BUFFER`, '' = XLA's
+        default. Ignored on other platforms.
       kv_precision: how every cache layout holds keys and values (`models.kv_quant`): 'bf16'
         (the compute dtype) or 'int8' / 'fp8' codes with a float32 scale per token and kv head,
         quantized once where written. JAX's paged kernels read 8-bit pages as they are (GPU:
@@ -202,6 +217,8 @@ class Engine:
         decode_attention: str = "auto",
         paging: Paging | None = None,
         kv_precision: KVPrecision | str = KVPrecision.BF16,
+        decode_chunk: int = 0,
+        command_buffer: str | None = None,
     ) -> None:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r} must be one of "
@@ -242,6 +259,12 @@ class Engine:
                              f"{self._devices!r} (GPU, or CPU in Pallas' interpreter); use "
                              f"'auto' or 'xla'")
         self.decode_attention = decode_attention
+        if decode_chunk < 0:
+            raise ValueError(f"decode_chunk={decode_chunk} must be >= 0 (0 = the platform's)")
+        gpu = self._devices == "gpu"
+        self.decode_chunk = 1 if self.kv_policy.compresses else (
+            decode_chunk or (GPU_DECODE_CHUNK if gpu else 1))
+        self.command_buffer = GPU_COMMAND_BUFFER if command_buffer is None else command_buffer
         if self.kv_precision.quantizes and decode_attention != "xla" \
                 and not self.kv_policy.compresses:
             _warn_float_copy(self._devices, paging is not None, self.config.kv_scale)
@@ -285,6 +308,43 @@ class Engine:
         check_prompts(prompts, n, self.config.vocab_size, self.max_prompt_len)
         return settings.check(self.config.vocab_size, self.max_new_tokens)
 
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options of the decode programs (`jax.jit(..., compiler_options=...)`): on GPU
+        devices the command types recorded into CUDA graphs (`command_buffer`); none
+        elsewhere, so the other platforms' programs are XLA's defaults."""
+        if self._devices != "gpu" or not self.command_buffer:
+            return {}
+        # A captured loop is one command of its caller: XLA's smallest graph (5 commands) would
+        # leave a program of a few top-level thunks, the loop among them, without any graph.
+        return {"xla_gpu_enable_command_buffer": self.command_buffer,
+                "xla_gpu_graph_min_graph_size": 1}
+
+    def decode_while(self, cond: Callable, step: Callable, carry: tuple,
+                     limit: jax.Array | None = None) -> tuple:
+        """`lax.while_loop(cond, step, carry)` over a decode loop's carry (i, DecodeState),
+        `step` one decode step that counts i. With `decode_chunk` K > 1 (GPU) each iteration
+        runs K steps in a loop of known trip count, `cond` checked between chunks: XLA's GPU
+        runtime reads a while loop's predicate on the host every iteration unless its trip
+        count is known, so a chunk makes one host round trip per K steps. A step past `limit`
+        (i >= limit) in the last chunk runs with no row live (nothing recorded, no cache
+        moved, i not counted); a step after `cond` turned false otherwise runs as the loop
+        would have ended (rows finished stay finished; the static sampler's finished rows do
+        nothing). K = 1 is the plain loop."""
+        chunk = self.decode_chunk
+        if chunk == 1:
+            return jax.lax.while_loop(cond, step, carry)
+
+        def one(_: int, carry: tuple) -> tuple:
+            if limit is None:
+                return step(carry)
+            i, s = carry
+            go = i < limit
+            i_next, s_next = step((i, s.replace(live=s.live & go)))
+            return jnp.where(go, i_next, i), s_next.replace(live=jnp.where(go, s_next.live,
+                                                                           s.live))
+
+        return jax.lax.while_loop(cond, lambda c: jax.lax.fori_loop(0, chunk, one, c), carry)
+
     # ------------------------------------------------------------------------------ programs
     def prefill(self, params: Params, tokens: jax.Array, mask: jax.Array
                 ) -> tuple[jax.Array, Cache]:
@@ -295,10 +355,12 @@ class Engine:
         return self.sharding.rows(logits), self.layout.constrain(cache)
 
     def prepare(self, params: Params) -> Params:
-        """The decode loop's parameters: loop-invariant work on `params`, done once per decode
-        program (`Sampler`) or once per `sample` call (`RefillSampler`, which runs many).
+        """The decode loop's parameters: loop-invariant work on `params`, done once per `sample`
+        call by both samplers, in a program of its own (the decode programs take its output).
 
         Float parameters are cast to the compute dtype here rather than by the model every step.
+        On GPU devices the 8-bit linear kernels are stored transposed, in the layout the GPU's
+        8-bit products read (`quant.transpose_for_gpu`), so no decode program copies them.
 
         CPU-only work, done only when the `platform` is 'cpu' (the one predicate; on an
         accelerator each of these would cost memory or time for nothing):
@@ -317,6 +379,8 @@ class Engine:
         """
         cfg = self.config
         params = cast_floats(params, cfg.compute_dtype)
+        if self._devices == "gpu":
+            return transpose_for_gpu(params)
         if self.platform != "cpu":
             return params
         if self.sharding.single_device:
@@ -378,9 +442,13 @@ class Engine:
         kernel = functools.partial(ragged.paged_decode_attention, impl="pallas",
                                    platform=devices, interpret=devices == "cpu",
                                    row_scales=cfg.kv_scale == "sequence")
+        # GPU: one scatter per pool writes every kv head (`put_all_heads`); elsewhere one per
+        # head, the layout TPU's kernel reads (`put_tokens`).
+        put = put_all_heads if devices == "gpu" else put_tokens
         mesh = self.mesh
         if mesh is None or mesh.size == 1:
-            return kernel
+            return _PerShardPaged(kernel, put, ragged.row_scale) if put is not put_tokens \
+                else kernel
         P = jax.sharding.PartitionSpec
 
         shards = self.sharding.batch_shards
@@ -411,7 +479,7 @@ class Engine:
 
             def local(pool, page, offset, new):
                 mine = jnp.where(page < total, page % per_shard, per_shard)  # else dropped
-                return put_tokens(pool, mine, offset, new)
+                return put(pool, mine, offset, new)
 
             return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(rows[0]), P(rows[0]), rows),
                                  out_specs=spec, check_vma=False)(pool, page, offset, new)
@@ -572,6 +640,17 @@ class Engine:
             limit=c(state.limit, ROW_AXES),
             tokens=c(state.tokens, _OUT_AXES), logp=c(state.logp, _OUT_AXES),
             logp_untruncated=c(state.logp_untruncated, _OUT_AXES), mask=c(state.mask, _OUT_AXES))
+
+
+def put_all_heads(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array
+                  ) -> jax.Array:
+    """`models.transformer.put_tokens`'s contract (pool f[Hkv, P, page_size, D] or a scale pool
+    f32[Hkv, P, page_size]; new f[B, Hkv, 1, D] or f32[B, Hkv, 1]; rows whose page is P or more
+    dropped) in one scatter of every kv head's window: the same values, one kernel where
+    `put_tokens` launches one per head (each a kernel of the GPU's decode step). On GPU the
+    pool keeps its row-major layout with it (`bench.explain`: no copy of a pool)."""
+    return pool.at[:, page, offset].set(jnp.moveaxis(new[:, :, 0], 0, 1).astype(pool.dtype),
+                                        mode="drop")
 
 
 def _record(state: DecodeState, rows: jax.Array, cols: jax.Array, tok: jax.Array,

@@ -225,3 +225,11 @@ def _from_global_host(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Arr
     """A global array from a host array every process holds whole (each process places the
     pieces its devices hold)."""
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def abstract_outputs(fn: Any, *args: Any) -> Any:
+    """The outputs of jitted `fn` on `args` as `jax.ShapeDtypeStruct`s with the shardings its
+    compiled program gives them."""
+    shardings = fn.lower(*args).compile().output_shardings
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(fn, *args), shardings)

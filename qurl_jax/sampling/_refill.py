@@ -15,7 +15,9 @@ most of the time. `RefillSampler` keeps R = `max_concurrent_rows` slots busy ins
                  for its later rows.
       decode   - one jitted `lax.while_loop`: every step feeds each live slot's last token through
                  the model and samples its next one; it returns when `need` refillable slots have
-                 finished, when every slot is idle, or after `max_steps_per_call` steps.
+                 finished, when every slot is idle, or after `max_steps_per_call` steps (on a GPU
+                 checked every chunk of steps, `Engine.decode_while`: slots that finish inside a
+                 chunk wait for its end, which changes when rows are refilled, not their tokens).
       harvest  - the host reads the slots' live flags (one small transfer per decode call) and
                  admits waiting rows into the finished slots. Tokens and log-probs are written by
                  the programs straight into row-indexed output buffers, so harvesting moves nothing.
@@ -78,6 +80,7 @@ from qurl_jax.sampling._distributions import SamplingMode
 from qurl_jax.sampling._engine import DecodeState, Engine
 from qurl_jax.sampling._host import (
     Params,
+    abstract_outputs,
     assemble,
     assemble_local,
     bucket,
@@ -424,8 +427,8 @@ class RefillSampler:
         eos = 8  # `SamplingParams.decoding` pads the EOS ids to a multiple of 8
         init = self._program("init", slots, rows, cache_len, g_len, shards,
                              e.prefill_slots(p_len))
-        state = _abstract_outputs(init)
-        prepared = _abstract_outputs(self._prepare, abstract_params)
+        state = abstract_outputs(init)
+        prepared = abstract_outputs(self._prepare, abstract_params)
         k = bucket(slots, power_of_two_buckets(1, slots))
         # A shard's admitted rows are consecutive in its prompt-major queue, and the prompt at
         # its head is held when it was partly admitted before: m rows need ceil(m / n) new
@@ -535,7 +538,8 @@ class RefillSampler:
                                                held=static[0], held_len=static[1]))
             elif kind == "decode":
                 fn = jax.jit(functools.partial(self._decode_steps, mode=static[0]),
-                             donate_argnums=(1,))
+                             donate_argnums=(1,),
+                             compiler_options=self.engine.compiler_options() or None)
             elif kind == "insert":
                 fn = jax.jit(functools.partial(self._insert_rows, mode=static[0]),
                              donate_argnums=(1,))
@@ -645,7 +649,7 @@ class RefillSampler:
         if table is not None:
             start = start.replace(cache=e.layout.with_table(start.cache, table),
                                   live=start.live & keep)
-        steps, slots = jax.lax.while_loop(cond, body, (jnp.int32(0), start))
+        steps, slots = e.decode_while(cond, body, (jnp.int32(0), start), limit=max_steps)
         if table is not None:  # the state leaves with the table it came with (its shape: a
             # narrower `table` must not make the next insert compile again)
             slots = slots.replace(cache=e.layout.with_table(slots.cache,
@@ -669,14 +673,6 @@ def _new_prompts_bucket(count: int, k: int, shards: int) -> int:
     if not count:
         return 0
     return -(-bucket(count, power_of_two_buckets(1, k)) // shards) * shards
-
-
-def _abstract_outputs(fn: Any, *args: Any) -> Any:
-    """The outputs of jitted `fn` on `args` as `jax.ShapeDtypeStruct`s with the shardings its
-    compiled program gives them."""
-    shardings = fn.lower(*args).compile().output_shardings
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        jax.eval_shape(fn, *args), shardings)
 
 
 def _replicated_to_host(x: jax.Array) -> np.ndarray:

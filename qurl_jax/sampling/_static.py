@@ -9,7 +9,11 @@ B * n rollout rows through at most `max_concurrent_rows` rows at a time, in chun
              cache rows copied n times into a cache of the decode length;
     decode   the rows admitted into that cache (first token from the prefill logits), then a
              `lax.while_loop` of `Engine.step` until every row has emitted an EOS id or
-             `max_new_tokens` tokens. The cache is donated, so it is updated in place.
+             `max_new_tokens` tokens (on a GPU in chunks of steps, `Engine.decode_while`). The
+             cache is donated, so it is updated in place.
+
+The decode loop's parameters are prepared once per `sample` call (`Engine.prepare`, a program of
+its own) and shared by every chunk's decode program.
 
 Only one chunk's KV cache is allocated at a time; the chunks' outputs are concatenated on device.
 Prompt and generation lengths are rounded up to buckets and the two programs are cached per
@@ -41,6 +45,7 @@ from qurl_jax.sampling._distributions import SamplingMode
 from qurl_jax.sampling._engine import DecodeState, Engine
 from qurl_jax.sampling._host import (
     Params,
+    abstract_outputs,
     assemble,
     assemble_local,
     check_concurrent_rows,
@@ -66,6 +71,7 @@ class Sampler:
                  max_concurrent_rows: int = 0, **engine_kwargs: Any) -> None:
         self.engine = Engine(config, dot_general, **engine_kwargs)
         self.max_concurrent_rows = check_concurrent_rows(max_concurrent_rows)
+        self._prepare = jax.jit(self.engine.prepare)
         self._programs: dict[tuple, tuple[Any, Any]] = {}
 
     @property
@@ -122,6 +128,7 @@ class Sampler:
         put = e.sharding.put_batch if blocks == 1 else functools.partial(
             e.sharding.put_local, blocks=blocks)
         rows = local_group * n
+        prepared = self._prepare(params)
         chunks = []
         # Dispatched one chunk ahead: chunk c goes out once chunk c - 2 has finished, so one chunk
         # runs while the next is dispatched. Unbounded run-ahead hung every two-process CPU run
@@ -133,8 +140,8 @@ class Sampler:
                 jax.block_until_ready(chunks[c - 2])
             prompt_rows = slice(c * local_group, (c + 1) * local_group)
             logits, cache = prefill(params, put(tokens[prompt_rows]), put(mask[prompt_rows]))
-            response, _ = decode(params, cache, logits, put(row_ids[c * rows:(c + 1) * rows]),
-                                 decoding, limit)
+            response, _ = decode(prepared, cache, logits,
+                                 put(row_ids[c * rows:(c + 1) * rows]), decoding, limit)
             chunks.append(response)
         if blocks > 1:
             return self._local_output(chunks, tokens[:b], mask[:b], b * n, n, settings)
@@ -174,7 +181,8 @@ class Sampler:
             devices); the programs themselves follow this sampler's `platform`.
 
         Returns {'prefill': ..., 'decode': ...}, the same programs `sample` runs for a chunk of
-        these shapes.
+        these shapes; the decode program takes the prepared parameters (`Engine.prepare`),
+        whose shardings are read off the compiled preparation program.
         """
         e = self.engine
         shards = e.sharding.batch_shards
@@ -186,7 +194,8 @@ class Sampler:
         i32, batch = jnp.int32, e.sharding.abstract_batch
         prefill_args = (abstract_params, batch((group, p_len), i32), batch((group, p_len),
                                                                             jnp.bool_))
-        decode_args = (abstract_params, e.layout.abstract(rows, e.layout.slots(p_len, g_len)),
+        decode_args = (abstract_outputs(self._prepare, abstract_params),
+                       e.layout.abstract(rows, e.layout.slots(p_len, g_len)),
                        batch((rows, e.config.vocab_size), jnp.float32), batch((rows,), i32),
                        Decoding.abstract(8), jax.ShapeDtypeStruct((), i32))
         return {
@@ -224,7 +233,8 @@ class Sampler:
             prefill = jax.jit(functools.partial(
                 self._prefill, n=n, cache_len=self.engine.layout.slots(p_len, g_len)))
             decode = jax.jit(functools.partial(self._decode, mode=mode, g_len=g_len),
-                             donate_argnums=(1,))
+                             donate_argnums=(1,),
+                             compiler_options=self.engine.compiler_options() or None)
             self._programs[key] = (prefill, decode)
         return self._programs[key]
 
@@ -235,11 +245,12 @@ class Sampler:
         logits, cache = self.engine.prefill(params, tokens, mask)
         return jnp.repeat(logits, n, axis=0), self.engine.layout.repeat(cache, n, cache_len)
 
-    def _decode(self, params: Params, cache: Cache, logits: jax.Array, row_ids: jax.Array,
+    def _decode(self, prepared: Params, cache: Cache, logits: jax.Array, row_ids: jax.Array,
                 decoding: Decoding, max_new_tokens: jax.Array, *, mode: SamplingMode,
                 g_len: int) -> tuple[dict[str, jax.Array], Cache]:
         """Samples up to `max_new_tokens` (<= g_len) tokens per row with an early-exit while loop.
 
+        prepared: `Engine.prepare`'s parameters;
         cache: the prefilled cache of the chunk's N rows (room for g_len - 1 more tokens);
         logits: f32[N, V] next-token logits after the prompt; row_ids: i32[N] each row's index
         in the whole batch (its random stream). A row whose prompt is empty (batch padding:
@@ -248,7 +259,6 @@ class Sampler:
         """
         e = self.engine
         num_rows = logits.shape[0]
-        prepared = e.prepare(params)
         model = e.decode_model(prepared)
         kv = cache.cache if e.layout.compresses else cache
         real = kv.next_pos > 0
@@ -284,8 +294,10 @@ class Sampler:
             i, s = carry
             return i, s.replace(cache=e.layout.compress(s.cache, e.layout.due(s.cache, i)))
 
-        steps, state = jax.lax.while_loop(running, block if e.layout.compresses else step,
-                                          (jnp.int32(0), e.constrain(state)))
+        steps, state = e.decode_while(running, block if e.layout.compresses else step,
+                                      (jnp.int32(0), e.constrain(state)))
+        if e.decode_chunk > 1:  # a chunk's steps after the last row finished count nothing
+            steps = jnp.maximum(jnp.max(state.step), 1) - 1
         return dict(e.finish(state, decoding.eos_ids), num_steps=steps + 1), state.cache
 
 
