@@ -105,6 +105,16 @@ def config_program(config: Any, shapes_dir: str, target: targets.Target
     return lowered, per_call, live, model.num_layers, bool(sampler.refills and sampler.kv_pages)
 
 
+def _option_value(text: str) -> Any:
+    """An XLA option's value as compiler_options wants it: a bool, an int, or the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a config file: explain its rollout decode on --target")
@@ -126,6 +136,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--command_buffer", default=None,
                    help="--model: xla_gpu_enable_command_buffer of the decode program (default: "
                         "the engine's; '' for XLA's default)")
+    p.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
+                   help="an XLA option for this compile only, e.g. --xla "
+                        "xla_gpu_graph_min_graph_size=1 (repeatable; experiments)")
     p.add_argument("--target", default="gpu:h100-1", help="gpu:h100-N")
     p.add_argument("--chip", default="h100", choices=sorted(kernels.CHIPS),
                    help="the step model's chip")
@@ -158,7 +171,8 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         what = {"model": args.model, "tiny": args.tiny, "actor": args.actor, "rows": args.rows,
                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "kv": args.kv,
                 "page_size": args.page_size}
-    reading = kernels.compile_and_read(lowered, keep=args.dump_dir)
+    options = {k: _option_value(v) for k, _, v in (item.partition("=") for item in args.xla)}
+    reading = kernels.compile_and_read(lowered, options, keep=args.dump_dir)
     table = kernels.per_token(reading, per_call, live)
     chip = kernels.CHIPS[args.chip]
     step = kernels.predict_step(table, chip, "paged" if paged else "dense")

@@ -5,7 +5,8 @@
     step = kernels.predict_step(table, kernels.H100)       # bytes / bandwidth + launches x cost
 
 XLA:GPU writes, per compiled module, the thunk sequence its runtime executes
-(`*.thunk_sequence_after_thunk_passes.txt`: every kernel launch, copy, collective and library call
+(`*.thunk_sequence_after_thunk_passes.txt`, or `*.thunk_sequence.txt` where the thunk passes
+changed nothing: every kernel launch, copy, collective and library call
 in order, nested in command buffers, while loops and async wrappers), which HLO instruction each
 thunk runs (`*.thunk_metadata.txt`: thunk id -> profile annotation, the instruction's name), and the
 optimized HLO (`*.sm_*_gpu_after_optimizations.txt`: what each fusion reads and writes). This
@@ -511,9 +512,13 @@ def _dump_file(directory: str, pattern: str, module_re: str) -> str:
 
 
 def read_dump(directory: str, module_re: str = r"decode") -> Reading:
-    """Reads the last module matching `module_re` in an XLA dump directory."""
-    seq = _dump_file(directory, "*.thunk_sequence_after_thunk_passes.txt", module_re)
-    prefix = seq.removesuffix(".thunk_sequence_after_thunk_passes.txt")
+    """Reads the last module matching `module_re` in an XLA dump directory: its thunk sequence
+    after XLA's thunk passes (which form the command buffers), or as emitted when the passes
+    changed nothing (XLA then writes no second file)."""
+    seq = _dump_file(directory, "*.thunk_sequence.txt", module_re)
+    prefix = seq.removesuffix(".thunk_sequence.txt")
+    if os.path.exists(prefix + ".thunk_sequence_after_thunk_passes.txt"):
+        seq = prefix + ".thunk_sequence_after_thunk_passes.txt"
     meta = prefix + ".thunk_metadata.txt"
     hlo_files = sorted(glob.glob(prefix + ".sm_*_gpu_after_optimizations.txt"))
     if not hlo_files:
