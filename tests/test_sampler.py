@@ -439,7 +439,7 @@ def test_lower_programs_compile_and_report_memory(qwen) -> None:
     cfg, params, sampler = qwen
     rows, n, p_len, g_len = 4, 2, 8, 16
     lowered = sampler.lower_programs(_abstract(params), rows, p_len, g_len, n=n)
-    assert set(lowered) == {"prefill", "decode"}
+    assert set(lowered) == {"prefill", "decode", "prepare"}
     memory = {name: low.compile().memory_analysis() for name, low in lowered.items()}
     cache_bytes = (2 * cfg.num_layers * rows * cfg.num_kv_heads * (p_len + g_len)
                    * cfg.head_dim * 4)
@@ -459,16 +459,16 @@ def test_cpu_only_decode_work_follows_the_platform() -> None:
     assert Sampler(cfg, mesh=make_mesh(data=2)).engine.platform == "cpu"
     abstract = _abstract(jax.eval_shape(lambda p: requantize(p, "int8"), _random_params(cfg)))
 
-    def decode_text(platform: str) -> str:
+    def decode_text(platform: str, program: str = "prepare") -> str:
         sampler = Sampler(cfg, make_dot_general("int8"), max_prompt_len=8, max_new_tokens=8,
                           platform=platform)
         assert sampler.engine.platform == platform
         lowered = sampler.lower_programs(abstract, 2, 8, 8, lowering_platforms=(platform,))
-        return lowered["decode"].as_text()
+        return lowered[program].as_text()
 
-    # On CPU the decode loop materialises the tied head's transpose [V, E] -> [E, V] behind a
-    # barrier; for an accelerator it runs the plain tied model: no copy of the embedding, no CPU
-    # kernel call.
+    # On CPU the decode loop's parameters (prepared once per call, in a program of their own)
+    # hold the tied head's transpose [V, E] -> [E, V] behind a barrier; for an accelerator the
+    # loop runs the plain tied model: no copy of the embedding, no CPU kernel call.
     head_transpose = re.compile(rf"stablehlo.transpose .*\(tensor<{cfg.vocab_size}x"
                                 rf"{cfg.hidden_size}xf32>\)")
     # (The GPU program's ragged decode attention kernel has barriers of its own: the head's is
@@ -477,9 +477,10 @@ def test_cpu_only_decode_work_follows_the_platform() -> None:
                               rf"{cfg.vocab_size}xf32>")
     cpu = decode_text("cpu")
     assert head_barrier.search(cpu) and head_transpose.search(cpu)
+    assert not head_transpose.search(decode_text("cpu", "decode"))
     cuda = decode_text("cuda")
     assert not head_barrier.search(cuda) and not head_transpose.search(cuda)
-    assert "qurl_" not in cuda
+    assert "qurl_" not in cuda and "qurl_" not in decode_text("cuda", "decode")
 
     # int8 vocabulary tables: on CPU the head's codes are cast to the compute dtype once, behind
     # the barrier, outside the loop (XLA:CPU would cast the whole head every step); an
@@ -490,6 +491,7 @@ def test_cpu_only_decode_work_follows_the_platform() -> None:
                             r"xi8>\) -> tensor<")
     cpu = decode_text("cpu")
     assert head_barrier.search(cpu) and len(codes_cast.findall(cpu)) == 1
+    assert not codes_cast.findall(decode_text("cpu", "decode"))
     assert not head_barrier.search(decode_text("cuda"))
 
 

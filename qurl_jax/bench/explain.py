@@ -21,8 +21,8 @@ What is compiled:
 - `--config`: the config's `rollout_decode` program (`plan.memory_plan`), on the config's mesh
   over the target's devices, at its largest shapes; tokens per call: a page with a paged pool
   (the refilling sampler's steps per call), else the generation (at most: a refilling call
-  also returns when enough slots finish); the attention kernels read the live share of the KV cache of
-  rows whose responses follow `plan.roofline.length_pmf` (the refilling steady state).
+  also returns when enough slots finish); the attention kernels read the live share of the KV
+  cache of rows whose responses follow `plan.roofline.length_pmf` (the refilling steady state).
 - `--model`: `bench.accelerator`'s rollout programs: a paper shape (`configs/shapes/`) with random
   weights, bf16 compute, `--rows` rows of `--prompt_len` tokens and `--new_tokens` new tokens
   (every row to the limit), the static sampler's dense cache (`--page_size=0`) or the refilling
@@ -89,9 +89,9 @@ def model_program(config: ModelConfig, target: targets.Target, actor: str, rows:
 
 
 def config_program(config: Any, shapes_dir: str, target: targets.Target
-                   ) -> tuple[Any, int, float, int, bool]:
-    """(lowered rollout_decode program, tokens per call, live fraction, layers, paged) of a
-    config on `target`."""
+                   ) -> tuple[Any, int, float, int, bool, bool, bool]:
+    """(lowered rollout_decode program, tokens per call, live fraction, layers, paged pool,
+    refilling sampler, 8-bit KV) of a config on `target`."""
     settings = RunSettings.from_config(config)
     model = memory_plan.model_shape(settings.model, shapes_dir)
     setup = memory_plan.build_setup(settings, model, target.devices())
@@ -102,7 +102,8 @@ def config_program(config: Any, shapes_dir: str, target: targets.Target
         setup.response_len
     slots = setup.prompt_len + setup.response_len
     live = roofline.live_slots(setup.prompt_len, setup.response_len) / slots
-    return lowered, per_call, live, model.num_layers, bool(sampler.refills and sampler.kv_pages)
+    return (lowered, per_call, live, model.num_layers, bool(sampler.refills and sampler.kv_pages),
+            sampler.refills, sampler.kv_precision.quantizes)
 
 
 def _option_value(text: str) -> Any:
@@ -159,7 +160,8 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
             set_field(config, item)
         shapes_dir = args.shapes_dir or os.path.join(
             os.path.dirname(os.path.abspath(args.config)), "shapes")
-        lowered, per_call, live, layers, paged = config_program(config, shapes_dir, target)
+        lowered, per_call, live, layers, paged, refill, kv_8bit = config_program(
+            config, shapes_dir, target)
         what = {"config": args.config, "set": args.set}
     else:
         model = shape_config(args.model, args.tiny)
@@ -167,7 +169,8 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
             model, target, args.actor, args.rows, args.prompt_len, args.new_tokens, args.kv,
             args.page_size, args.steps_per_call, decode_chunk=args.decode_chunk,
             command_buffer=args.command_buffer)
-        layers, paged = model.num_layers, args.page_size > 0
+        layers, paged, kv_8bit = model.num_layers, args.page_size > 0, args.kv != "bf16"
+        refill = paged
         what = {"model": args.model, "tiny": args.tiny, "actor": args.actor, "rows": args.rows,
                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "kv": args.kv,
                 "page_size": args.page_size}
@@ -175,7 +178,8 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
     reading = kernels.compile_and_read(lowered, options, keep=args.dump_dir)
     table = kernels.per_token(reading, per_call, live)
     chip = kernels.CHIPS[args.chip]
-    step = kernels.predict_step(table, chip, "paged" if paged else "dense")
+    attention = ("paged_8bit" if kv_8bit else "paged") if paged else "dense"
+    step = kernels.predict_step(table, chip, attention, refill=refill)
     print(f"{target.name}: {', '.join(f'{k}={v}' for k, v in what.items() if v)}")
     print("\n".join(kernels.describe(reading, table, layers)))
     print(f"  predicted step on {chip.name} (a prediction; plan/kernels.py): "
@@ -183,7 +187,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
           f"{step['attention'] * 1e3:.2f} + launches {step['launches'] * 1e3:.2f} + host "
           f"{step['host'] * 1e3:.2f}")
     return {**what, "target": target.name, "chip": chip.name, "live_fraction": live,
-            **kernels.to_json(reading, table, layers),
+            **kernels.to_json(reading, table, layers), "attention": attention, "refill": refill,
             "predicted_step_s": step, "jax": jax.__version__}
 
 

@@ -495,8 +495,7 @@ def _weight_copies(program: Program, inst: Any, weights: dict[str, str], scope: 
             if w_dtype in EIGHT_BIT and dtype in _FLOAT_WIDTH:
                 out.append(WeightCopy(inst.name, src, weights[src], inst.type, "widened", scope))
             elif dtype == w_dtype and (tuple(shape) != tuple(w_shape)
-                                       or _layout(inst.type) != _layout(weights[src])
-                                       or inst.opcode != "fusion" or "transpose" in inst.name):
+                                       or _layout(inst.type) != _layout(weights[src])):
                 out.append(WeightCopy(inst.name, src, weights[src], inst.type, "transposed",
                                       scope))
     return out
@@ -559,6 +558,18 @@ class PerToken:
     steps_per_call: int
     tokens_per_chunk: int
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PerToken:
+        """The table back from `to_json`'s figures."""
+        return cls(
+            launches=d["launches_per_token"], bytes=d["bytes_per_token"],
+            attention_bytes=d["attention_bytes_per_token"],
+            by_scope={k: (v["launches"], v["bytes"]) for k, v in d["by_scope"].items()},
+            by_category={k: (v["launches"], v["bytes"]) for k, v in d["by_category"].items()},
+            host_reads=d["host_reads_per_token"], host_transfers=d["host_transfers_per_token"],
+            widened=d["weights_widened"], transposed=d["weights_transposed"],
+            steps_per_call=d["steps_per_call"], tokens_per_chunk=d["tokens_per_chunk"])
+
     def per_layer(self, layers: int) -> float:
         """Launches of the decode step per layer (its 'token' scope over `layers`)."""
         return self.by_scope.get("token", (0, 0))[0] / max(layers, 1)
@@ -600,40 +611,61 @@ def per_token(reading: Reading, steps_per_call: int, live_fraction: float = 1.0)
 # ------------------------------------------------------------------------------ the step model
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """A GPU's figures for the step model: HBM bandwidth (bytes/s, the vendor's), the fraction
-    of it an attention kernel reaches (`attention_efficiency`: measured, per kernel kind), the
-    cost of one launch (`launch_s`: calibrated), of one host read of a loop predicate
-    (`host_read_s`) and of one call of a program from the host (`call_s`: the refilling
-    sampler's host loop between calls)."""
+    """A GPU's figures for the step model: HBM bandwidth (bytes/s, the vendor's), the cost of
+    one launch (`launch_s`), of one host read of a loop predicate (`host_read_s`) and of one
+    call of a decode program from the refilling sampler's host loop (`call_s`), and the rate at
+    which each attention kernel reads live keys and values (`attention_rate`, bytes/s: 'dense'
+    JAX's ragged kernel, 'paged' its paged kernel over bf16 pages, 'paged_8bit' over 8-bit
+    pages). `CALIBRATION` says where each comes from."""
 
     name: str
     bandwidth: float
     launch_s: float
     host_read_s: float
     call_s: float
-    attention_efficiency: dict[str, float] = dataclasses.field(default_factory=dict)
-    other_efficiency: float = 1.0
+    attention_rate: dict[str, float]
 
 
-# The step model's chips. Bandwidths: NVIDIA's datasheets (H100 SXM 3.35 TB/s HBM3, H200 4.8 TB/s
-# HBM3e). The other constants: `CALIBRATION`.
-CHIPS: dict[str, Chip] = {
-    "h100": Chip("H100 SXM", 3.35e12, launch_s=2e-6, host_read_s=15e-6, call_s=0.0),
-    "h200": Chip("H200", 4.8e12, launch_s=2e-6, host_read_s=15e-6, call_s=0.0),
+# Measured on the leased GPUs (docs/performance.md, docs/runs/), H200, one layer's attention alone
+# at the 1.5B shape (64 rows, 1024 live of 1536 slots, 64 MiB of live bf16 K/V, 33 MiB 8-bit):
+# JAX's ragged kernel 32.6 us, the paged kernel 66.9 us (bf16) and 66.1 us (int8): 2.06, 1.00
+# and 0.52 TB/s of live K/V. Neither reaches the HBM's rate, so the model charges them at these
+# rates on every chip (the H100's paged run below agrees to 1%; charged at the same fraction of
+# the H100's bandwidth instead, it was 26% over).
+_ATTENTION_RATE = {"dense": 64 * 2**20 / 32.6e-6, "paged": 64 * 2**20 / 66.9e-6,
+                   "paged_8bit": 33 * 2**20 / 66.1e-6}
+# Fitted on two leased runs (H200, 1.5B shape, int8 actor, 64 rows, 512 + 1024 tokens), read back
+# with `bench.explain` from the programs those runs ran (`CALIBRATION`): the static sampler's
+# dense cache, 2.52 ms a step, gives the cost of a launch with the host's predicate read taken as
+# 20 us; the refilling sampler's paged pool, 4.20 ms, gives the host loop's cost per call.
+LAUNCH_S, HOST_READ_S, CALL_S = 1.33e-6, 20e-6, 6.1e-3
+CHIPS: dict[str, Chip] = {  # bandwidths: NVIDIA's datasheets (H100 SXM HBM3, H200 HBM3e)
+    "h100": Chip("H100 SXM", 3.35e12, LAUNCH_S, HOST_READ_S, CALL_S, _ATTENTION_RATE),
+    "h200": Chip("H200", 4.8e12, LAUNCH_S, HOST_READ_S, CALL_S, _ATTENTION_RATE),
 }
+# The leased measurements the model is calibrated and checked on, with the readings of their
+# programs (docs/runs/explain_readings_2026-11-29.json): (case, chip, attention, measured ms).
+CALIBRATION = (
+    ("int8_dense_64", "h200", "dense", 2.52),  # fits LAUNCH_S
+    ("int8_paged_64", "h200", "paged", 4.20),  # fits CALL_S
+    ("int8_paged_64", "h100", "paged", 4.35),  # checks
+    ("int8_paged_kvint8_64", "h100", "paged_8bit", 4.82),  # checks
+)
 
 
-def predict_step(table: PerToken, chip: Chip, attention: str = "dense") -> dict[str, float]:
+def predict_step(table: PerToken, chip: Chip, attention: str = "dense",
+                 refill: bool = False) -> dict[str, float]:
     """The predicted decode step (seconds) of a `PerToken`, by part: 'bytes' (all but the
-    attention kernels, at `other_efficiency` of the bandwidth), 'attention' (at the chip's
-    efficiency for `attention`, 'dense' or 'paged'), 'launches', 'host' (predicate reads and
-    the per-call round trip) and their sum 'step'. A prediction, not a measurement."""
-    eff = chip.attention_efficiency.get(attention, chip.other_efficiency)
+    attention kernels at the chip's bandwidth), 'attention' (the live keys and values at the
+    measured rate of the `attention` kernel: 'dense', 'paged' or 'paged_8bit'), 'launches',
+    'host' (predicate reads, and with `refill` the refilling sampler's host loop per call
+    spread over the call's tokens) and their sum 'step'. A prediction, not a measurement."""
     parts = {
-        "bytes": (table.bytes - table.attention_bytes) / (chip.bandwidth * chip.other_efficiency),
-        "attention": table.attention_bytes / (chip.bandwidth * eff),
+        "bytes": (table.bytes - table.attention_bytes) / chip.bandwidth,
+        "attention": table.attention_bytes / chip.attention_rate[attention],
         "launches": table.launches * chip.launch_s,
-        "host": table.host_reads * chip.host_read_s + chip.call_s / max(table.steps_per_call, 1),
+        "host": table.host_reads * chip.host_read_s
+        + (chip.call_s / max(table.steps_per_call, 1) if refill else 0.0),
     }
     parts["step"] = sum(parts.values())
     return parts
@@ -692,7 +724,8 @@ def to_json(reading: Reading, table: PerToken, layers: int = 0) -> dict[str, Any
         "host_transfers_per_token": table.host_transfers,
         "steps_per_call": table.steps_per_call, "tokens_per_chunk": table.tokens_per_chunk,
         "decode_loop_in_command_buffer": reading.decode_loop_in_command_buffer,
-        "weight_copies": [dataclasses.asdict(c) for c in reading.weight_copies],
+        "weights_widened": table.widened, "weights_transposed": table.transposed,
+        "weight_copies_first": [dataclasses.asdict(c) for c in reading.weight_copies[:4]],
     }
 
 

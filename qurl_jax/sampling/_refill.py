@@ -410,7 +410,8 @@ class RefillSampler:
           'prefill': the insert that fills every slot at once: K = R rows admitted, with as many
             new prompts prefilled as K rows of prompt-major per-shard queues can need (P, at
             most K), into a state of R slots holding the [rows, g_len] outputs;
-          'decode': the decode loop over the R slots of that state.
+          'decode': the decode loop over the R slots of that state;
+          'prepare': the decode loop's parameters (`Engine.prepare`, once per call).
 
         R = min(`max_concurrent_rows` or rows, rows). The state's shardings and the prepared
         decode parameters' are read off the compiled init and preparation programs, so the
@@ -451,6 +452,8 @@ class RefillSampler:
         return {
             "prefill": insert.trace(*insert_args).lower(lowering_platforms=lowering_platforms),
             "decode": decode.trace(*decode_args).lower(lowering_platforms=lowering_platforms),
+            "prepare": self._prepare.trace(abstract_params).lower(
+                lowering_platforms=lowering_platforms),
         }
 
     # ----------------------------------------------------------------------------------------------

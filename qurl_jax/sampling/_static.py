@@ -180,9 +180,10 @@ class Sampler:
           lowering_platforms: passed to `jax.stages.Traced.lower` (default: this process's
             devices); the programs themselves follow this sampler's `platform`.
 
-        Returns {'prefill': ..., 'decode': ...}, the same programs `sample` runs for a chunk of
-        these shapes; the decode program takes the prepared parameters (`Engine.prepare`),
-        whose shardings are read off the compiled preparation program.
+        Returns {'prefill': ..., 'decode': ..., 'prepare': ...}, the same programs `sample`
+        runs for a chunk of these shapes: 'prepare' is the decode loop's parameters
+        (`Engine.prepare`, once per call), which the decode program takes (their shardings read
+        off the compiled preparation program).
         """
         e = self.engine
         shards = e.sharding.batch_shards
@@ -201,6 +202,8 @@ class Sampler:
         return {
             "prefill": prefill.trace(*prefill_args).lower(lowering_platforms=lowering_platforms),
             "decode": decode.trace(*decode_args).lower(lowering_platforms=lowering_platforms),
+            "prepare": self._prepare.trace(abstract_params).lower(
+                lowering_platforms=lowering_platforms),
         }
 
     def rows_per_chunk(self, num_prompts: int, n: int) -> int:
