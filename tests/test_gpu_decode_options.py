@@ -125,7 +125,7 @@ def test_chunked_static_decode_is_the_plain_decode(tiny):
     _same(outs[1], outs[0])
 
 
-@pytest.mark.parametrize("pages", [0, 40])
+@pytest.mark.parametrize("pages", [pytest.param(0, marks=pytest.mark.slow), 40])
 def test_chunked_refill_decode_gives_the_same_rows(tiny, pages):
     """A chunk checks the call's stop conditions only at its end (rows that finish inside it
     wait for it), and with a paged pool stops at the call's reserved steps (6, not a multiple of

@@ -42,6 +42,17 @@ Parts:
   peak (`memory_stats()['peak_bytes_in_use']`, which includes the state the step runs on).
 
 Only figures measured in this run are printed; `--json` writes them all.
+
+`--suite`: the device run that fits one lease (one GPU, `--budget_s`, default 420 s of the 8
+minutes), written to `--json` after every case: `SUITE`'s rollouts (the 1.5B shape's bf16, int8 and
+fp8 actors, bf16 and 8-bit KV, dense and paged caches, 64 and 256 rows, and the 7B shape at one
+setting), each with the HBM bound of the bytes its step reads (`hbm_bound_ms`, at the chip's
+bandwidth from `plan.kernels.CHIPS`) and the step model's prediction for it (`predicted_step_ms`,
+from the committed deviceless readings `docs/targets/suite_readings.json`, `bench.explain`), then
+`rl_step`: one whole RL step of the 1.5B GRPO config's shape on one device (rollout, log-probs,
+update; random weights, random rewards) with the bf16 and the int8 rollout, A B B A. In priority
+order; a case whose turn comes after the budget is listed under `skipped` with the reason. With
+`--tiny` it is the CPU dry run (every field written; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -107,6 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="shrink every model to 2 layers of width "
                    "256: a smoke test of this script on any machine; its figures mean nothing")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--suite", action="store_true",
+                   help="the one-lease device suite (module docstring); overrides --parts")
+    p.add_argument("--budget_s", type=float, default=420.0,
+                   help="--suite: start no case after this many seconds")
+    p.add_argument("--suite_only", type=lambda s: [int(x) for x in csv(s)], default=None,
+                   help="--suite: only these entries of SUITE (0-based; the dry run's test)")
+    p.add_argument("--rl_prompts", type=int, default=16, help="--suite: the RL step's prompts")
+    p.add_argument("--rl_n", type=int, default=4, help="--suite: the RL step's samples a prompt")
     return p.parse_args(argv)
 
 
@@ -359,6 +378,197 @@ def learner(precision: str) -> dict[str, Any]:
             "loss": float(jax.device_get(metrics.get("loss", jnp.nan)))}
 
 
+# --suite's rollouts in priority order: (model shape, actor, KV precision, page size, rows).
+ONE_5B, SEVEN_B = "DeepSeek-R1-Distill-Qwen-1.5B", "Qwen2.5-Math-7B"
+SUITE = (
+    (ONE_5B, "int8", "bf16", 0, 64),  # the dense step against the HBM bound (and the H200 run)
+    (ONE_5B, "int8", "bf16", 16, 64),  # the paged pool against it, equal lengths
+    (ONE_5B, "fp", "bf16", 16, 256),  # the bf16 actor at 256 rows ...
+    (ONE_5B, "int8", "bf16", 16, 256),  # ... against int8
+    "rl_step",  # one whole RL step, bf16 against int8 rollouts
+    (ONE_5B, "int8", "int8", 16, 256),  # 8-bit KV against bf16 KV
+    (ONE_5B, "fp8", "fp8", 16, 256),  # FP8 weights and FP8 KV (NVIDIA's FP8-RL setting)
+    (ONE_5B, "fp", "bf16", 0, 64),  # the bf16 actor, dense
+    (SEVEN_B, "int8", "bf16", 16, 64),  # the 7B shape at one setting
+)
+SUITE_READINGS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "targets",
+                              "suite_readings.json")
+
+
+def suite_case_name(model: str, precision: str, kv: str, page_size: int, rows: int) -> str:
+    """A suite rollout's key in `SUITE_READINGS` and the JSON."""
+    cache = f"paged{page_size}" if page_size else "dense"
+    return f"{model}|{precision}|kv_{kv}|{cache}|{rows}"
+
+
+def _chip(device: jax.Device) -> Any:
+    """`plan.kernels.CHIPS`'s figures of this device (None: not a GPU the model knows)."""
+    from qurl_jax.plan import kernels
+
+    kind = device.device_kind.lower()
+    return next((c for name, c in kernels.CHIPS.items() if name in kind), None)
+
+
+def _predicted_step_ms(name: str, chip: Any, kv: str, page_size: int) -> float | None:
+    """The step model's prediction of a suite rollout on `chip` from its committed deviceless
+    reading (None without one: another shape, or --tiny)."""
+    from qurl_jax.plan import kernels
+
+    if chip is None or ARGS.tiny or not os.path.exists(SUITE_READINGS):
+        return None
+    with open(SUITE_READINGS, encoding="utf-8") as f:
+        reading = json.load(f)["cases"].get(name)
+    if reading is None or (reading["prompt_len"], reading["new_tokens"]) != (
+            ARGS.prompt_len, ARGS.new_tokens):
+        return None
+    attention = ("paged_8bit" if kv != "bf16" else "paged") if page_size else "dense"
+    step = kernels.predict_step(kernels.PerToken.from_json(reading), chip, attention,
+                                refill=page_size > 0)
+    return step["step"] * 1e3
+
+
+def rl_step(precisions: tuple[str, ...] = ("fp", "int8")) -> dict[str, Any]:
+    """One whole RL step of the 1.5B GRPO config's shape on one device, per rollout precision:
+    requantize, the rollout (`--rl_prompts` x `--rl_n` rows of `--prompt_len` random tokens,
+    `--new_tokens` new tokens each, EOS disabled, the config's refilling sampler and paged pool
+    sized for these rows on one device), the
+    log-prob recomputation (pi_prox, and pi_ref when the config's KL term is on; here the same
+    weights) and one update on the whole batch, each phase timed to `block_until_ready`. The
+    learner's programs are shared by the precisions; each precision's step is timed twice, A B
+    B A, after a warm-up step that compiles."""
+    from qurl_jax.models.transformer import positions_from_mask
+    from qurl_jax.sampling import SamplingParams
+    from qurl_jax.sampling.factory import build_rollout_sampler
+
+    config = load_config_file(ARGS.learner_config)
+    config.mesh.data = config.mesh.fsdp = config.mesh.tensor = 1
+    prompts_n = ARGS.rl_prompts
+    config.data.prompts_per_step, config.rollout.n = prompts_n, ARGS.rl_n
+    config.rl.num_minibatches = 1
+    config.data.max_prompt_len, config.rollout.max_new_tokens = ARGS.prompt_len, ARGS.new_tokens
+    rows = prompts_n * ARGS.rl_n
+    # The config's sampler (a paged pool with a page for every token a row may hold), for these
+    # rows on one device.
+    per_row = -(-(ARGS.prompt_len + ARGS.new_tokens) // config.rollout.kv_page_size)
+    config.rollout.max_concurrent_rows, config.rollout.kv_pages = rows, rows * per_row
+    if ARGS.tiny:  # micro-batches of one sequence, not the config's 9216-token rows
+        config.train.tokens_per_micro_batch = ARGS.prompt_len + ARGS.new_tokens
+    shape = _maybe_tiny(model_shape(ModelSettings.from_config(config.model), SHAPES_DIR))
+    setup = build_setup(RunSettings.from_config(config), shape)
+    learner_ = setup.learner
+    params = learner_.shard_params(jax.jit(lambda k: init_params(shape, k))(jax.random.key(0)))
+    opt_state = learner_.init_opt_state(params)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, shape.vocab_size, (prompts_n, ARGS.prompt_len)).tolist()
+    settings = SamplingParams(max_new_tokens=ARGS.new_tokens, temperature=1.0)
+    samplers = {}
+    for precision in precisions:
+        recipe = quant.get_recipe(precision)
+        sampler_settings = RunSettings.from_config(config).rollout.sampler
+        samplers[precision] = (recipe, build_rollout_sampler(
+            shape, quant.make_dot_general(recipe), sampler_settings,
+            prompt_buckets=(ARGS.prompt_len,), gen_buckets=(ARGS.new_tokens,)))
+
+    def step(precision: str, state: tuple) -> tuple[tuple, dict[str, float]]:
+        params, opt_state = state
+        recipe, sampler = samplers[precision]
+        times: dict[str, float] = {}
+        t = time.perf_counter()
+        actor = jax.block_until_ready(quant.requantize(params, recipe, shape.compute_dtype))
+        times["requantize_s"], t = time.perf_counter() - t, time.perf_counter()
+        out = sampler.sample(actor, prompts, settings, key=jax.random.key(1), n=ARGS.rl_n)
+        jax.block_until_ready(out.tokens)
+        times["rollout_s"], t = time.perf_counter() - t, time.perf_counter()
+        del actor
+        tokens, mask, _ = out.sequences()
+        batch = {"tokens": tokens, "positions": positions_from_mask(mask), "attn_mask": mask,
+                 "resp_mask": out.mask.astype(jnp.float32), "logp_behav": out.logp}
+        batch = learner_.shard_batch(batch)
+        batch["logp_prox"] = learner_.logprobs(params, batch)
+        if config.rl.kl_coef:
+            batch["logp_ref"] = learner_.logprobs(params, batch)
+        jax.block_until_ready(batch)
+        times["logprobs_s"], t = time.perf_counter() - t, time.perf_counter()
+        batch["advantages"] = learner_.shard_batch(
+            {"advantages": jnp.asarray(rng.standard_normal(rows), jnp.float32)})["advantages"]
+        params, opt_state, metrics = learner_.update(params, opt_state, batch)
+        jax.block_until_ready(metrics)
+        times["update_s"] = time.perf_counter() - t
+        times["step_s"] = sum(times.values())
+        times["generated_tokens"] = float(jnp.sum(out.lengths))
+        return (params, opt_state), times
+
+    state = (params, opt_state)
+    t0 = time.perf_counter()
+    for precision in precisions:  # compiles every program
+        state, _ = step(precision, state)
+    warmup = time.perf_counter() - t0
+    timed: dict[str, list[dict[str, float]]] = {p: [] for p in precisions}
+    for precision in (*precisions, *precisions[::-1]):
+        state, times = step(precision, state)
+        timed[precision].append(times)
+    out: dict[str, Any] = {"rows": rows, "prompt_len": ARGS.prompt_len,
+                           "new_tokens": ARGS.new_tokens, "warmup_s": warmup,
+                           "train_precision": config.train.precision, "remat": config.train.remat,
+                           "kl": bool(config.rl.kl_coef), "order": "A B B A"}
+    for precision, runs in timed.items():
+        out[precision] = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+    first, last = precisions[0], precisions[-1]
+    out["step_speedup"] = out[first]["step_s"] / out[last]["step_s"]
+    out["rollout_speedup"] = out[first]["rollout_s"] / out[last]["rollout_s"]
+    return out
+
+
+def suite(out: dict[str, Any], save: Any) -> None:
+    """--suite (module docstring): `SUITE` in order within `--budget_s`, `out` saved after every
+    case."""
+    start = time.perf_counter()
+    device = jax.devices()[0]
+    chip = _chip(device)
+    out.update({"suite": True, "budget_s": ARGS.budget_s, "rl_step": None, "skipped": [],
+                "chip": chip.name if chip else None,
+                "chip_bandwidth_gb_per_s": chip.bandwidth / 1e9 if chip else None})
+    cases = SUITE if ARGS.suite_only is None else [SUITE[i] for i in ARGS.suite_only]
+    for case in cases:
+        name = case if isinstance(case, str) else suite_case_name(*case)
+        elapsed = time.perf_counter() - start
+        if elapsed > ARGS.budget_s:
+            out["skipped"].append({"case": name, "reason": f"budget: {elapsed:.0f} s spent"})
+            save()
+            continue
+        try:
+            if case == "rl_step":
+                out["rl_step"] = rl_step()
+                r = out["rl_step"]
+                print(f"  rl_step: bf16 rollout {r['fp']['step_s']:.2f} s/step (rollout "
+                      f"{r['fp']['rollout_s']:.2f} s), int8 {r['int8']['step_s']:.2f} s "
+                      f"({r['int8']['rollout_s']:.2f} s): step x{r['step_speedup']:.2f}, "
+                      f"rollout x{r['rollout_speedup']:.2f}", flush=True)
+            else:
+                model, precision, kv, page_size, rows = case
+                row = {"model": model, "case": name, **rollout(model_config(model), precision,
+                                                                rows, kv, page_size)}
+                step_ms = row["decode_step_ms"]
+                bound = (row["bytes_read_per_step_gib"] * GIB / chip.bandwidth * 1e3
+                         if chip else None)
+                predicted = _predicted_step_ms(name, chip, kv, page_size)
+                row.update({"hbm_bound_ms": bound,
+                            "fraction_of_hbm_bound": bound / step_ms if bound else None,
+                            "achieved_fraction_of_bandwidth": (
+                                row["achieved_gb_per_s"] * 1e9 / chip.bandwidth if chip else None),
+                            "predicted_step_ms": predicted,
+                            "measured_over_predicted": step_ms / predicted if predicted else None})
+                out["rollout"].append(row)
+                print(f"  {name}: {row['decode_tokens_per_s']:9.0f} tok/s, step {step_ms:.2f} ms"
+                      + (f" ({bound / step_ms:.0%} of the HBM bound)" if bound else "")
+                      + (f", predicted {predicted:.2f} ms" if predicted else ""), flush=True)
+        except Exception as e:  # one case's failure must not lose the others: recorded
+            out["skipped"].append({"case": name, "reason": f"{type(e).__name__}: {e}"[:500]})
+            print(f"  {name}: FAILED {type(e).__name__}: {e}", flush=True)
+        save()
+    out["suite_s"] = time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> None:
     ARGS.__dict__.update(vars(parse_args(argv)))
     device = jax.devices()[0]
@@ -366,12 +576,14 @@ def main(argv: list[str] | None = None) -> None:
                            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
                            "rollout": [], "attention": [], "lowering": [], "learner": []}
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
-    parts = set(ARGS.parts)
+    parts = set() if ARGS.suite else set(ARGS.parts)
 
     def save() -> None:  # after every row, so a run stopped at its time limit keeps its figures
         if ARGS.json:
             with open(ARGS.json, "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)
+    if ARGS.suite:
+        suite(out, save)
     for name in ARGS.models if parts & {"rollout", "attention", "lowering"} else ():
         config = model_config(name)
         print(f"\n{name}: {config.num_params / 1e9:.2f}B params", flush=True)
@@ -411,15 +623,14 @@ def main(argv: list[str] | None = None) -> None:
     for field, (varied, base) in bases.items():
         table = {tuple(r[f] for f in fields if f != varied): r["decode_tokens_per_s"]
                  for r in rows if r[varied] == base}
-        for r in rows:
+        for r in rows:  # None where this run has no such row
             key = tuple(r[f] for f in fields if f != varied)
-            if key in table:
-                r[field] = r["decode_tokens_per_s"] / table[key]
+            r[field] = r["decode_tokens_per_s"] / table[key] if key in table else None
     if rows:
         print("\nmodel | batch | actor | KV | pages | decode tok/s | x bf16 actor | x bf16 KV "
               "| x dense | step ms | GB/s")
         for r in rows:
-            ratios = " | ".join(f"{r.get(f, float('nan')):.2f}" for f in bases)
+            ratios = " | ".join(f"{r[f]:.2f}" if r[f] is not None else "-" for f in bases)
             print(f"{r['model']} | {r['batch']} | {r['precision']} | {r['kv_precision']} | "
                   f"{r['page_size']} | {r['decode_tokens_per_s']:.0f} | {ratios} | "
                   f"{r['decode_step_ms']:.2f} | {r['achieved_gb_per_s']:.0f}")

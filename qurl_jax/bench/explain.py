@@ -145,6 +145,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the step model's chip")
     p.add_argument("--dump_dir", help="keep XLA's dump here (default: a scratch directory)")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--suite_readings", metavar="PATH",
+                   help="instead: read every rollout of bench.accelerator --suite (gpu:h100-1) "
+                        "and write their tables here (docs/targets/suite_readings.json)")
     return p.parse_args(argv)
 
 
@@ -191,11 +194,40 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
             "predicted_step_s": step, "jax": jax.__version__}
 
 
+def suite_readings(path: str, target_name: str = "gpu:h100-1") -> None:
+    """Reads every rollout of `bench.accelerator`'s device suite (`accelerator.SUITE`) compiled
+    for `target_name` and writes their per-token tables to `path` (after each case), which the
+    suite turns into its predictions on the chip it runs on."""
+    from qurl_jax.bench import accelerator
+
+    target = targets.parse(target_name)
+    out: dict[str, Any] = {"target": target.name, "jax": jax.__version__, "cases": {}}
+    for case in accelerator.SUITE:
+        if isinstance(case, str):
+            continue
+        model, actor, kv, page_size, rows = case
+        config = shape_config(model)
+        lowered, per_call, live = model_program(
+            config, target, {"fp": "bf16"}.get(actor, actor), rows, 512, 1024, kv, page_size)
+        reading = kernels.compile_and_read(lowered)
+        table = kernels.per_token(reading, per_call, live)
+        out["cases"][accelerator.suite_case_name(*case)] = {
+            "prompt_len": 512, "new_tokens": 1024, "page_size": page_size,
+            "live_fraction": live, **kernels.to_json(reading, table, config.num_layers)}
+        print(f"{accelerator.suite_case_name(*case)}: {table.launches:.0f} launches, "
+              f"{table.bytes / 2**30:.2f} GiB a token", flush=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    targets.use_cpu_unless_accelerator_attached()
+    if args.suite_readings:
+        suite_readings(args.suite_readings)
+        return
     if bool(args.config) == bool(args.model):
         sys.exit("qurl_jax: bad flag: give one of --config and --model")
-    targets.use_cpu_unless_accelerator_attached()
     try:
         out = explain(args)
     except (targets.TargetError, memory_plan.PlanError, shd.MeshError, kernels.DumpError,
