@@ -50,7 +50,9 @@ setting), each with the HBM bound of the bytes its step reads (`hbm_bound_ms`, a
 bandwidth from `plan.kernels.CHIPS`) and the step model's prediction for it (`predicted_step_ms`,
 from the committed deviceless readings `docs/targets/suite_readings.json`, `bench.explain`), then
 `rl_step`: one whole RL step of the 1.5B GRPO config's shape on one device (rollout, log-probs,
-update; random weights, random rewards) with the bf16 and the int8 rollout, A B B A. In priority
+update; random weights, random rewards) with the bf16 and the int8 rollout, A B B A, and one
+layer's attention at 256 rows over bf16 and int8 pages at the paged kernel's tilings
+`SUITE_TILES` (`attention`, `--paged_tiles`). In priority
 order; a case whose turn comes after the budget is listed under `skipped` with the reason. With
 `--tiny` it is the CPU dry run (every field written; its figures mean nothing).
 """
@@ -387,10 +389,15 @@ SUITE = (
     (ONE_5B, "int8", "bf16", 16, 256),  # ... against int8
     "rl_step",  # one whole RL step, bf16 against int8 rollouts
     (ONE_5B, "int8", "int8", 16, 256),  # 8-bit KV against bf16 KV
+    ("attention", ONE_5B, 256),  # one layer's attention: the paged kernel's tilings (below)
     (ONE_5B, "fp8", "fp8", 16, 256),  # FP8 weights and FP8 KV (NVIDIA's FP8-RL setting)
     (ONE_5B, "fp", "bf16", 0, 64),  # the bf16 actor, dense
     (SEVEN_B, "int8", "bf16", 16, 64),  # the 7B shape at one setting
 )
+# The paged kernel's tilings the suite's attention case sweeps (k_splits x pages per compute
+# block; 96 pages a row at 512 + 1024 tokens and 16-token pages): the step model puts most of a
+# paged step at 256 rows in that kernel (docs/performance.md).
+SUITE_TILES = ("16x2", "8x4", "4x8", "2x8", "1x8")
 SUITE_READINGS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "targets",
                               "suite_readings.json")
 
@@ -530,14 +537,19 @@ def suite(out: dict[str, Any], save: Any) -> None:
                 "chip_bandwidth_gb_per_s": chip.bandwidth / 1e9 if chip else None})
     cases = SUITE if ARGS.suite_only is None else [SUITE[i] for i in ARGS.suite_only]
     for case in cases:
-        name = case if isinstance(case, str) else suite_case_name(*case)
+        name = case if isinstance(case, str) else (
+            f"attention|{case[1]}|{case[2]}" if case[0] == "attention" else suite_case_name(*case))
         elapsed = time.perf_counter() - start
         if elapsed > ARGS.budget_s:
             out["skipped"].append({"case": name, "reason": f"budget: {elapsed:.0f} s spent"})
             save()
             continue
         try:
-            if case == "rl_step":
+            if case[0] == "attention":
+                ARGS.kv_precisions, ARGS.paged_tiles = ["bf16", "int8"], list(SUITE_TILES)
+                out["attention"] += [{"model": case[1], **r}
+                                     for r in attention(model_config(case[1]), case[2])]
+            elif case == "rl_step":
                 out["rl_step"] = rl_step()
                 r = out["rl_step"]
                 print(f"  rl_step: bf16 rollout {r['fp']['step_s']:.2f} s/step (rollout "

@@ -198,7 +198,7 @@ def parse(hlo_text: str) -> Module:
     return Module(computations, entry)
 
 
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
+def arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
     """(dtype, shape, bytes) of every array in a (possibly tuple) type."""
     out = []
     for dtype, dims in _ARRAY.findall(type_text):
@@ -237,14 +237,14 @@ def _collective(module: Module, computation: str, inst: _Instruction,
                 types: dict[str, str]) -> Collective:
     """A collective instruction's record: its buffers are its operands' and results' arrays
     (an async start's tuple type holds both)."""
-    operand_arrays = [a for o in inst.operands for a in _arrays(types.get(o, ""))]
-    result_arrays = _arrays(inst.type)
+    operand_arrays = [a for o in inst.operands for a in arrays(types.get(o, ""))]
+    result_arrays = arrays(inst.type)
     if inst.opcode.endswith("-start"):  # (operands..., results..., [context]) or the result
         done = next((i for i in module.computations[computation]
                      if i.opcode == inst.opcode.replace("-start", "-done")
                      and inst.name in i.operands), None)
         if done is not None:
-            result_arrays = _arrays(done.type)
+            result_arrays = arrays(done.type)
     sides = [operand_arrays, result_arrays]
     side = max(sides, key=lambda arrays: sum(a[2] for a in arrays))
     dtype, shape, _ = max(side, key=lambda a: a[2]) if side else ("token", (), 0)
@@ -253,7 +253,8 @@ def _collective(module: Module, computation: str, inst: _Instruction,
                       name=inst.name, buffers=tuple(side))
 
 
-def _trip_count(inst: _Instruction) -> int | None:
+def trip_count(inst: _Instruction) -> int | None:
+    """A `while` instruction's trip count where XLA knows it (its backend config), else None."""
     m = _TRIP_COUNT.search(inst.attrs)
     return int(m.group(1)) if m else None
 
@@ -271,7 +272,7 @@ def _walk(module: Module, computation: str, nested_trips: bool,
             continue
         times = 1
         if inst.opcode == "while" and nested_trips:
-            times = _trip_count(inst) or 1
+            times = trip_count(inst) or 1
         for callee in inst.called:
             for comp, sub, t in _walk(module, callee, nested_trips, seen + (computation,)):
                 yield comp, sub, t * (times if inst.opcode == "while" else 1)
@@ -397,12 +398,12 @@ def loop_body_float_arrays(hlo_text: str | Module, elements: int,
             return
         for inst in module.computations[computation]:
             if inst.opcode not in _NOT_WRITTEN:
-                for dtype, shape, nbytes in _arrays(inst.type):
+                for dtype, shape, nbytes in arrays(inst.type):
                     if dtype in _FLOATS and math.prod(shape) == elements:
                         out.extend([(inst.name, f"{dtype}[{','.join(map(str, shape))}]",
                                      nbytes)] * times)
             if inst.opcode in _FOLLOWED:
-                trips = (_trip_count(inst) or 1) if inst.opcode == "while" else 1
+                trips = (trip_count(inst) or 1) if inst.opcode == "while" else 1
                 for callee in inst.called:
                     if inst.opcode != "while" or callee == _body(inst):
                         visit(callee, times * trips, seen + (computation,))

@@ -49,15 +49,17 @@ pools are read only where rows are live, which the caller's `live_fraction` scal
 Weights made wider or transposed. A rank-2 array of the program's parameters (a weight matrix)
 that a launch other than a matrix product turns into an array of the same dimensions (or
 permuted dimensions) in a wider type is a *widened copy* in HBM (an int8 or fp8 weight
-dequantized outside the product); in the same type with permuted dimensions (or another layout)
-a *transposed copy*. Found by following the launch's operands back through bitcasts, tuples and
-loop parameters to the program's parameters.
+dequantized outside the product); in the same type with permuted dimensions (or another layout,
+or by a transpose: a square weight's copy keeps its shape) a *transposed copy*. Found by following
+the launch's operands back through bitcasts, tuples and loop parameters to the program's
+parameters.
 
 The step model (`predict_step`): every launch of a scope costs its bytes over the chip's bandwidth
-(attention kernels at their measured fraction of it) plus a fixed cost per launch, and every
-host read of a predicate a fixed round trip; the 'chunk' and 'call' scopes are spread over the
-tokens they cover. The constants are calibrated on the leased GPUs' measurements
-(`CALIBRATION`, docs/performance.md): predictions, not measurements.
+(attention kernels their live keys and values at the kernel's measured rate) plus a fixed cost
+per launch, every host read of a predicate a fixed round trip, and a refilling sampler's call its
+host loop; the 'chunk' and 'call' scopes are spread over the tokens they cover. The constants are
+calibrated on the leased GPUs' measurements (`CALIBRATION`, docs/performance.md): predictions,
+not measurements.
 """
 
 from __future__ import annotations
@@ -69,7 +71,6 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from qurl_jax.plan import collectives as hlo
@@ -186,12 +187,8 @@ def _header_params(hlo_text: str) -> dict[str, list[str]]:
     return out
 
 
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
-    return hlo._arrays(type_text)
-
-
 def _nbytes(type_text: str) -> int:
-    return sum(a[2] for a in _arrays(type_text))
+    return sum(a[2] for a in hlo.arrays(type_text))
 
 
 def _layout(type_text: str) -> str:
@@ -219,9 +216,6 @@ class Program:
                 for callee in inst.called:
                     callers.setdefault(callee, (comp, inst))
         return cls(module, where, _header_params(hlo_text), callers)
-
-    def type_of(self, name: str) -> str:
-        return self.where[name][1].type if name in self.where else ""
 
     def entry_parameters(self) -> dict[str, str]:
         """The program's parameters: name -> type."""
@@ -255,7 +249,7 @@ class Program:
         caller = self.callers.get(comp)
         if caller is None:
             return None
-        parent, call = caller
+        _, call = caller
         if call.opcode == "while":  # its body's and condition's one parameter is the loop state
             init = self.where.get(call.operands[0])
             if init and init[1].opcode == "tuple" and index is not None:
@@ -337,7 +331,7 @@ class Program:
             return "write"
         if root in ("transpose", "copy") or "transpose" in name:
             return "transpose"
-        if any(a[0] in EIGHT_BIT for a in _arrays(inst.type)):
+        if any(a[0] in EIGHT_BIT for a in hlo.arrays(inst.type)):
             return "quantize"
         if "kind=kCustom" in inst.attrs:
             return "norm"
@@ -403,7 +397,7 @@ def _while_trip_counts(program: Program) -> dict[str, int | None]:
     out = {}
     for name, (_, inst) in program.where.items():
         if inst.opcode == "while":
-            out[name] = hlo._trip_count(inst)
+            out[name] = hlo.trip_count(inst)
     return out
 
 
@@ -447,8 +441,8 @@ def read(sequence: str, metadata: str, hlo_text: str, module: str = "") -> Readi
     host_transfers: collections.Counter[str] = collections.Counter()
     params = program.entry_parameters()
     weights = {n: ty for n, ty in params.items()
-               if len(_arrays(ty)) == 1 and len(_arrays(ty)[0][1]) == 2
-               and min(_arrays(ty)[0][1]) >= 16}
+               if len(hlo.arrays(ty)) == 1 and len(hlo.arrays(ty)[0][1]) == 2
+               and min(hlo.arrays(ty)[0][1]) >= 16}
     for t in thunks:
         scope, times, condition = scope_of(t)
         if t.kind == "kWhile":
@@ -471,7 +465,8 @@ def read(sequence: str, metadata: str, hlo_text: str, module: str = "") -> Readi
                 kv = sum(b for b in per_operand if b >= 1 << 20)
             _, inst = program.where[t.name]
             if category not in ("product", "attention", "pallas"):
-                weight_copies += _weight_copies(program, inst, weights, scope)
+                weight_copies += _weight_copies(program, inst, weights, scope,
+                                                category == "transpose")
         launches.append(Launch(t.name, t.kernel, t.kind, category, read_b, written, scope,
                                times, t.in_command_buffer, condition, kv))
     return Reading(tuple(launches), dict(host_reads), dict(host_transfers), tuple(weight_copies),
@@ -479,22 +474,23 @@ def read(sequence: str, metadata: str, hlo_text: str, module: str = "") -> Readi
                    bool(decode_thunk and decode_thunk.in_command_buffer), module)
 
 
-def _weight_copies(program: Program, inst: Any, weights: dict[str, str], scope: str
-                   ) -> list[WeightCopy]:
-    """The weights `inst` writes a widened or transposed copy of (module docstring)."""
+def _weight_copies(program: Program, inst: Any, weights: dict[str, str], scope: str,
+                   transposes: bool) -> list[WeightCopy]:
+    """The weights `inst` writes a widened or transposed copy of (module docstring);
+    `transposes`: `inst` is a transpose (a square weight's copy keeps its shape)."""
     out = []
-    results = _arrays(inst.type)
+    results = hlo.arrays(inst.type)
     for operand in inst.operands:
         src = program.source(operand)
         if src not in weights:
             continue
-        (w_dtype, w_shape, _), = _arrays(weights[src])
+        (w_dtype, w_shape, _), = hlo.arrays(weights[src])
         for dtype, shape, _ in results:
             if sorted(shape) != sorted(w_shape) or math.prod(shape) != math.prod(w_shape):
                 continue
             if w_dtype in EIGHT_BIT and dtype in _FLOAT_WIDTH:
                 out.append(WeightCopy(inst.name, src, weights[src], inst.type, "widened", scope))
-            elif dtype == w_dtype and (tuple(shape) != tuple(w_shape)
+            elif dtype == w_dtype and (transposes or tuple(shape) != tuple(w_shape)
                                        or _layout(inst.type) != _layout(weights[src])):
                 out.append(WeightCopy(inst.name, src, weights[src], inst.type, "transposed",
                                       scope))
@@ -727,12 +723,3 @@ def to_json(reading: Reading, table: PerToken, layers: int = 0) -> dict[str, Any
         "weights_widened": table.widened, "weights_transposed": table.transposed,
         "weight_copies_first": [dataclasses.asdict(c) for c in reading.weight_copies[:4]],
     }
-
-
-def kernel_names(reading: Reading, scope: str = "token") -> Sequence[str]:
-    """The kernels a scope launches, in order (for tests and diffs)."""
-    return [x.kernel for x in reading.launches if x.scope == scope]
-
-
-def count(launches: Iterable[Launch]) -> int:
-    return sum(x.times for x in launches)
