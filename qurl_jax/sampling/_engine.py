@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.struct
 import jax
@@ -308,7 +309,7 @@ class Engine:
         check_prompts(prompts, n, self.config.vocab_size, self.max_prompt_len)
         return settings.check(self.config.vocab_size, self.max_new_tokens)
 
-    def compiler_options(self) -> dict[str, str]:
+    def compiler_options(self) -> dict[str, Any]:
         """XLA options of the decode programs (`jax.jit(..., compiler_options=...)`): on GPU
         devices the command types recorded into CUDA graphs (`command_buffer`); none
         elsewhere, so the other platforms' programs are XLA's defaults."""
@@ -325,11 +326,12 @@ class Engine:
         `step` one decode step that counts i. With `decode_chunk` K > 1 (GPU) each iteration
         runs K steps in a loop of known trip count, `cond` checked between chunks: XLA's GPU
         runtime reads a while loop's predicate on the host every iteration unless its trip
-        count is known, so a chunk makes one host round trip per K steps. A step past `limit`
-        (i >= limit) in the last chunk runs with no row live (nothing recorded, no cache
-        moved, i not counted); a step after `cond` turned false otherwise runs as the loop
-        would have ended (rows finished stay finished; the static sampler's finished rows do
-        nothing). K = 1 is the plain loop."""
+        count is known, so a chunk makes one host round trip per K steps. Inside a chunk the
+        steps run on after `cond` turns false: rows still live keep decoding (the refilling
+        sampler then returns up to K - 1 steps after its stop condition; the rows' tokens are
+        the same) and finished rows do nothing, except past `limit` (i >= limit), where a step
+        runs with no row live (nothing recorded, no cache moved, i not counted). K = 1 is the
+        plain loop."""
         chunk = self.decode_chunk
         if chunk == 1:
             return jax.lax.while_loop(cond, step, carry)
