@@ -26,6 +26,7 @@ from qurl_jax.config.settings import (
 )
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
+from qurl_jax.lora import PROJECTIONS, check_base_recipe
 from qurl_jax.models.attention import Implementation as AttentionImplementation
 from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.models.kv_quant import KVPrecision, KVScale
@@ -81,6 +82,15 @@ def base_config() -> ml_collections.ConfigDict:
     # xla: dense masked attention over every slot (the reference); pallas: the Pallas kernel
     # (CPU: Pallas' interpreter, for tests). Compressed caches (rollout.kv_policy) keep the mask.
     c.model.decode_attention = "auto"
+    # LoRA on a frozen base (docs/lora.md): rank > 0 trains low-rank adapters (a[in, r] random,
+    # b[r, out] zero, output scaled by alpha / rank) on the decoder projections whose module path
+    # a `targets` regular expression matches ('layers_3/self_attn/q_proj'), instead of every
+    # parameter. The base is quantized once, in base_precision ('int8' | 'fp8': the
+    # rollout.precision recipe's codes, which must be of that format; 'compute': model.dtype),
+    # and the rollout and the learner read the same arrays; only the adapter (float32) and its
+    # optimizer state train, are resharded and checkpointed.
+    c.model.lora = ml_collections.ConfigDict(dict(rank=0, alpha=32.0, targets=PROJECTIONS,
+                                                  base_precision="int8"))
     c.model.tiny = ml_collections.ConfigDict(dict(  # used when source == 'tiny'
         model_type="qwen2", hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
@@ -518,6 +528,28 @@ def _check_paging(c: ml_collections.ConfigDict) -> None:
                           f"tokens (needs {need} pages per shard, {need * shards} in all)")
 
 
+def _check_lora(c: ml_collections.ConfigDict) -> None:
+    """`model.lora`'s fields, and the settings a frozen base cannot take."""
+    from qurl_jax.config.settings import lora_config
+
+    try:
+        cfg = lora_config(c.model).validate()
+        if cfg.enabled:
+            check_base_recipe(cfg, RunSettings.from_config(c).rollout.recipe)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not cfg.enabled:
+        return
+    if c.train.precision != "fp":
+        raise ConfigError(f"config.train.precision={c.train.precision!r}: a LoRA run "
+                          "(model.lora.rank > 0) learns on the frozen base's codes; set it to 'fp'")
+    if c.rollout.invariant_scaling != 1.0:
+        raise ConfigError(f"config.rollout.invariant_scaling={c.rollout.invariant_scaling}: a "
+                          "frozen base is never requantized, and a rescaled base would not be the "
+                          "Hugging Face base a PEFT adapter is loaded onto; set it to 1.0 with "
+                          "model.lora.rank > 0")
+
+
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks values; raises `ConfigError` (a ValueError) naming the first bad field. Returns `c`.
 
@@ -616,6 +648,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for t in c.rollout.invariant_scaling_targets:
         _choice(t, ("qkv", "gate_up"), "rollout.invariant_scaling_targets")
     _check_paging(c)
+    _check_lora(c)
     from qurl_jax.config.checks import check_context, check_learnable
 
     check_context(c)

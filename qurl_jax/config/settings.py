@@ -28,6 +28,7 @@ from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.learner.packing import PER_DOUBLING
 from qurl_jax.learner.prox import ProxSource, prox_source
+from qurl_jax.lora import LoraConfig
 from qurl_jax.models import ModelConfig
 from qurl_jax.rl.objectives import ObjectiveConfig
 from qurl_jax.runtime import paths
@@ -159,6 +160,15 @@ class TinyShape:
         return _copy_fields(cls, tiny)
 
 
+def lora_config(model: ml_collections.ConfigDict) -> LoraConfig:
+    """The `LoraConfig` of the `model` section's `lora` (not validated; absent: no LoRA)."""
+    lora = model.get("lora")
+    if lora is None:
+        return LoraConfig()
+    return LoraConfig(rank=int(lora.rank), alpha=float(lora.alpha), targets=tuple(lora.targets),
+                      base_precision=str(lora.base_precision))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """Which policy to train (`model`).
@@ -166,6 +176,7 @@ class ModelSettings:
     source: 'hf' loads the Hugging Face directory `path`; 'gguf' the llama.cpp file `path`;
     'tiny' builds `tiny` in code.
     dtype: compute dtype (master weights are float32). attention: the attention implementation.
+    lora: the adapters a LoRA run trains on its frozen base (`lora.LoraConfig`; rank 0: none).
     """
 
     source: str = "hf"
@@ -173,11 +184,13 @@ class ModelSettings:
     dtype: str = "float32"
     attention: str = "auto"
     tiny: TinyShape = TinyShape()
+    lora: LoraConfig = LoraConfig()
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict) -> ModelSettings:
         return cls(source=model.source, path=model.path, dtype=model.dtype,
-                   attention=model.attention, tiny=TinyShape.from_config(model.tiny))
+                   attention=model.attention, tiny=TinyShape.from_config(model.tiny),
+                   lora=lora_config(model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,10 +351,12 @@ class TrainSettings:
         return rollout_rows // (self.num_minibatches * self.num_micro_batches)
 
     def learner(self, model_config: ModelConfig, mesh: Mesh, *, temperature: float,
-                rollout_rows: int, update_capture: Any = None) -> Learner:
+                rollout_rows: int, update_capture: Any = None,
+                lora: LoraConfig | None = None) -> Learner:
         """The `Learner` of these settings for a rollout batch of `rollout_rows` sampled at
         `temperature` (its log-probs are computed in slices of one micro-batch); with
-        `update_capture` (a rollout recipe) its update reports `quant.update_capture`."""
+        `update_capture` (a rollout recipe) its update reports `quant.update_capture`; with an
+        enabled `lora` it trains that adapter on a frozen base."""
         return Learner(model_config, self.objective, self.optim, mesh, temperature=temperature,
                        num_micro_batches=self.num_micro_batches, remat=self.remat,
                        scan_layers=self.scan_layers, logprob_chunk=self.logprob_chunk,
@@ -350,7 +365,8 @@ class TrainSettings:
                        pack_length=self.pack_length,
                        tokens_per_micro_batch=self.tokens_per_micro_batch,
                        pack_buckets=self.pack_buckets, update_capture=update_capture,
-                       cpu_dots=self.cpu_dots)
+                       cpu_dots=self.cpu_dots,
+                       lora=lora if lora is not None and lora.enabled else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,7 +486,8 @@ class RunSettings:
         parameters before and after it are the step's, so no copy of the old parameters is
         kept beside the update (else the trainer keeps one and compares after the step)."""
         return (self.rollout.recipe.quantizes and self.loop.apply_updates
-                and self.train.num_minibatches * self.rl.ppo_epochs == 1)
+                and self.train.num_minibatches * self.rl.ppo_epochs == 1
+                and not self.model.lora.enabled)
 
     @property
     def update_capture(self) -> Any:

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from qurl_jax import lora as lora_lib
 from qurl_jax import quant
 from qurl_jax.learner import packing as packing_lib
 from qurl_jax.models import (
@@ -96,6 +97,14 @@ def batch_spec(key: str, rows: int, prompt_len: int, response_len: int
     return (rows, *tail), dtype
 
 
+def _head_dot(precision: str | quant.Recipe) -> Callable:
+    """The LM head's product: the training precision's, whose float path (`fp`) also reads a
+    frozen LoRA base's int8 vocabulary table weight-only (`quant.rollout_dot_general`: a plain
+    array goes to `lax.dot_general` unchanged)."""
+    dot = quant.make_train_dot_general(precision)
+    return quant.rollout_dot_general if dot is jax.lax.dot_general else dot
+
+
 def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positions: jax.Array,
                       attn_mask: jax.Array, response_len: int, temperature: float, *,
                       chunk: int, with_entropy: bool = False,
@@ -115,7 +124,7 @@ def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positi
     hidden = hidden[:, -response_len - 1:-1]  # [B, G, E]: position P - 1 + t predicts token t
     # The head runs on chunks of response positions, so it gets the unmasked hook: the same
     # product for an unquantized head (a plain array), FP8 only if the recipe quantizes it.
-    head_dot = quant.make_train_dot_general(precision)
+    head_dot = _head_dot(precision)
     head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     return chunked_token_logprobs(head, hidden, tokens[:, -response_len:], temperature,
                                   chunk=chunk, with_entropy=with_entropy)
@@ -139,7 +148,7 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
     model, params = quant.bind_train_precision(model, params, precision, token_mask=mask)
     hidden, _ = model.apply({"params": params}, rows["tokens"], rows["positions"], mask,
                             return_hidden=True, segment_ids=rows["segment_ids"])
-    head_dot = quant.make_train_dot_general(precision)
+    head_dot = _head_dot(precision)
     head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     tokens = rows["tokens"]
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
@@ -334,7 +343,7 @@ class Learner:
                  pack_length: int = 0, tokens_per_micro_batch: int = 0,
                  pack_buckets: int = packing_lib.PER_DOUBLING,
                  update_capture: str | quant.Recipe | None = None,
-                 cpu_dots: str = "auto") -> None:
+                 cpu_dots: str = "auto", lora: lora_lib.LoraConfig | None = None) -> None:
         objective.validate()
         quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
         self.precision = quant.get_recipe(precision)
@@ -355,7 +364,14 @@ class Learner:
         except ValueError as e:
             raise ValueError(f"remat={remat!r} is not one of {[str(r) for r in Remat]}") from e
         self.model_config = model_config.validate()
-        self.model = Transformer(model_config, _products_for(mesh), remat=remat,
+        if lora is not None and self.precision.quantizes:
+            raise ValueError(f"a LoRA learner trains on the frozen base's codes in float; "
+                             f"precision={self.precision.name!r} must be 'fp'")
+        self.lora = lora
+        products = _products_for(mesh)
+        if lora is not None:  # the frozen base weight-only, the adapters' products as any float's
+            products = lora_lib.dot_general(lora_lib.learner_products(products))
+        self.model = Transformer(model_config, products, remat=remat,
                                  scan_layers=scan_layers, shard_activation=self._shard_activation)
         self.objective = objective
         self.mesh = mesh
@@ -382,7 +398,27 @@ class Learner:
 
     # ----------------------------------------------------------------------------------- placement
     def param_shardings(self, params: Any) -> Any:
+        """Shardings of the trained parameters: the model's by their logical axes, or a LoRA
+        adapter's, replicated (rank-r factors: every device reads them whole, the base's
+        layout decides the products' partitioning)."""
+        if self.lora is not None:
+            repl = NamedSharding(self.mesh, PartitionSpec())
+            return jax.tree.map(lambda _: repl, params)
         return shd.logical_shardings(self._logical, params, self.mesh)
+
+    def policy(self, params: Any, frozen: Any = None) -> Any:
+        """The model's parameters of the policy: `params` themselves, or with LoRA the frozen
+        base (`frozen`, its codes read weight-only) with the adapter `params` attached."""
+        if self.lora is None:
+            return params
+        if frozen is None:
+            raise ValueError("a LoRA learner needs the frozen base (frozen=...)")
+        return lora_lib.attach(lora_lib.weight_only(frozen), params, self.lora.scale)
+
+    @staticmethod
+    def _frozen_shardings(frozen: Any) -> Any:
+        """The frozen base's own shardings (it stays where it lies: the rollout's layout)."""
+        return None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
 
     def shard_params(self, params: Any) -> Any:
         """A copy of `params` on the mesh; never aliases the input, since `update` donates it.
@@ -524,8 +560,9 @@ class Learner:
         return self.pack_batch(batch, num_slices)
 
     # ---------------------------------------------------------------------------------- log-probs
-    def logprobs(self, params: Any, batch: Batch) -> jax.Array:
-        """f32[B, G] response log-probs under `params` (the proximal or reference policy)."""
+    def logprobs(self, params: Any, batch: Batch, frozen: Any = None) -> jax.Array:
+        """f32[B, G] response log-probs under `params` (the proximal or reference policy; with
+        LoRA the adapter, on the frozen base `frozen`)."""
         b = batch["resp_mask"].shape[0]
         lbs = self.logprob_batch_size
         if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
@@ -540,11 +577,12 @@ class Learner:
         else:
             keys = packing_lib.PACKED_KEYS if "segment_ids" in batch else batch.keys()
         batch = {k: batch[k] for k in keys}
-        return self.logprobs_fn(params, batch)(params, batch)
+        return self.logprobs_fn(params, batch, frozen)(params, batch, frozen)
 
-    def logprobs_fn(self, params: Any, batch: Batch) -> Callable:
+    def logprobs_fn(self, params: Any, batch: Batch, frozen: Any = None) -> Callable:
         """The jitted `logprobs` for arrays shaped and placed like these (arrays or
-        `jax.ShapeDtypeStruct`s with shardings); `.lower(params, batch)` compiles without data."""
+        `jax.ShapeDtypeStruct`s with shardings); `.lower(params, batch, frozen)` compiles
+        without data."""
         response_len = batch["resp_index" if "resp_index" in batch else "resp_mask"].shape[1]
         key = (response_len, jax.tree.structure(batch),
                tuple((k, v.shape) for k, v in sorted(batch.items())))
@@ -552,12 +590,14 @@ class Learner:
             fn = functools.partial(self._logprobs, response_len=response_len)
             repl = NamedSharding(self.mesh, PartitionSpec())
             self._logprob_fns[key] = jax.jit(
-                fn, in_shardings=(self.param_shardings(params), self._batch_shardings(batch)),
+                fn, in_shardings=(self.param_shardings(params), self._batch_shardings(batch),
+                                  self._frozen_shardings(frozen)),
                 out_shardings=shd.batch_sharding(self.mesh, 2) if self.mesh.size > 1 else repl,
                 compiler_options=self.compiler_options)
         return self._logprob_fns[key]
 
-    def _logprobs(self, params: Any, batch: Batch, response_len: int) -> jax.Array:
+    def _logprobs(self, params: Any, batch: Batch, frozen: Any, response_len: int) -> jax.Array:
+        params = self.policy(params, frozen)
         if "seq_index" in batch:
             return self._budget_logprobs(params, batch)
         if "segment_ids" in batch:
@@ -658,19 +698,21 @@ class Learner:
             metrics.update({f"sparse/{k}": v for k, v in rejected.items()})
         return loss, metrics
 
-    def update(self, params: Any, opt_state: Any, batch: Batch
+    def update(self, params: Any, opt_state: Any, batch: Batch, frozen: Any = None
                ) -> tuple[Any, Any, dict[str, jax.Array]]:
         """One optimizer step on `batch` (gradients accumulated over micro-batches).
 
-        Donates `params` and `opt_state`; returns the new ones and scalar metrics.
+        Donates `params` and `opt_state`; returns the new ones and scalar metrics. With LoRA
+        `params` is the adapter and `frozen` the base it is attached to (read, never donated).
         """
         if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
             batch = self.pack_budget_batch(batch)
         else:
             batch = self._maybe_pack(batch, self.num_micro_batches)
-        return self.update_fn(params, opt_state, batch)(params, opt_state, batch)
+        return self.update_fn(params, opt_state, batch, frozen)(params, opt_state, batch, frozen)
 
-    def update_fn(self, params: Any, opt_state: Any, batch: Batch) -> Callable:
+    def update_fn(self, params: Any, opt_state: Any, batch: Batch, frozen: Any = None
+                  ) -> Callable:
         """The jitted `update` for arrays shaped and placed like these (arrays or
         `jax.ShapeDtypeStruct`s with shardings); `.lower(...)` compiles without data."""
         key = (jax.tree.structure(batch), tuple((k, v.shape) for k, v in sorted(batch.items())))
@@ -680,12 +722,12 @@ class Learner:
             b_sh = self._batch_shardings(batch)
             repl = NamedSharding(self.mesh, PartitionSpec())
             self._update_fns[key] = jax.jit(
-                self._update, in_shardings=(p_sh, o_sh, b_sh),
+                self._update, in_shardings=(p_sh, o_sh, b_sh, self._frozen_shardings(frozen)),
                 out_shardings=(p_sh, o_sh, repl), donate_argnums=(0, 1),
                 compiler_options=self.compiler_options)
         return self._update_fns[key]
 
-    def _update(self, params: Any, opt_state: Any, batch: Batch):
+    def _update(self, params: Any, opt_state: Any, batch: Batch, frozen: Any = None):
         n = self.num_micro_batches
         if "seq_index" in batch:  # token-budget micro-batches: their sequences, gathered
             rows, count = self._budget_rows(batch["tokens"].shape[1])
@@ -694,7 +736,8 @@ class Learner:
         b = batch["tokens"].shape[0]
         if b % n:
             raise ValueError(f"batch size {b} is not divisible by num_micro_batches={n}")
-        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, b: self.loss(self.policy(p, frozen), b),
+                                     has_aux=True)
         if n == 1:
             (loss, metrics), grads = grad_fn(params, batch)
         else:

@@ -291,12 +291,13 @@ def kv_bytes_per_device(settings: Any, model_config: Any, devices: int) -> int:
 
 
 def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_params: Any,
-                abstract_opt_state: Any, device_bytes: int | None) -> int:
+                abstract_opt_state: Any, device_bytes: int | None, resident: Any = None) -> int:
     """`resolve_tensor` of a run (`settings.rollout.tensor`): the replica from the requantized
     abstract parameters (the larger of the rollout's actor and the evaluation's full-precision
     one), the learner's parameters and optimizer state as what stays resident,
     the KV by `kv_bytes_per_device`, `device_bytes` the usable memory of one device (None:
-    unknown)."""
+    unknown). A LoRA run (`settings.model.lora`) has one replica, its frozen base, which the
+    evaluation reads too, and `resident` (its adapter and optimizer state) instead."""
     from qurl_jax import quant
 
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
@@ -309,14 +310,16 @@ def plan_tensor(settings: Any, model_config: Any, learner_mesh: Mesh, abstract_p
 
     # The rollout's quantized actor, or the evaluation's full-precision one in the compute dtype
     # (`Trainer.evaluate` samples it on the same replicas), whichever is larger.
+    lora = settings.model.lora.enabled
     replica = max(replica_bytes(settings.rollout.recipe),
-                  replica_bytes("fp"))
+                  replica_bytes(settings.rollout.recipe if lora else "fp"))
     devices = learner_mesh.size
     local = _local_devices(learner_mesh)
     return resolve_tensor(
         parse_tensor(settings.rollout.tensor), replica_bytes=replica,
         kv_bytes=lambda t: kv_bytes_per_device(settings, model_config, devices),
-        resident_bytes=tree_bytes_per_device((abstract_params, abstract_opt_state)),
+        resident_bytes=tree_bytes_per_device(
+            resident if resident is not None else (abstract_params, abstract_opt_state)),
         device_bytes=device_bytes, local_devices=local, num_kv_heads=model_config.num_kv_heads)
 
 

@@ -114,7 +114,9 @@ class Checkpointer:
     """Saves/restores `(state pytree, meta json)` every `interval` steps; keeps the last `keep`."""
 
     def __init__(self, directory: str, *, interval: int = 1, keep: int = 3,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, kinds: Mapping[str, str] | None = None) -> None:
+        """`kinds`: what each top-level entry of a state is ('params': "a full fine-tune's
+        parameters"), named when a checkpoint holds another kind of state than the run's."""
         if interval < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {interval}")
         if keep < 1:
@@ -123,6 +125,7 @@ class Checkpointer:
         # A URL (gs://...) is used as it is: orbax writes there through tensorstore (and gcsfs).
         self.directory = directory if "://" in directory else os.path.abspath(directory)
         self.interval = interval
+        self.kinds = dict(kinds or {})
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=interval, create=True,
             enable_async_checkpointing=async_save,
@@ -182,6 +185,13 @@ class Checkpointer:
             return
 
     def _raise_on_mismatch(self, step: int, saved: dict, wanted: dict) -> None:
+        tops = [{name.split(".", 1)[0] for name in tree} for tree in (saved, wanted)]
+        kinds = [[self.kinds[t] for t in sorted(top) if t in self.kinds] for top in tops]
+        if tops[0] != tops[1] and all(kinds):
+            raise CheckpointMismatchError(
+                f"the checkpoint at step {step} in {self.directory} holds {kinds[0][0]}, but "
+                f"this run trains {kinds[1][0]}: resume it with the config it was saved with, "
+                "or start in a new workdir; the checkpoints were left untouched.")
         problem = _first_mismatch(saved, wanted)
         if problem is not None:
             raise CheckpointMismatchError(

@@ -105,11 +105,13 @@ def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
 
 
 def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettings,
+                       dot_general: DotGeneral = jax.lax.dot_general,
                        **engine_kwargs: Any) -> Sampler:
     """The run's evaluation sampler: full precision and dense (Sparse-RL's compression applies
     to the rollout actor only), static, as many concurrent rows and the same decode attention
-    as the rollouts."""
-    return Sampler(model_config, jax.lax.dot_general,
+    as the rollouts; `dot_general` the model's product hook (a LoRA run's reads its frozen
+    base and adapters)."""
+    return Sampler(model_config, dot_general,
                    max_concurrent_rows=settings.max_concurrent_rows,
                    decode_attention=settings.decode_attention, **engine_kwargs)
 

@@ -38,12 +38,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
 
-from qurl_jax import quant
+from qurl_jax import lora, quant
 from qurl_jax.config import run_config
 from qurl_jax.config.base import resolve
 from qurl_jax.data import reward_hook
 from qurl_jax.learner import packing
+from qurl_jax.lora import peft
 from qurl_jax.models import init_params, param_logical_axes, positions_from_mask
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel import rollout_layout, targets
@@ -76,6 +78,11 @@ SUMMARY_KEYS = ("time/rollout_share", "time/step_s", "rollout/tokens_per_s", "ro
                 "logp_gap_abs_mean", "raw_is_weight_max", "truncated_frac", "clipfrac_upper",
                 "clipfrac_lower", "quant/code_change_fraction", "quant/update_to_step_ratio")
 
+# What a checkpoint's top-level state is, for the message that refuses to resume a LoRA run
+# from a full fine-tune's checkpoint and vice versa.
+STATE_KINDS = {"params": "a full fine-tune's parameters (model.lora.rank = 0)",
+               "adapter": "a LoRA adapter (model.lora.rank > 0)"}
+
 _ADVANTAGES = {"grpo": adv_lib.grpo_advantages, "dr_grpo": adv_lib.dr_grpo_advantages,
                "rloo": adv_lib.rloo_advantages}
 
@@ -87,6 +94,7 @@ class Stream(enum.IntEnum):
     MINIBATCH = 2  # index: the PPO epoch whose minibatch permutation it draws
     EVAL = 3  # index: unused (the evaluation folds in its own call counter)
     SPEED = 4  # index: unused
+    LORA = 5  # step 0, index 0: the LoRA adapter's initialisation
 
 
 def stream_key(seed: int, purpose: Stream, step: int, index: int = 0) -> jax.Array:
@@ -123,10 +131,14 @@ class Trainer:
         self.recipe = self.settings.rollout.recipe
         self.objective = self.settings.train.objective
         self.model_config = model_config_for(self.settings.model)
+        # LoRA (`model.lora`): `self.params` is the adapter, trained on the frozen `self.base`.
+        self.lora = s.model.lora if s.model.lora.enabled else None
+        self._state_key = "adapter" if self.lora else "params"
         self.learner = self.settings.train.learner(self.model_config, self.mesh,
                                                    temperature=s.rollout.temperature,
                                                    rollout_rows=self.settings.rollout_rows,
-                                                   update_capture=self.settings.update_capture)
+                                                   update_capture=self.settings.update_capture,
+                                                   lora=s.model.lora)
         # pi_prox: a separate log-prob pass, or the update's own forward (`learner.prox`).
         self.prox = self.settings.prox
         logging.info("%s", self.prox.describe())
@@ -137,7 +149,7 @@ class Trainer:
             logging.warning("%s", warning)
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          interval=s.loop.checkpoint_every,
-                                         keep=s.loop.keep_checkpoints)
+                                         keep=s.loop.keep_checkpoints, kinds=STATE_KINDS)
         # A changed field that changes the math, or a checkpoint of another model or optimizer,
         # stops the run here, before the warm-start cache, metrics or a checkpoint are written.
         abstract = self._abstract_state()  # also sizes the rollout layout below
@@ -150,8 +162,9 @@ class Trainer:
         # `self.mesh`.
         memory = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
         self.rollout_mesh = rollout_layout.rollout_mesh(self.mesh, rollout_layout.plan_tensor(
-            self.settings, self.model_config, self.mesh, abstract["params"],
-            abstract["opt_state"], memory and int(memory * memory_plan.FIT_FRACTION)))
+            self.settings, self.model_config, self.mesh, self._param_shapes(),
+            abstract["opt_state"], memory and int(memory * memory_plan.FIT_FRACTION),
+            resident=abstract))
         rollout_layout.check_concurrent_rows(self.settings, self.rollout_mesh,
                                              self.model_config.num_kv_heads)
         self._reshard = rollout_layout.Reshard(
@@ -169,9 +182,11 @@ class Trainer:
         # Sparse-RL's KV compression applies to the rollout actor only: evaluation samples and
         # the learner's log-probs (logp_prox) stay dense.
         sampler_settings = self.settings.rollout.sampler
-        self.sampler = build_rollout_sampler(self.model_config,
-                                             quant.make_dot_general(self.recipe),
-                                             sampler_settings, **engine_kwargs)
+        # With LoRA both samplers read the frozen base through the adapters' hook: the rollout
+        # with the recipe's product (W8A8 for int8), the evaluation weight-only.
+        self.sampler = build_rollout_sampler(
+            self.model_config, lora.dot_general(quant.rollout_dot_general) if self.lora
+            else quant.make_dot_general(self.recipe), sampler_settings, **engine_kwargs)
         pool = (f", a paged KV pool of {sampler_settings.kv_pages} pages of "
                 f"{sampler_settings.kv_page_size} tokens" if sampler_settings.kv_pages else "")
         kv = sampler_settings.kv_precision
@@ -179,12 +194,30 @@ class Trainer:
                      type(self.sampler).__name__, s.rollout.sampler.max_concurrent_rows or "all",
                      pool, kv.value,
                      f" (a scale per {sampler_settings.kv_scale.value})" if kv.quantizes else "")
-        self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
-                                               **engine_kwargs)
+        self.eval_sampler = build_eval_sampler(
+            self.model_config, sampler_settings, **engine_kwargs,
+            **({"dot_general": lora.dot_general(quant.rollout_dot_general)} if self.lora else {}))
 
-        scaled = self._maybe_invariant_scaling(init_params_)
-        self.ref_params = self.learner.shard_params(scaled) if s.rl.kl_coef else None
-        self.params = self.learner.shard_params(scaled)
+        self.base = None
+        if self.lora:
+            # The frozen base, quantized once and placed once on the rollout's replicas: the
+            # rollout samples these arrays and the learner reads the very same ones.
+            self.base = jax.block_until_ready(self._reshard(lora.quantize_base(
+                init_params_, self.lora, self.recipe, self.model_config.compute_dtype)))
+            trained = lora.init_adapter(stream_key(s.seed, Stream.LORA, 0), init_params_,
+                                        self.lora)
+            del init_params_
+            logging.info("LoRA: rank %d, alpha %g on %d projections, %.2fM adapter parameters; "
+                         "base frozen in %s (%s rollout)", self.lora.rank, self.lora.alpha,
+                         len(lora.target_paths(self.base, self.lora)),
+                         sum(x.size for x in jax.tree.leaves(trained)) / 1e6,
+                         self.lora.base_precision, self.recipe.name)
+        else:
+            trained = self._maybe_invariant_scaling(init_params_)
+        # The reference policy of the KL term: the initial parameters (LoRA: the initial
+        # adapter, b = 0, i.e. the base).
+        self.ref_params = self.learner.shard_params(trained) if s.rl.kl_coef else None
+        self.params = self.learner.shard_params(trained)
         self.opt_state = self.learner.init_opt_state(self.params)
         self.step_count = 0
         self._restore()
@@ -209,11 +242,19 @@ class Trainer:
         return self.settings.rollout.sampling(self.task.eos_ids)
 
     # ------------------------------------------------------------------------------------ set-up
+    def _param_shapes(self) -> Any:
+        """The model's parameters as `jax.ShapeDtypeStruct`s (nothing built or loaded)."""
+        return jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0)))
+
     def _abstract_state(self) -> dict[str, Any]:
-        """Shapes and dtypes of the checkpointed state, without building or loading weights."""
-        params, opt_state = self.learner.abstract_state(
-            jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0))))
-        return {"params": params, "opt_state": opt_state}
+        """Shapes and dtypes of the checkpointed state, without building or loading weights:
+        the parameters and optimizer state, or with LoRA the adapter and its optimizer state
+        (the base is read from its source)."""
+        shapes = self._param_shapes()
+        if self.lora:
+            shapes = lora.adapter_shapes(shapes, self.lora)
+        params, opt_state = self.learner.abstract_state(shapes)
+        return {self._state_key: params, "opt_state": opt_state}
 
     def _preflight(self) -> None:
         """Compiles the run's programs and stops (`memory_plan.MemoryPlanError`, naming the
@@ -249,18 +290,18 @@ class Trainer:
 
     def _restore(self) -> None:
         restored = self.checkpointer.restore_latest(
-            {"params": self.params, "opt_state": self.opt_state})
+            {self._state_key: self.params, "opt_state": self.opt_state})
         if restored is None:
             return
         step, state, meta = restored
-        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.params, self.opt_state = state[self._state_key], state["opt_state"]
         self.step_count = step
         self.task.restore(meta["data"])
         logging.info("resumed from step %d in %s", step, self.checkpointer.directory)
 
     def _save(self, force: bool = False) -> None:
         self.checkpointer.save(
-            self.step_count, {"params": self.params, "opt_state": self.opt_state},
+            self.step_count, {self._state_key: self.params, "opt_state": self.opt_state},
             {"step": self.step_count, "data": self.task.state(), "seed": self.settings.seed},
             force=force)
 
@@ -352,16 +393,25 @@ class Trainer:
         """One RL step; returns its metrics (already written to metrics.jsonl)."""
         timer = PhaseTimer(self.watchdog)
         compiled_before = compilation.compile_stats()
-        with timer.phase("requantize"):
-            actor = jax.block_until_ready(quant.requantize(
-                self.params, self.recipe, compute_dtype=self.model_config.compute_dtype))
-        with timer.phase("reshard"):  # codes and scales to the rollout's replicas
-            rollout_params = jax.block_until_ready(self._reshard(actor))
-        moved = self._reshard.bytes(actor)
-        del actor
-        r, metrics = self.collect(rollout_params, timer)
-        metrics.update({"reshard/bytes_per_device": float(moved.received),
-                        "reshard/bytes_per_quantized_param": moved.per_quantized_parameter})
+        if self.lora:
+            with timer.phase("reshard"):  # the adapter to the rollout's replicas; nothing else
+                adapter = jax.block_until_ready(self._adapter_on_rollout(self.params))
+            r, metrics = self.collect(lora.attach(self.base, adapter, self.lora.scale), timer)
+            self._check_rollout_adapter(adapter)
+            metrics["reshard/bytes_per_device"] = float(
+                rollout_layout.tree_bytes_per_device(adapter))
+            del adapter
+        else:
+            with timer.phase("requantize"):
+                actor = jax.block_until_ready(quant.requantize(
+                    self.params, self.recipe, compute_dtype=self.model_config.compute_dtype))
+            with timer.phase("reshard"):  # codes and scales to the rollout's replicas
+                rollout_params = jax.block_until_ready(self._reshard(actor))
+            moved = self._reshard.bytes(actor)
+            del actor
+            r, metrics = self.collect(rollout_params, timer)
+            metrics.update({"reshard/bytes_per_device": float(moved.received),
+                            "reshard/bytes_per_quantized_param": moved.per_quantized_parameter})
         batch = self._learner_batch(r)
         plan = self._minibatch_plan(batch)
         # The rows the pi_prox pass covers: all, or (`prox.skip_first`) all but the first
@@ -374,9 +424,10 @@ class Trainer:
                 if self.prox.recompute:  # else the update's own forward gives pi_prox
                     part = batch if prox_rows is None else self.learner.shard_batch(
                         {k: v[prox_rows] for k, v in batch.items()})
-                    batch["logp_prox"] = self.learner.logprobs(self.params, part)
+                    batch["logp_prox"] = self.learner.logprobs(self.params, part, self.base)
                 if self.ref_params is not None:
-                    batch["logp_ref"] = self.learner.logprobs(self.ref_params, batch)
+                    batch["logp_ref"] = self.learner.logprobs(self.ref_params, batch,
+                                                              self.base)
                 jax.block_until_ready(batch)
         if self.prox.recompute and self.objective.mode == objectives.Mode.SPARSE_RL:
             # Counts of the recomputed rows (the first update adds its rows' counts when it
@@ -393,7 +444,7 @@ class Trainer:
         # The update donates the parameter buffers, so the diagnostic keeps its own copy,
         # unless the update program reports it (`RunSettings.capture_in_update`).
         old_params = (jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes
-                      and self.learner.update_capture is None else None)
+                      and not self.lora and self.learner.update_capture is None else None)
         with timer.phase("update"):
             for k, v in self._update(batch, plan, prox_rows).items():
                 metrics[k] = metrics.get(k, 0.0) + v if k.startswith("sparse/") else v
@@ -409,6 +460,19 @@ class Trainer:
         self.writer.write(self.step_count, metrics)
         self.last_metrics = metrics
         return metrics
+
+    def _adapter_on_rollout(self, adapter: Any) -> Any:
+        """The LoRA adapter replicated on the rollout's replicas (what a step reshards)."""
+        return jax.device_put(adapter, NamedSharding(self.rollout_mesh, PartitionSpec()))
+
+    def _check_rollout_adapter(self, adapter: Any) -> None:
+        """Stops the run when the adapter the rollout sampled with is not the learner's of this
+        step (`lora.fingerprint`): a rollout that silently kept sampling an older policy (the
+        failure TRL / verl / ms-swift users met) must not reach the update."""
+        if not np.array_equal(lora.fingerprint(adapter), lora.fingerprint(self.params)):
+            raise RuntimeError(f"step {self.step_count + 1}: the rollout sampled with a LoRA "
+                               "adapter that is not the learner's of this step; stopping before "
+                               "the update")
 
     def _step_metrics(self, r: Rollout, timer: PhaseTimer, metrics: dict[str, float]
                       ) -> dict[str, float]:
@@ -495,10 +559,11 @@ class Trainer:
                 mini = self.learner.shard_batch(mini)
             if s.loop.apply_updates:
                 self.params, self.opt_state, m = self.learner.update(
-                    self.params, self.opt_state, mini)
+                    self.params, self.opt_state, mini, self.base)
             else:
                 _, _, m = self.learner.update(jax.tree.map(jnp.copy, self.params),
-                                              jax.tree.map(jnp.copy, self.opt_state), mini)
+                                              jax.tree.map(jnp.copy, self.opt_state), mini,
+                                              self.base)
             pending.append(m)
         sums: dict[str, float] = {}
         for m in jax.device_get(pending):
@@ -523,7 +588,7 @@ class Trainer:
     def evaluate(self, params: Any | None = None) -> dict[str, float]:
         """Eval metrics of the full-precision policy on the task's evaluation sets."""
         with self._watch("eval"):
-            params = self._on_rollout_layout(self.params if params is None else params)
+            params = self._eval_policy(self.params if params is None else params)
             return self.task.evaluate(self.eval_sampler, params, self.settings.eval,
                                       self.key(Stream.EVAL))
 
@@ -536,8 +601,11 @@ class Trainer:
         (`qurl_jax.plan.rollout_speed`)."""
         s = self.settings
         prompts, _ = self.task.sample_prompts(num_prompts or s.data.prompts_per_step)
-        engines = [("fp", self.eval_sampler, self._on_rollout_layout(self.params))]
-        if self.recipe.quantizes:
+        engines = [("fp", self.eval_sampler, self._eval_policy(self.params))]
+        if self.lora:
+            engines.append((self.recipe.name, self.sampler, lora.attach(
+                self.base, self._adapter_on_rollout(self.params), self.lora.scale)))
+        elif self.recipe.quantizes:
             engines.append((self.recipe.name, self.sampler, self._reshard(quant.requantize(
                 self.params, self.recipe, compute_dtype=self.model_config.compute_dtype))))
         # Plain sampling at the rollout's temperature, every row to the length limit.
@@ -550,6 +618,15 @@ class Trainer:
             prompts, n = [p for p in prompts for _ in range(n)], 1
         return compare_rollout_speed(engines, prompts, settings, key=self.key(Stream.SPEED),
                                      n=n)
+
+    def _eval_policy(self, params: Any) -> Any:
+        """What the evaluation sampler samples: the full-precision `params` on the rollout's
+        replicas, or with LoRA the adapter `params` on the frozen base, read weight-only (the
+        learner's policy; no float copy of the base)."""
+        if self.lora:
+            return lora.attach(lora.weight_only(self.base), self._adapter_on_rollout(params),
+                               self.lora.scale)
+        return self._on_rollout_layout(params)
 
     def _on_rollout_layout(self, params: Any) -> Any:
         """Full-precision `params` (the learner's) in the compute dtype on the rollout's
@@ -646,7 +723,14 @@ class Trainer:
             summary["rollout_speed"] = self.rollout_speed()
         if s.loop.export_hf and stopped is None:
             params = dist.to_host(self.params)  # gathered from every process (a collective)
-            if dist.is_primary():
+            if dist.is_primary() and self.lora:
+                # The merged model (base dequantized + a @ b * scale), and the adapter as PEFT.
+                base = dist.to_host(self.base)
+                self.task.export(s.loop.export_hf, self.model_config,
+                                 lora.merge(base, params, self.lora.scale))
+                peft.save_adapter(os.path.join(s.loop.export_hf, peft.ADAPTER_DIR), params,
+                                  self.lora, s.model.path)
+            elif dist.is_primary():
                 self.task.export(s.loop.export_hf, self.model_config, params)
         self._close()
         if dist.is_primary():
