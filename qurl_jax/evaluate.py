@@ -57,6 +57,34 @@ def checkpoint_step(workdir: str, step: int | None) -> int:
     return step
 
 
+def _lora_policy(settings: Any, learner: Any, model_config: Any, init: Any, workdir: str,
+                 step: int) -> Any:
+    """A LoRA run's policy as the evaluation samples it: the frozen base quantized from the
+    initial weights as the trainer makes it, with the adapter of checkpoint `step` (at step 0
+    the initial one) attached, the base read weight-only (`Trainer._eval_policy`)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from qurl_jax import lora
+    from qurl_jax.runtime.checkpoint import Checkpointer
+    from qurl_jax.train.trainer import STATE_KINDS, Stream, stream_key
+
+    cfg = settings.model.lora
+    adapter = lora.init_adapter(stream_key(settings.seed, Stream.LORA, 0), init, cfg)
+    if step:
+        template, opt_state = learner.abstract_state(jax.eval_shape(lambda: adapter))
+        checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), kinds=STATE_KINDS)
+        try:
+            state, _ = checkpointer.restore_step(step, {"adapter": template,
+                                                        "opt_state": opt_state})
+        finally:
+            checkpointer.close()
+        adapter = state["adapter"]
+    base = lora.quantize_base(init, cfg, settings.rollout.recipe, model_config.compute_dtype)
+    base = jax.device_put(base, NamedSharding(learner.mesh, PartitionSpec()))
+    return lora.attach(lora.weight_only(base), learner.shard_params(adapter), cfg.scale)
+
+
 def _policy(learner: Any, model_config: Any, init: Any, workdir: str,
             step: int, invariant_scaling: tuple[float, tuple[str, ...]]) -> tuple[int, Any]:
     """(step, sharded float32 params): the checkpoint of `step`, or at step 0 the initial policy
@@ -66,6 +94,7 @@ def _policy(learner: Any, model_config: Any, init: Any, workdir: str,
     from qurl_jax import quant
     from qurl_jax.models import init_params
     from qurl_jax.runtime.checkpoint import Checkpointer
+    from qurl_jax.train.trainer import STATE_KINDS
 
     directory = os.path.join(workdir, "checkpoints")
     if step == 0:
@@ -74,7 +103,7 @@ def _policy(learner: Any, model_config: Any, init: Any, workdir: str,
         return 0, learner.shard_params(params)
     params, opt_state = learner.abstract_state(
         jax.eval_shape(lambda: init_params(model_config, jax.random.key(0))))
-    checkpointer = Checkpointer(directory)
+    checkpointer = Checkpointer(directory, kinds=STATE_KINDS)
     try:
         state, _ = checkpointer.restore_step(step, {"params": params, "opt_state": opt_state})
     finally:
@@ -114,16 +143,24 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
     mesh = shd.mesh_from_config(c.mesh)
     model_config = model_config_for(settings.model)
     learner = settings.train.learner(model_config, mesh, temperature=c.rollout.temperature,
-                                     rollout_rows=settings.rollout_rows)
+                                     rollout_rows=settings.rollout_rows,
+                                     lora=settings.model.lora)
     model_config, init, task = build_model_and_task(settings, workdir, reward_fn)
+    hook = {}
     try:
-        step, params = _policy(learner, model_config, init, workdir, step,
-                               (c.rollout.invariant_scaling,
-                                tuple(c.rollout.invariant_scaling_targets)))
+        if settings.model.lora.enabled:
+            from qurl_jax import lora, quant
+
+            params = _lora_policy(settings, learner, model_config, init, workdir, step)
+            hook = {"dot_general": lora.dot_general(quant.rollout_dot_general)}
+        else:
+            step, params = _policy(learner, model_config, init, workdir, step,
+                                   (c.rollout.invariant_scaling,
+                                    tuple(c.rollout.invariant_scaling_targets)))
         sampler = build_eval_sampler(
             model_config, settings.rollout.sampler, max_prompt_len=c.data.max_prompt_len,
             max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
-            pad_id=task.pad_id, mesh=mesh)
+            pad_id=task.pad_id, mesh=mesh, **hook)
         metrics = task.evaluate(sampler, params, settings.eval,
                                 stream_key(c.seed, Stream.EVAL, step))
     finally:

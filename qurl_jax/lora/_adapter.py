@@ -31,7 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from qurl_jax.quant import QuantFormat, QuantizedTensor, Recipe, requantize, rollout_dot_general
+from qurl_jax.quant import (
+    QuantFormat,
+    QuantizedTensor,
+    Recipe,
+    quantize_kernel,
+    quantized_leaves,
+    requantize,
+    rollout_dot_general,
+)
 
 Params = dict[str, Any]
 Path = tuple[str, ...]
@@ -274,10 +282,45 @@ def check_base_recipe(cfg: LoraConfig, recipe: Recipe) -> None:
                          "compute: 'fp')")
 
 
-def quantize_base(params: Params, cfg: LoraConfig, recipe: Recipe, compute_dtype: Any) -> Params:
+def quantize_base(params: Params, cfg: LoraConfig, recipe: Recipe, compute_dtype: Any,
+                  shardings: Params | None = None) -> Params:
     """The frozen base, made once from the float parameters: the recipe's linear kernels (and,
     with `recipe.quantize_vocab`, the vocabulary tables) as codes and scales, every other leaf
-    in the compute dtype (`quant.requantize`); with base_precision 'compute', every leaf in the
-    compute dtype."""
+    in the compute dtype, the values `quant.requantize` gives; with base_precision 'compute',
+    every leaf in the compute dtype. One small program per leaf, each output placed at once by
+    `shardings` (a tree like the output's, e.g. the rollout layout's), so the float32 weights
+    never sit whole on a device: a 32B model's base is quantized on an 80 GB GPU from host
+    memory."""
     check_base_recipe(cfg, recipe)
-    return requantize(params, recipe if recipe.quantizes else "fp", compute_dtype=compute_dtype)
+    flat = traverse_util.flatten_dict(params)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    formats = {path: rest for path, *rest in quantized_leaves(shapes, recipe)} if (
+        recipe.quantizes) else {}
+    placed = traverse_util.flatten_dict(shardings) if shardings is not None else {}
+    dtype = jnp.dtype(compute_dtype)
+    out = {}
+    for path, leaf in flat.items():
+        if path in formats:
+            out[path] = _quantize_leaf(leaf, *formats[path], placed.get(path))
+        else:
+            out[path] = _cast_leaf(leaf, dtype, placed.get(path))
+    return traverse_util.unflatten_dict(out)
+
+
+def base_shapes(params: Params, cfg: LoraConfig, recipe: Recipe, compute_dtype: Any) -> Params:
+    """`quantize_base`'s output as `jax.ShapeDtypeStruct`s (nothing quantized or placed)."""
+    check_base_recipe(cfg, recipe)
+    return jax.eval_shape(lambda p: requantize(p, recipe if recipe.quantizes else "fp",
+                                               compute_dtype=compute_dtype), params)
+
+
+def _quantize_leaf(w: Any, fmt: QuantFormat, block: tuple[int, int], act_format: Any,
+                   sharding: Any) -> QuantizedTensor:
+    fn = jax.jit(quantize_kernel, static_argnums=(1, 2, 3),
+                 out_shardings=None if sharding is None else sharding)
+    return fn(w, fmt, block, act_format)
+
+
+def _cast_leaf(x: Any, dtype: Any, sharding: Any) -> jax.Array:
+    value = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jnp.asarray(value) if sharding is None else jax.device_put(value, sharding)

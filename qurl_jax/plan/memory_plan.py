@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qurl_jax import quant
+from qurl_jax import lora, quant
 from qurl_jax.config.settings import MeshSizes, ModelSettings, RunSettings
 from qurl_jax.learner import packed_plan
 from qurl_jax.learner.learner import Learner, batch_spec
@@ -102,8 +102,9 @@ class Setup:
     """Everything a program needs: the run's settings (their `mesh` the built mesh's total axis
     sizes), the model, mesh, learner and abstract state.
 
-    params / opt_state are `jax.ShapeDtypeStruct` trees with the learner's shardings; rollout_rows
-    is the rollout batch (prompts_per_step * n), prompt_len P and response_len G its widths.
+    params / opt_state are `jax.ShapeDtypeStruct` trees with the learner's shardings (with LoRA:
+    the adapter's, the frozen base is `frozen`); rollout_rows is the rollout batch
+    (prompts_per_step * n), prompt_len P and response_len G its widths.
     """
 
     settings: RunSettings
@@ -117,6 +118,29 @@ class Setup:
     micro_batch_rows: int
     prompt_len: int
     response_len: int
+
+    @property
+    def lora(self) -> lora.LoraConfig | None:
+        """The run's LoRA settings, None for a full fine-tune."""
+        cfg = self.settings.model.lora
+        return cfg if cfg.enabled else None
+
+    @functools.cached_property
+    def frozen(self) -> Any:
+        """A LoRA run's frozen base as `jax.ShapeDtypeStruct`s on the rollout's replicas (placed
+        there once; the learner's programs read it where it lies), None otherwise."""
+        if self.lora is None:
+            return None
+        shapes = jax.eval_shape(lambda: init_params(self.model_config, jax.random.key(0)))
+        return self.reshard.abstract(lora.base_shapes(
+            shapes, self.lora, self.settings.rollout.recipe, self.model_config.compute_dtype))
+
+    @functools.cached_property
+    def rollout_adapter(self) -> Any:
+        """A LoRA run's adapter replicated on the rollout's replicas (what a step reshards)."""
+        repl = jax.sharding.NamedSharding(self.rollout_mesh, jax.sharding.PartitionSpec())
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=repl),
+                            self.params)
 
     @functools.cached_property
     def requantize_fn(self) -> Callable:
@@ -150,16 +174,30 @@ class Setup:
     @functools.cached_property
     def actor(self) -> Any:
         """The rollout actor's parameters as `jax.ShapeDtypeStruct`s on the rollout's replicas
-        (what the samplers' programs take)."""
+        (what the samplers' programs take); with LoRA the frozen base with the adapter."""
+        if self.lora is not None:
+            return lora.attach(self.frozen, self.rollout_adapter, self.lora.scale)
         return self.reshard.abstract(self.learner_actor)
 
     @functools.cached_property
     def eval_actor(self) -> Any:
         """The evaluation's full-precision actor (the compute dtype, `quant.requantize(..., 'fp')`)
-        as `jax.ShapeDtypeStruct`s on the rollout's replicas, as `Trainer.evaluate` samples it."""
+        as `jax.ShapeDtypeStruct`s on the rollout's replicas, as `Trainer.evaluate` samples it;
+        with LoRA the frozen base read weight-only with the adapter."""
+        if self.lora is not None:
+            return lora.attach(lora.weight_only(self.frozen), self.rollout_adapter,
+                               self.lora.scale)
         dtype = self.model_config.compute_dtype
         return self.reshard.abstract(jax.eval_shape(
             lambda p: quant.requantize(p, "fp", compute_dtype=dtype), self.params))
+
+    @property
+    def dot_general(self) -> Any:
+        """The samplers' product hook: LoRA's around the quantized products, else the recipe's
+        (the evaluation's non-LoRA sampler takes `lax.dot_general`)."""
+        if self.lora is not None:
+            return lora.dot_general(quant.rollout_dot_general)
+        return quant.make_dot_general(self.settings.rollout.recipe)
 
     @property
     def replicas(self) -> int:
@@ -257,7 +295,7 @@ def _symbols(setup: Setup, rows: int) -> dict[str, int]:
                 K=m.num_kv_heads * m.head_dim, V=m.vocab_size, t=s.mesh.tensor,
                 cb=m.compute_dtype.itemsize, C=min(s.train.logprob_chunk, setup.response_len),
                 Pd=_bytes_per_device(setup.params), Pl=_bytes_per_device(layers),
-                N1=sum(x.size for x in jax.tree.leaves(layers["layers_0"])))
+                N1=sum(x.size for x in jax.tree.leaves(layers.get("layers_0", {}))))
 
 
 # Values per token per layer the backward keeps, by remat policy (compute dtype).
@@ -272,6 +310,14 @@ def _weights_at_work(s: dict[str, int]) -> tuple[str, str, int]:
     # FSDP: one layer's weights and the LM head are all-gathered (in the compute dtype) while used.
     return ("gathered weights: one layer + LM head", "(N1 + E*V)/t * cb",
             (s["N1"] + s["E"] * s["V"]) // s["t"] * s["cb"])
+
+
+def _frozen_part(setup: Setup) -> tuple[tuple[str, str, int], ...]:
+    """A LoRA run's frozen base (an argument of every program), or nothing."""
+    if setup.frozen is None:
+        return ()
+    return (("frozen base (codes + scales, the rollout's layout)", "base",
+             _bytes_per_device(setup.frozen)),)
 
 
 def learner_update(setup: Setup) -> Program:
@@ -289,14 +335,14 @@ def learner_update(setup: Setup) -> Program:
         batch = {**_abstract_batch(setup, setup.minibatch_rows, keys[3:]),
                  **_abstract_packed(setup, shapes)}
         s = _packed_symbols(setup, shapes)
-    fn = setup.learner.update_fn(setup.params, setup.opt_state, batch)
-    lowered = fn.lower(setup.params, setup.opt_state, batch)
+    fn = setup.learner.update_fn(setup.params, setup.opt_state, batch, setup.frozen)
+    lowered = fn.lower(setup.params, setup.opt_state, batch, setup.frozen)
     b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
     accumulate = setup.learner.num_micro_batches > 1
     remat = str(setup.learner.model.remat)
     saved_formula, saved_values = _SAVED[remat]
-    parts = (
-        ("params", "Pd", s["Pd"]),
+    parts = _frozen_part(setup) + (
+        ("params" if setup.lora is None else "LoRA adapter", "Pd", s["Pd"]),
         ("optimizer state (Adam mu, nu)", "2Pd", 2 * s["Pd"]),
         ("gradients (accumulator + micro-batch)" if accumulate else "gradients",
          "2Pd" if accumulate else "Pd", (2 if accumulate else 1) * s["Pd"]),
@@ -325,11 +371,12 @@ def learner_logprobs(setup: Setup) -> Program:
         if shapes.seq_index:
             batch.update(_abstract_batch(setup, setup.rollout_rows, ("resp_mask",)))
         s = _packed_symbols(setup, shapes)
-    lowered = setup.learner.logprobs_fn(setup.params, batch).lower(setup.params, batch)
+    lowered = setup.learner.logprobs_fn(setup.params, batch, setup.frozen).lower(
+        setup.params, batch, setup.frozen)
     b, T, E, M, Q, K, V, t, cb = (s[k] for k in ("b", "T", "E", "M", "Q", "K", "V", "t", "cb"))
     rows_per_device = setup.rollout_rows // (setup.settings.mesh.data * setup.settings.mesh.fsdp)
-    parts = (
-        ("params", "Pd", s["Pd"]),
+    parts = _frozen_part(setup) + (
+        ("params" if setup.lora is None else "LoRA adapter", "Pd", s["Pd"]),
         ("stacked layer weights", "Pl * cb/4", s["Pl"] * cb // 4),
         _weights_at_work(s),
         ("hidden states (residual stream in and out)", "2*b*T*E * cb", 2 * b * T * E * cb),
@@ -375,8 +422,8 @@ def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
     chunk, or the refilling sampler's slots)."""
     run, rollout = setup.settings, setup.settings.rollout
     sampler = build_rollout_sampler(
-        setup.model_config, quant.make_dot_general(rollout.recipe),
-        rollout.sampler, prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
+        setup.model_config, setup.dot_general, rollout.sampler,
+        prompt_buckets=(setup.prompt_len,), gen_buckets=(setup.response_len,),
         mesh=setup.rollout_mesh, platform=targets.platform_of(setup.mesh))
     rows = sampler.rows_per_chunk(run.data.prompts_per_step, rollout.n)
     refill = rollout.sampler.refills
@@ -452,9 +499,11 @@ def _eval(setup: Setup, name: str) -> Program:
 
     run = setup.settings
     g = run.eval.max_new_tokens
+    hook = {"dot_general": setup.dot_general} if setup.lora is not None else {}
     sampler = build_eval_sampler(
         setup.model_config, run.rollout.sampler, prompt_buckets=(setup.prompt_len,),
-        gen_buckets=(g,), mesh=setup.rollout_mesh, platform=targets.platform_of(setup.mesh))
+        gen_buckets=(g,), mesh=setup.rollout_mesh, platform=targets.platform_of(setup.mesh),
+        **hook)
     k = samples_per_call(sampler, max(run.eval.k, 1))
     problems = run.eval.max_examples or run.data.prompts_per_step
     rows = sampler.rows_per_chunk(problems if not sampler.max_concurrent_rows else 1 << 30, k)
@@ -565,7 +614,8 @@ def build_setup(settings: RunSettings, model_config: ModelConfig,
                          devices=devices)
     learner = settings.train.learner(model_config, mesh, temperature=settings.rollout.temperature,
                                      rollout_rows=settings.rollout_rows,
-                                     update_capture=settings.update_capture)
+                                     update_capture=settings.update_capture,
+                                     lora=settings.model.lora)
     return setup_for(settings, model_config, mesh, learner)
 
 
@@ -576,6 +626,8 @@ def setup_for(settings: RunSettings, model_config: ModelConfig, mesh: Mesh,
     planner's per-device arithmetic reads real sizes."""
     settings = dataclasses.replace(settings, mesh=MeshSizes.of(mesh))
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
+    if settings.model.lora.enabled:  # the trained state: the adapter (the base is `frozen`)
+        shapes = lora.adapter_shapes(shapes, settings.model.lora)
     params, opt_state = learner.abstract_state(shapes)
     rows = settings.rollout_rows
     return Setup(settings=settings, model_config=model_config, mesh=mesh, learner=learner,
@@ -681,7 +733,13 @@ def report(settings: RunSettings, shapes_dir: str,
         "(the arrays the program must hold, by formula: no fusion temporaries or collective "
         "buffers, so a compiled peak well above it is the compiler's working memory)")
     out["refused"] = {}
-    for name, build in ((n, b) for n, b in PROGRAMS.items() if not programs or n in programs):
+    if setup.lora is not None:
+        log(f"LoRA rank {setup.lora.rank} on a frozen {setup.lora.base_precision} base: "
+            f"{_bytes_per_device(setup.frozen) / GIB:.2f} GiB of base per device, read by every "
+            "program below; no requantize, the reshard moves the adapter "
+            f"({_bytes_per_device(setup.params) / GIB:.3f} GiB)")
+    wanted = programs or tuple(n for n in PROGRAMS if n not in _LORA_SKIPS or setup.lora is None)
+    for name, build in ((n, b) for n, b in PROGRAMS.items() if n in wanted):
         start = time.perf_counter()
         program = build(setup)
         try:
@@ -797,11 +855,17 @@ class MemoryPlanError(UserError):
     what = "does not fit"
 
 
+# A LoRA run never requantizes, and its reshard is the adapter's copy: neither is a program of it.
+_LORA_SKIPS = ("requantize", "reshard")
+
+
 def run_programs(settings: RunSettings) -> tuple[str, ...]:
     """The `PROGRAMS` a run of `settings` executes: all but `learner_logprobs` when pi_prox comes
     from the update's own forward and there is no reference policy
-    (`RunSettings.learner_logprobs`)."""
-    return tuple(n for n in PROGRAMS if n != "learner_logprobs" or settings.learner_logprobs)
+    (`RunSettings.learner_logprobs`), and with LoRA none of `_LORA_SKIPS`."""
+    lora_run = settings.model.lora.enabled
+    return tuple(n for n in PROGRAMS if (n != "learner_logprobs" or settings.learner_logprobs)
+                 and not (lora_run and n in _LORA_SKIPS))
 
 
 def preflight(setup: Setup, limit_bytes: int,

@@ -33,7 +33,12 @@ from qurl_jax.quant._fp8_train import (
 from qurl_jax.quant._invariant_scaling import invariant_scaling
 from qurl_jax.quant._qtensor import QuantizedTensor, keep_rounded, quantize_kernel
 from qurl_jax.quant._recipes import LINEAR_LAYERS, RECIPES, QuantFormat, Recipe, get_recipe
-from qurl_jax.quant._requantize import quantized_kernel_paths, requantize, requantize_program
+from qurl_jax.quant._requantize import (
+    quantized_kernel_paths,
+    quantized_leaves,
+    requantize,
+    requantize_program,
+)
 
 __all__ = [
     # Recipes
@@ -54,6 +59,7 @@ __all__ = [
     # Per-step requantization and QuRL's invariant scaling
     "invariant_scaling",
     "quantized_kernel_paths",
+    "quantized_leaves",
     "requantize",
     "requantize_program",
     # FP8 training (Jet-RL's unified precision flow, learner side)

@@ -202,8 +202,10 @@ class Trainer:
         if self.lora:
             # The frozen base, quantized once and placed once on the rollout's replicas: the
             # rollout samples these arrays and the learner reads the very same ones.
-            self.base = jax.block_until_ready(self._reshard(lora.quantize_base(
-                init_params_, self.lora, self.recipe, self.model_config.compute_dtype)))
+            dtype = self.model_config.compute_dtype
+            self.base = jax.block_until_ready(lora.quantize_base(
+                init_params_, self.lora, self.recipe, dtype, self._reshard.shardings(
+                    lora.base_shapes(init_params_, self.lora, self.recipe, dtype))))
             trained = lora.init_adapter(stream_key(s.seed, Stream.LORA, 0), init_params_,
                                         self.lora)
             del init_params_
