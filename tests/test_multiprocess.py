@@ -166,6 +166,34 @@ def test_two_processes_match_one_process(runs):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+@pytest.mark.slow  # ~2 min: two more runs, LoRA in two processes and in one
+def test_lora_in_two_processes_matches_one_process(tmp_path):
+    """LoRA on a frozen int8 base across processes: the base placed once on the rollout's
+    replicas (rollout.tensor=2 over both processes' devices), the learner reading it there, the
+    adapter replicated; the metrics and the exported adapter match one process's."""
+    children = _Children()
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    lora = ("--config.model.lora.rank=4", "--config.train.num_steps=2")
+    try:
+        procs = children.start_group(two, *MESH, *lora, f"--export_hf={tmp_path / 'two_hf'}",
+                                     num=2, logs=two + ".log")
+        single = children.start(one, *MESH, *lora, "--config.rollout.refill=off",
+                                f"--export_hf={tmp_path / 'one_hf'}", devices=8,
+                                log=one + ".log")
+        _wait_ok([*procs, single], [two + ".log.0", two + ".log.1", one + ".log"])
+    finally:
+        children.kill_all()
+    a, b = _comparable(two), _comparable(one)
+    _assert_close_metrics(a, b)
+    assert all(b[(s, "train", "update/grad_norm")] > 1e-4 for s in (1, 2))
+    assert "LoRA: rank 4" in open(two + ".log.0").read()
+    a, b = (load_file(str(tmp_path / d / "lora_adapter" / "adapter_model.safetensors"))
+            for d in ("two_hf", "one_hf"))
+    assert a.keys() == b.keys() and len(a) == 2 * 7  # one layer: a and b of 7 projections
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
 @pytest.mark.slow  # ~2 min more: a third run, two processes with a paged KV pool
 def test_two_processes_with_a_paged_pool_match_one_process(runs):
     # 64 pages of 4 tokens over 4 batch shards: 16 per shard behind 4 slots of rows of up to

@@ -378,8 +378,8 @@ class Engine:
         - An int8 LM head (`rollout.quantize_vocab`) holds its codes in the compute dtype
           (`QuantizedTensor.codes_as`: the same values): XLA:CPU casts int8 codes outside the
           product, i.e. the whole head every step (about 5x the float head's time, [768, 32000]).
-          So does every other weight-only kernel (a LoRA run's frozen base as its evaluation
-          reads it, `lora.weight_only`).
+          So do the decoder layers' weight-only kernels (a LoRA run's frozen base as its
+          evaluation reads it, `lora.weight_only`).
         """
         cfg = self.config
         params = cast_floats(params, cfg.compute_dtype)
@@ -390,9 +390,11 @@ class Engine:
         if self.sharding.single_device:
             params = pack_for_decode(params)
         is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
-        params = jax.tree.map(lambda x: x.codes_as(cfg.compute_dtype) if is_q(x) and (
-            x.act_format is None and not x.packed and jnp.issubdtype(x.qvalue.dtype, jnp.integer))
-            else x, params, is_leaf=is_q)
+        widen = lambda x: x.codes_as(cfg.compute_dtype) if is_q(x) and (  # noqa: E731
+            x.act_format is None and not x.packed and jnp.issubdtype(x.qvalue.dtype, jnp.integer)
+        ) else x
+        params = {k: jax.tree.map(widen, v, is_leaf=is_q) if k.startswith("layers_") else v
+                  for k, v in params.items()}
         embedding = params["embed_tokens"]["embedding"]
         if not cfg.tie_word_embeddings:
             head = params["lm_head"]["kernel"]

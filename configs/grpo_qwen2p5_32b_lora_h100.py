@@ -1,0 +1,61 @@
+"""LoRA GRPO of Qwen2.5-32B-Instruct on ONE H100-80GB (QeRL's setting): a frozen INT8 base shared by
+the rollout and the learner, rank-16 adapters on every projection, an 8-bit KV cache.
+
+The base (32.8B parameters) is quantized once, leaf by leaf from host memory, to per-channel int8
+codes with the vocabulary tables weight-only int8 (`rollout.quantize_vocab`): 32.6 GiB on the GPU,
+read by the rollout (W8A8, the recipe's product) and by the learner (weight-only, bf16
+activations) alike. Only the adapters (134M float32 parameters) and their AdamW state train. The
+rollout decodes 32 rows at a time (refilled: 16 prompts x 8 samples = 128 rows a step) with
+int8 keys and values (`rollout.kv_precision`); the learner takes one packed 2,560-token row per
+micro-batch, every layer rematerialised, unrolled (`train.scan_layers` would stack a copy of the
+base's layers: 31 GiB). MATH train split, prompts up to 512 tokens, responses up to 2,048.
+
+`python -m qurl_jax.bench.memory --config=configs/grpo_qwen2p5_32b_lora_h100.py
+--target=gpu:h100-1` compiles every program the run executes for one H100 (docs/lora.md has
+the figures).
+"""
+
+from qurl_jax.config.base import base_config
+
+MATH = "third_party/math_data/"
+
+
+def get_config():
+    c = base_config()
+    c.model.source = "hf"
+    c.model.path = "checkpoints/Qwen2.5-32B-Instruct"
+    c.model.dtype = "bfloat16"
+    c.model.lora.rank = 16
+    c.model.lora.alpha = 32.0
+    c.model.lora.base_precision = "int8"
+    c.data.task = "math"
+    c.data.train_files = (MATH + "train_math.json",)
+    c.data.prompts_per_step = 16
+    c.data.max_prompt_len = 512
+    c.rollout.precision = "int8"
+    c.rollout.n = 8
+    c.rollout.max_new_tokens = 2048
+    c.rollout.temperature = 1.0
+    c.rollout.max_concurrent_rows = 32
+    c.rollout.kv_precision = "int8"
+    c.rollout.tensor = "1"
+    c.rl.loss_mode = "acr"
+    c.rl.cap = 2.0
+    c.rl.agg = "token_mean"
+    c.rl.advantage = "grpo"
+    c.rl.num_minibatches = 1
+    c.train.tokens_per_micro_batch = 2560
+    c.train.remat = "full"
+    c.train.scan_layers = False
+    c.train.logprob_chunk = 256
+    c.optim.learning_rate = 1e-5
+    c.optim.weight_decay = 0.0
+    c.mesh.data = 1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.train.num_steps = 200
+    c.train.checkpoint_every = 10
+    c.eval.files = (MATH + "test_math.json",)
+    c.eval.max_examples = 500
+    c.eval.max_new_tokens = 2048
+    return c
