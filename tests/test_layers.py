@@ -15,8 +15,8 @@ import qurl_jax
 ROOT = pathlib.Path(qurl_jax.__file__).parent
 
 # Bottom to top: a module may import its own package and any package below it.
-LAYERS = ("runtime", "cpu_kernels", "quant", "lora", "rl", "data", "parallel", "models", "sampling",
-          "learner", "config", "plan", "train", "study", "bench", "<top>")
+LAYERS = ("runtime", "cpu_kernels", "quant", "lora", "rl", "data", "parallel", "models",
+          "sampling", "learner", "config", "plan", "train", "study", "bench", "<top>")
 # The only modules at the top of qurl_jax/: the package and its two command lines.
 TOP_MODULES = {"__init__", "main", "evaluate"}
 # Where a ConfigDict may be handled: the config package, the command lines (they parse one),

@@ -333,6 +333,9 @@ class Learner:
     cpu_dots: on XLA:CPU, which library runs the update's and log-prob passes' float products
       (`train.cpu_dots`, `runtime.xla_cpu`: 'auto' takes Eigen's instead of YNNPACK's on a CPU
       without AVX512); other platforms ignore it.
+    lora: a `lora.LoraConfig` to train its adapter on a frozen base instead of every parameter:
+      `params` is then the adapter (replicated on the mesh) and `logprobs` / `update` take the
+      base as `frozen` (read weight-only where it lies, never donated; `policy`).
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,

@@ -10,7 +10,10 @@
            --policy_loss(acr | tis | ...) x minibatches--> AdamW update of params
 
 Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters before the first step;
-the rollout actor is re-quantized from the full-precision learner every step. `Trainer(config,
+the rollout actor is re-quantized from the full-precision learner every step. With LoRA
+(`model.lora`) the base is quantized once instead, the rollout and the learner read the same base
+arrays, and only the adapter is trained, moved to the rollout (its fingerprint checked against the
+learner's) and checkpointed. `Trainer(config,
 workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls (it ends by writing
 the run's plots to `<workdir>/plots/`, `qurl_jax.runtime.report`); other JAX code can drive
 `Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
