@@ -9,8 +9,12 @@ W8A8 and the learner weight-only, so no float32 master, no requantization, and a
 adapters alone. Rank-32 adapters on every projection (80.7M float32 parameters), LoRA's usual 10x
 the full fine-tune's learning rate. Same DAPO recipe (clip-higher, token-mean, dynamic sampling, overlong shaping, no
 KL, C = 5, responses up to 20,480 tokens) except QuRL's invariant scaling, which a frozen base
-cannot use. The rollout decodes 16 rows per replica with int8 keys and values; the learner one
-packed 22,528-token row per micro-batch and chip, layers rematerialised in a scan.
+cannot use. The rollout decodes 16 rows per replica with int8 keys and values. The learner runs
+on the same four-chip groups (`mesh.tensor=4` over `mesh.fsdp=2`), so each chip's products read
+its own quarter of the base where the rollout placed it, one packed 22,528-token row per group and
+micro-batch, layers rematerialised and unrolled (with the base on one-chip-per-group FSDP and a
+layer scan, which stacks a copy of the base, the TPU compiler refused the update: 23.3 GiB of
+temporaries per chip).
 
 `python -m qurl_jax.bench.memory --config=configs/dapo_qwen2p5_7b_fp8_lora.py --target=tpu:v5e-8`
 compiles every program the run executes for the slice (docs/lora.md has the figures).
@@ -35,8 +39,9 @@ def get_config():
     c.rollout.kv_precision = "int8"
     c.optim.learning_rate = 1e-5
     c.rl.num_micro_batches = 64
-    c.train.tokens_per_micro_batch = 8 * 22528
+    c.train.tokens_per_micro_batch = 2 * 22528
+    c.train.scan_layers = False
     c.mesh.data = 1
-    c.mesh.fsdp = 8
-    c.mesh.tensor = 1
+    c.mesh.fsdp = 2
+    c.mesh.tensor = 4
     return c

@@ -16,6 +16,7 @@ import pytest
 from qurl_jax import lora, quant
 from qurl_jax.config.base import validate
 from qurl_jax.config.settings import RunSettings
+from qurl_jax.evaluate import evaluate_run
 from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, Transformer, init_params
 from qurl_jax.parallel import sharding as shd
@@ -163,6 +164,10 @@ def test_resume_is_exact_and_checkpoints_hold_only_the_adapter(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.params),
                  jax.tree.map(np.asarray, resumed.params))
     assert set(resumed._abstract_state()) == {"adapter", "opt_state"}
+    # `python -m qurl_jax.evaluate` rebuilds the same policy from the checkpoint: the trainer's
+    # evaluation of step 2, reproduced.
+    step, metrics = evaluate_run(_lora_config(), str(tmp_path / "straight"))
+    assert step == 2 and metrics == straight.evaluate()
     # A full fine-tune's config refuses the LoRA checkpoint, in one line.
     with pytest.raises(CheckpointMismatchError, match="holds a LoRA adapter .* but this run "
                        "trains a full fine-tune's parameters") as e:

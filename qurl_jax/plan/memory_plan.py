@@ -320,6 +320,14 @@ def _frozen_part(setup: Setup) -> tuple[tuple[str, str, int], ...]:
              _bytes_per_device(setup.frozen)),)
 
 
+def _lora_weights_at_work(setup: Setup, s: dict[str, int]) -> tuple[tuple[str, str, int], ...]:
+    """A LoRA learner's base weights in use: one layer's kernels widened to the compute dtype
+    for their weight-only products (no base gradient, nothing gathered on one replica)."""
+    layer = setup.frozen.get("layers_0", {})
+    n1 = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(layer) if x.dtype.itemsize == 1)
+    return (("one layer's base kernels in the compute dtype", "N1 * cb", n1 * s["cb"]),)
+
+
 def learner_update(setup: Setup) -> Program:
     """One optimizer step on one minibatch, micro-batches scanned inside."""
     prox = setup.settings.prox  # the batch the trainer passes: with logp_prox when it recomputes
@@ -346,9 +354,11 @@ def learner_update(setup: Setup) -> Program:
         ("optimizer state (Adam mu, nu)", "2Pd", 2 * s["Pd"]),
         ("gradients (accumulator + micro-batch)" if accumulate else "gradients",
          "2Pd" if accumulate else "Pd", (2 if accumulate else 1) * s["Pd"]),
+    ) + (_lora_weights_at_work(setup, s) if setup.lora is not None else (
         ("stacked layer weights + their gradients", "2Pl * cb/4", 2 * s["Pl"] * cb // 4),
         _weights_at_work(s),
         ("LM head + embedding gradients before reduce-scatter", "2E*V/t * 4", 2 * E * V // t * 4),
+    )) + (
         (f"saved activations (remat={remat})", f"L*b*T*[{saved_formula}] * cb",
          s["L"] * b * T * saved_values(s) * cb),
         ("one layer's backward at work", "b*T*(8M/t + 4E + 3(Q+2K)/t) * cb",
