@@ -13,12 +13,12 @@ Invariant scaling (QuRL's UAQ) is applied once to the learner's parameters befor
 the rollout actor is re-quantized from the full-precision learner every step. With LoRA
 (`model.lora`) the base is quantized once instead, the rollout and the learner read the same base
 arrays, and only the adapter is trained, moved to the rollout (its fingerprint checked against the
-learner's) and checkpointed. `Trainer(config,
-workdir).train()` is the whole run and is what `python -m qurl_jax.main` calls (it ends by writing
-the run's plots to `<workdir>/plots/`, `qurl_jax.runtime.report`); other JAX code can drive
-`Trainer.step()` itself. State (params, optimizer, step, data position, seed) is checkpointed
-with orbax every `train.checkpoint_every` steps and a workdir with a checkpoint resumes from it; a
-checkpoint of another model or optimizer stops the run before anything is written.
+learner's) and checkpointed. `Trainer(config, workdir).train()` is the whole run and is what
+`python -m qurl_jax.main` calls (it ends by writing the run's plots to `<workdir>/plots/`,
+`qurl_jax.runtime.report`); other JAX code can drive `Trainer.step()` itself. State (params,
+optimizer, step, data position, seed) is checkpointed with orbax every `train.checkpoint_every`
+steps and a workdir with a checkpoint resumes from it; a checkpoint of another model or optimizer
+stops the run before anything is written.
 
 Random streams: every key of a run comes from `stream_key(seed, purpose, step, index)`, which
 folds a distinct tag per purpose (rollout round, minibatch permutation, evaluation, speed check),
