@@ -6,7 +6,9 @@ codes with the vocabulary tables weight-only int8 (`rollout.quantize_vocab`): 32
 read by the rollout (W8A8, the recipe's product) and by the learner (weight-only, bf16
 activations) alike. Only the adapters (134M float32 parameters) and their AdamW state train. The
 rollout decodes 32 rows at a time (refilled: 16 prompts x 8 samples = 128 rows a step) with
-int8 keys and values (`rollout.kv_precision`); the learner takes one packed 2,560-token row per
+int8 keys and values (`rollout.kv_precision`) in a paged pool, which JAX's GPU paged kernel reads
+as codes (a dense 8-bit cache is dequantized to a bf16 copy of every layer on GPU: at 32 rows the
+decode then planned 70.8 GiB); the learner takes one packed 2,560-token row per
 micro-batch, every layer rematerialised, unrolled (`train.scan_layers` would stack a copy of the
 base's layers: 31 GiB). MATH train split, prompts up to 512 tokens, responses up to 2,048.
 
@@ -36,8 +38,10 @@ def get_config():
     c.rollout.n = 8
     c.rollout.max_new_tokens = 2048
     c.rollout.temperature = 1.0
-    c.rollout.max_concurrent_rows = 16
+    c.rollout.max_concurrent_rows = 32
     c.rollout.kv_precision = "int8"
+    c.rollout.kv_pages = 32 * (512 + 2048) // 16  # every slot's worst case, in 16-token pages
+    c.rollout.kv_page_size = 16
     c.rollout.tensor = "1"
     c.rl.loss_mode = "acr"
     c.rl.cap = 2.0
