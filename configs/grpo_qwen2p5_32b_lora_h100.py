@@ -38,9 +38,9 @@ def get_config():
     c.rollout.n = 8
     c.rollout.max_new_tokens = 2048
     c.rollout.temperature = 1.0
-    c.rollout.max_concurrent_rows = 32
+    c.rollout.max_concurrent_rows = 16
     c.rollout.kv_precision = "int8"
-    c.rollout.kv_pages = 32 * (512 + 2048) // 16  # every slot's worst case, in 16-token pages
+    c.rollout.kv_pages = 16 * (512 + 2048) // 16  # every slot's worst case, in 16-token pages
     c.rollout.kv_page_size = 16
     c.rollout.tensor = "1"
     c.rl.loss_mode = "acr"
