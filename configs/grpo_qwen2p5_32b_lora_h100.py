@@ -2,15 +2,17 @@
 the rollout and the learner, rank-16 adapters on every projection, an 8-bit KV cache.
 
 The base (32.8B parameters) is quantized once, leaf by leaf from host memory, to per-channel int8
-codes with the vocabulary tables weight-only int8 (`rollout.quantize_vocab`): 32.6 GiB on the GPU,
+codes with the vocabulary tables weight-only int8 (`rollout.quantize_vocab`): 30.5 GiB on the GPU,
 read by the rollout (W8A8, the recipe's product) and by the learner (weight-only, bf16
 activations) alike. Only the adapters (134M float32 parameters) and their AdamW state train. The
-rollout decodes 32 rows at a time (refilled: 16 prompts x 8 samples = 128 rows a step) with
-int8 keys and values (`rollout.kv_precision`) in a paged pool, which JAX's GPU paged kernel reads
-as codes (a dense 8-bit cache is dequantized to a bf16 copy of every layer on GPU: at 32 rows the
-decode then planned 70.8 GiB); the learner takes one packed 2,560-token row per
-micro-batch, every layer rematerialised, unrolled (`train.scan_layers` would stack a copy of the
-base's layers: 31 GiB). MATH train split, prompts up to 512 tokens, responses up to 2,048.
+rollout decodes 16 rows at a time (refilled: 16 prompts x 8 samples = 128 rows a step) with int8
+keys and values in a paged pool (`rollout.kv_precision`, `rollout.kv_pages`), which JAX's GPU
+paged kernel reads as codes (a dense 8-bit cache is dequantized to bf16 every step on GPU). At 32
+rows the decode program planned 70.5 GiB, over the 67.2 GiB budget: besides the base and the
+cache it holds 29.1 GiB of temporaries, the size of the int8 linear kernels. The learner takes one
+packed 2,560-token row per micro-batch, every layer rematerialised, unrolled (`train.scan_layers`
+would stack a copy of the base's layers). MATH train split, prompts up to 512 tokens, responses up
+to 2,048.
 
 `python -m qurl_jax.bench.memory --config=configs/grpo_qwen2p5_32b_lora_h100.py
 --target=gpu:h100-1` compiles every program the run executes for one H100 (docs/lora.md has
