@@ -45,6 +45,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qurl_jax.models.attention import MASK_VALUE
 
@@ -241,19 +242,103 @@ def _prescaled(q: jax.Array) -> jax.Array:
 
 def _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
                interpret: bool):
-    """8-bit pages go to the kernel as they are, with their scales (`k_scales_pages`): it casts
-    a block of codes to q's dtype in registers and scales the logits (keys) and the
-    probabilities (values) per token, so the pool is read at 1 byte per element."""
+    """JAX's GPU paged kernel (`pallas.ops.gpu.paged_attention`'s `paged_attention_kernel`) over
+    the rows, then its k_splits partial results combined by one kernel (`_combine_splits`), which
+    also zeroes the rows of length 0: JAX's wrapper combines them with four XLA launches a layer
+    (a max, a rescale, a sum and a division; `bench.explain`). 8-bit pages go to the kernel as
+    they are, with their scales (`k_scales_pages`): it casts a block of codes to q's dtype in
+    registers and scales the logits (keys) and the probabilities (values) per token, so the pool
+    is read at 1 byte per element. Returns f[B, H, D] in q's dtype."""
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
     n = page_table.shape[1]
     splits = gpu_paged_splits(n)
     if k_scales is None:
         k_pages, v_pages = k_pages.astype(q.dtype), v_pages.astype(q.dtype)
-    return gpu_paged.paged_attention(
-        _prescaled(q), k_pages, v_pages, page_table, lengths, k_scales, v_scales,
-        block_h=16, pages_per_compute_block=pages_per_compute_block(n, splits), k_splits=splits,
-        interpret=interpret, mask_value=MASK_VALUE)
+    partials = functools.partial(
+        _gpu_paged_partials, kernel=gpu_paged.paged_attention_kernel, block_h=16,
+        pages_per_compute_block=pages_per_compute_block(n, splits), k_splits=splits,
+        interpret=interpret)
+    o, denominators, maxima = jax.vmap(partials, (0, None, None, 0, 0, None, None))(
+        _prescaled(q), k_pages, v_pages, page_table, lengths[:, None], k_scales, v_scales)
+    return _combine_splits(o, denominators, maxima, lengths, q.shape[1], interpret=interpret)
+
+
+def _gpu_paged_partials(q, k_pages, v_pages, block_tables, length, k_scales, v_scales, *,
+                        kernel, block_h: int, pages_per_compute_block: int, k_splits: int,
+                        interpret: bool, num_warps: int = 8, num_stages: int = 2):
+    """One row's launch of JAX's paged kernel, as `paged_attention_unbatched` makes it, without
+    its combine: q f[H, D] (prescaled), the pools f[Hkv, P, page_size, D] (and 8-bit scales
+    f32[Hkv, P, page_size]), block_tables i32[n], length i32[1]. Returns each split's output
+    f[k_splits, Hkv, Gp, D] in q's dtype and its softmax denominators and maxima f32[k_splits,
+    Hkv, Gp] (Gp: the G query heads of a kv head padded to block_h)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    h, d = q.shape
+    hkv, total, page_size, _ = k_pages.shape
+    per_split = block_tables.shape[0] // k_splits
+    g = h // hkv
+    q = q.reshape(hkv, g, d)
+    if g % block_h:
+        q = jnp.pad(q, ((0, 0), (0, -g % block_h), (0, 0)))
+    gp = q.shape[1]
+    pool = pl.BlockSpec((None, total, page_size, d), lambda i, j, s: (i, 0, 0, 0))
+    scales = pl.BlockSpec((None, total, page_size), lambda i, j, s: (i, 0, 0))
+    body = functools.partial(kernel, num_heads=g,
+                             pages_per_compute_block=min(per_split, pages_per_compute_block),
+                             mask_value=MASK_VALUE, attn_logits_soft_cap=None)
+    return pl.pallas_call(
+        body, grid=(hkv, gp // block_h, k_splits),
+        in_specs=[pl.BlockSpec((None, block_h, d), lambda i, j, s: (i, j, 0)), pool,
+                  None if k_scales is None else scales, pool,
+                  None if v_scales is None else scales,
+                  pl.BlockSpec((None, per_split), lambda i, j, s: (s, 0)),
+                  pl.BlockSpec((1,), lambda i, j, s: (0,))],
+        out_specs=[pl.BlockSpec((None, None, block_h, d), lambda i, j, s: (s, i, j, 0)),
+                   pl.BlockSpec((None, None, block_h), lambda i, j, s: (s, i, j)),
+                   pl.BlockSpec((None, None, block_h), lambda i, j, s: (s, i, j))],
+        out_shape=[jax.ShapeDtypeStruct((k_splits, hkv, gp, d), q.dtype),
+                   jax.ShapeDtypeStruct((k_splits, hkv, gp), jnp.float32),
+                   jax.ShapeDtypeStruct((k_splits, hkv, gp), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_block_h_{block_h}_pages_per_compute_block_"
+             f"{pages_per_compute_block}",
+    )(q, k_pages, k_scales, v_pages, v_scales, block_tables.reshape(k_splits, per_split), length)
+
+
+def _combine_splits(o, denominators, maxima, lengths, heads: int, *, interpret: bool):
+    """The flash-decoding combine of the splits' partial outputs, one launch: o f[B, S, Hkv, Gp,
+    D], their softmax denominators l and maxima m f32[B, S, Hkv, Gp] (`_gpu_paged_partials`),
+    lengths i32[B] -> f[B, H, D] in o's dtype, zeros for a row of length 0. Each output is
+    sum_s o_s e^(m_s - M) / (sum_s l_s e^(m_s - M) + eps), M = max_s m_s, as JAX's wrapper
+    computes it but in float32 throughout (the wrapper rescales and sums the partials in o's
+    dtype). One program per (row, kv head), its G heads written one by one (G need not be a
+    power of two)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b, splits, hkv, _, d = o.shape
+    g = heads // hkv
+    eps = np.float32(jnp.finfo(jnp.float32).eps)
+
+    def kernel(o_ref, l_ref, m_ref, len_ref, out_ref):
+        row, kv = pl.program_id(0), pl.program_id(1)
+        live = len_ref[row] > 0
+        for j in range(g):
+            m_j = m_ref[row, :, kv, j]  # [S]
+            scale = jnp.exp(m_j - jnp.max(m_j))
+            total = jnp.sum(l_ref[row, :, kv, j] * scale)
+            acc = jnp.sum(o_ref[row, :, kv, j, :].astype(jnp.float32) * scale[:, None], axis=0)
+            out = jnp.where(live, acc / (total + eps), 0.0)
+            out_ref[row, pl.ds((kv * g + j) * d, d)] = out.astype(out_ref.dtype)
+
+    out = pl.pallas_call(
+        kernel, grid=(b, hkv), out_shape=jax.ShapeDtypeStruct((b, heads * d), o.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="paged_split_combine")(o, denominators, maxima, lengths)
+    return out.reshape(b, heads, d)
 
 
 def _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
@@ -385,9 +470,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         out = _tpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales,
                          interpret=interpret, megacore_mode=megacore_mode,
                          row_scales=row_scales)
-    elif plat == "gpu" or (interpret and plat == "cpu"):
-        out = _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales,
-                         interpret=interpret)
+    elif plat == "gpu" or (interpret and plat == "cpu"):  # zeroes empty rows itself
+        return _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales,
+                          interpret=interpret)
     else:
         raise ValueError(f"paged_decode_attention: impl='pallas' has no kernel on platform "
                          f"{plat!r} (GPU and TPU; with interpret=True, CPU runs the GPU kernel)")

@@ -72,6 +72,11 @@ PagedScatter = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 # (scale pool f32[Hkv, P, page_size], page table i32[B, n]) -> f32[B, Hkv]: each row's scale
 # (`models.decode_attention.row_scale`); a paged hook's `row_scale` runs it per batch shard.
 RowScale = Callable[[jax.Array, jax.Array], jax.Array]
+# A decode step's products fused into one launch each on the GPU (`quant.FusedDecode`, built by
+# the sampler's engine): `applies(layer params)`, `attention_in(x, gain, eps, q/k/v Linear params)
+# -> (q, k, v)`, `attention_out(attention output, o_proj params, residual)` and `mlp(normed h,
+# mlp params, residual)`; a `DecoderLayer` whose parameters it does not take runs its own.
+FusedDecode = Any
 # One layer of a dense KVCache as the attention takes it (`KVCache.layer`): keys, values
 # [B, Hkv, S, D] and their scales f32[B, Hkv, S] (None in the compute dtype).
 DenseLayer = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
@@ -440,6 +445,7 @@ class Attention(nn.Module):
         cache_pos: jax.Array | None,
         write_slots: jax.Array | None,
         segment_ids: jax.Array | None = None,
+        qkv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, DenseLayer | PagedLayer | None]:
         """`cache` is this layer's (k, v, k_scale, v_scale) (`KVCache.layer`), or its
         `PagedLayer` (one token per row); returns it with this call's tokens. An 8-bit cache
@@ -448,18 +454,24 @@ class Attention(nn.Module):
 
         With a dense cache, cache_pos: i32[B, S] is `KVCache.pos` already updated with this
         call's tokens, and write_slots: i32[B] the first slot each row writes (`KVCache.n_used`
-        before the call)."""
+        before the call). `qkv`: the projections already made (`FusedDecode.attention_in`, x
+        unused); the output is then the attention's before o_proj, f[B, T, H * D]."""
         cfg = self.config
-        b, t, _ = x.shape
+        b, t = positions.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         lin = lambda n, f, axes, bias: Linear(  # noqa: E731
             f, axes, self.dot_general, dt, pdt, use_bias=bias, name=n
         )
         bias = cfg.attention_bias
-        q = lin("q_proj", h * d, ("embed", "heads"), bias)(x).reshape(b, t, h, d)
-        k = lin("k_proj", hkv * d, ("embed", "kv_heads"), bias)(x).reshape(b, t, hkv, d)
-        v = lin("v_proj", hkv * d, ("embed", "kv_heads"), bias)(x).reshape(b, t, hkv, d)
+        if qkv is None:
+            qkv = (lin("q_proj", h * d, ("embed", "heads"), bias)(x),
+                   lin("k_proj", hkv * d, ("embed", "kv_heads"), bias)(x),
+                   lin("v_proj", hkv * d, ("embed", "kv_heads"), bias)(x))
+            project = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)
+        else:
+            project = lambda out: out  # noqa: E731
+        q, k, v = (y.reshape(b, t, n, d) for y, n in zip(qkv, (h, hkv, hkv), strict=True))
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(k)
@@ -492,9 +504,7 @@ class Attention(nn.Module):
                 out = attn_lib.attention(q, keys, values, positions,
                                          jnp.broadcast_to(slot, (b, slot.size)),
                                          slot[None, :] < lengths[:, None], cfg.attention)
-            out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(
-                out.reshape(b, t, h * d))
-            return out, new_cache
+            return project(out.reshape(b, t, h * d)), new_cache
         if cache is None:
             keys, values = k, v
             q_pos, k_pos, k_valid = positions, positions, mask
@@ -534,9 +544,7 @@ class Attention(nn.Module):
         else:
             out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
                                      causal_by_index=cache is None, segment_ids=segment_ids)
-        out = out.reshape(b, t, h * d)
-        out = lin("o_proj", cfg.hidden_size, ("heads", "embed"), False)(out)
-        return out, new_cache
+        return project(out.reshape(b, t, h * d)), new_cache
 
 
 def _sequence_scale(stored: jax.Array, new: jax.Array, valid: jax.Array, cache_pos: jax.Array,
@@ -571,16 +579,29 @@ class DecoderLayer(nn.Module):
     dot_general: DotGeneral
     decode_attention: DecodeAttention | None = None
     paged_attention: PagedAttention | None = None
+    fused_decode: FusedDecode | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, cache, cache_pos, write_slots, segment_ids=None):
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
+        attention = Attention(cfg, self.dot_general, self.decode_attention,
+                              self.paged_attention, name="self_attn")
+        fused = self.fused_decode
+        if (fused is not None and cache is not None and x.shape[1] == 1
+                and not self.is_initializing() and fused.applies(self.variables["params"])):
+            # A GPU decode step: the same layer, its products one launch each (`FusedDecode`).
+            p = self.variables["params"]
+            qkv = fused.attention_in(x, p["input_layernorm"]["scale"], cfg.rms_norm_eps,
+                                     [p["self_attn"][n] for n in ("q_proj", "k_proj", "v_proj")])
+            out, new_cache = attention(None, positions, mask, cache, cache_pos, write_slots,
+                                       qkv=qkv)
+            x = fused.attention_out(out, p["self_attn"]["o_proj"], x)
+            h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
+            return fused.mlp(h, p["mlp"], x), new_cache
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
-        attn, new_cache = Attention(cfg, self.dot_general, self.decode_attention,
-                                    self.paged_attention, name="self_attn")(
-            h, positions, mask, cache, cache_pos, write_slots, segment_ids
-        )
+        attn, new_cache = attention(h, positions, mask, cache, cache_pos, write_slots,
+                                    segment_ids)
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
         x = x + MLP(cfg, self.dot_general, name="mlp")(h)
@@ -628,6 +649,10 @@ class Transformer(nn.Module):
     temp memory 55.5 -> 9.0 GiB per device). Neither changes the parameters (still
     `layers_{i}/...`: the Hugging Face mapping, quantization and the per-layer KV cache rely on
     them) nor the results.
+
+    `fused_decode` (the GPU samplers' decode model, `quant.FusedDecode`) runs each decode step's
+    layer with its products fused into one launch each, where the layer's parameters are what it
+    takes; the parameters are the same.
     """
 
     config: ModelConfig
@@ -637,6 +662,7 @@ class Transformer(nn.Module):
     remat: Remat | str = Remat.NONE
     shard_activation: ShardActivation | None = None
     scan_layers: bool = False
+    fused_decode: FusedDecode | None = None
 
     @nn.compact
     def __call__(
@@ -680,8 +706,8 @@ class Transformer(nn.Module):
                 else:
                     kv = None if cache is None else cache.layer(i)
                 x, kv = layer(cfg, self.dot_general, self.decode_attention, self.paged_attention,
-                              name=f"layers_{i}")(x, positions, mask, kv, cache_pos, write_slots,
-                                                  segment_ids)
+                              self.fused_decode, name=f"layers_{i}")(
+                    x, positions, mask, kv, cache_pos, write_slots, segment_ids)
                 x = pin(x, RESIDUAL_AXES)
                 new_kv.append(kv)
         x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)

@@ -6,7 +6,9 @@ into frozen low-precision rollout parameters, and the rollout model runs them th
 `invariant_scaling` is QuRL's update-aware rescaling, applied to the learner's parameters once
 before training; `update_capture` and `quantization_error` are the per-step diagnostics. On a CPU
 with AVX512-VNNI the int8 product runs on a custom kernel (`_cpu_kernel`); a decode loop stores
-its int8 kernels in that kernel's layout once per rollout with `pack_for_decode`.
+its int8 kernels in that kernel's layout once per rollout with `pack_for_decode`. On a GPU a
+decode step runs each layer's W8A8 products as one Pallas launch each (`FusedDecode`,
+`w8a8_product`: quantization, product, scales and the residual or SwiGLU in one kernel).
 
 The learner side of Jet-RL's unified FP8 flow (`train.precision = "fp8_block"`) runs the same
 quantizer and block product in all three GEMMs of its linear layers: `bind_train_precision(model,
@@ -30,6 +32,7 @@ from qurl_jax.quant._fp8_train import (
     mark_train_kernels,
     train_dot_general,
 )
+from qurl_jax.quant._gpu_kernel import FusedDecode, w8a8_product
 from qurl_jax.quant._invariant_scaling import invariant_scaling
 from qurl_jax.quant._qtensor import QuantizedTensor, keep_rounded, quantize_kernel
 from qurl_jax.quant._recipes import LINEAR_LAYERS, RECIPES, QuantFormat, Recipe, get_recipe
@@ -56,6 +59,9 @@ __all__ = [
     "quantize_kernel",
     "rollout_dot_general",
     "transpose_for_gpu",
+    # A GPU decode step's fused W8A8 products (Pallas)
+    "FusedDecode",
+    "w8a8_product",
     # Per-step requantization and QuRL's invariant scaling
     "invariant_scaling",
     "quantized_kernel_paths",

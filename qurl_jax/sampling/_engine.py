@@ -53,7 +53,7 @@ from qurl_jax.models.transformer import (
 )
 from qurl_jax.parallel.sharding import activation_pinner, logical_to_mesh_spec
 from qurl_jax.parallel.targets import platform_of
-from qurl_jax.quant import QuantizedTensor, pack_for_decode, transpose_for_gpu
+from qurl_jax.quant import FusedDecode, QuantizedTensor, pack_for_decode, transpose_for_gpu
 from qurl_jax.sampling._cache import Cache, Paging, cache_layout
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sampling._host import (
@@ -70,6 +70,7 @@ from qurl_jax.sampling._output import finish_reasons
 from qurl_jax.sampling.settings import Decoding, SamplingParams
 
 DECODE_ATTENTION = ("auto", "xla", "pallas")  # `Engine.decode_attention` choices
+FUSED_PRODUCTS = ("auto", "off", "interpret")  # `Engine.fused_products` choices
 _OUT_AXES = ("batch", "cache_length")  # row-indexed output buffers [N, G]: rows over the batch axes
 # Decode steps per iteration of a GPU decode loop (`Engine.decode_while`).
 GPU_DECODE_CHUNK = 16
@@ -193,6 +194,12 @@ class Engine:
       command_buffer: the GPU decode programs' `xla_gpu_enable_command_buffer` (a comma list
         of XLA's command types; `compiler_options`); None = `GPU_COMMAND_BUFFER`, '' = XLA's
         default. Ignored on other platforms.
+      fused_products: how a decode step runs its W8A8 products (`FUSED_PRODUCTS`): 'auto' =
+        one Pallas launch per product with its quantization and epilogue (`quant.FusedDecode`)
+        where the programs run on GPU devices and the rollout mesh has no tensor axis, for
+        every layer whose kernels the kernels take (per-channel int8 / fp8 stored transposed by
+        `prepare`); 'off' = XLA's products (AQT's path, the model's own layer); 'interpret' =
+        the fused kernels in Pallas' interpreter wherever the programs run (tests).
       kv_precision: how every cache layout holds keys and values (`models.kv_quant`): 'bf16'
         (the compute dtype) or 'int8' / 'fp8' codes with a float32 scale per token and kv head,
         quantized once where written. JAX's paged kernels read 8-bit pages as they are (GPU:
@@ -220,6 +227,7 @@ class Engine:
         kv_precision: KVPrecision | str = KVPrecision.BF16,
         decode_chunk: int = 0,
         command_buffer: str | None = None,
+        fused_products: str = "auto",
     ) -> None:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r} must be one of "
@@ -266,6 +274,9 @@ class Engine:
         self.decode_chunk = 1 if self.kv_policy.compresses else (
             decode_chunk or (GPU_DECODE_CHUNK if gpu else 1))
         self.command_buffer = GPU_COMMAND_BUFFER if command_buffer is None else command_buffer
+        if fused_products not in FUSED_PRODUCTS:
+            raise ValueError(f"fused_products={fused_products!r} must be one of {FUSED_PRODUCTS}")
+        self.fused_products = fused_products
         if self.kv_precision.quantizes and decode_attention != "xla" \
                 and not self.kv_policy.compresses:
             _warn_float_copy(self._devices, paging is not None, self.config.kv_scale)
@@ -414,14 +425,33 @@ class Engine:
 
     def decode_model(self, prepared: Params) -> Transformer:
         """The model that runs `prepare`'s output: untied when it carries the head kernel, with
-        the decode attention hook `attention_hook` chooses."""
+        the decode attention hook `attention_hook` chooses and the fused products
+        `fused_hook` chooses."""
         cfg = self.config
-        hook, paged = self.attention_hook(), self.paged_hook()
+        hook, paged, fused = self.attention_hook(), self.paged_hook(), self.fused_hook()
         if self.platform == "cpu" and cfg.tie_word_embeddings and "lm_head" in prepared:
             cfg = cfg.replace(tie_word_embeddings=False)
-        elif hook is None and paged is None:
+        elif hook is None and paged is None and fused is None:
             return self.model
-        return Transformer(cfg, self.model.dot_general, hook, paged)
+        return Transformer(cfg, self.model.dot_general, hook, paged, fused_decode=fused)
+
+    def fused_hook(self) -> FusedDecode | None:
+        """The decode model's fused W8A8 products (`fused_products`; None: XLA's): on GPU
+        devices ('auto') or in Pallas' interpreter ('interpret'), per batch shard on a mesh, not
+        where the rollout mesh splits the weights over a tensor axis. Which layers it runs is
+        its own `applies` (per-channel 8-bit kernels stored transposed: on GPU devices
+        `prepare` stores them so; an interpreted test passes them stored so)."""
+        mesh, choice = self.mesh, self.fused_products
+        if choice == "off" or (choice == "auto" and self._devices != "gpu") or (
+                mesh is not None and dict(mesh.shape).get("tensor", 1) > 1):
+            return None
+        P = jax.sharding.PartitionSpec
+
+        def rows(shape: tuple[int, ...]) -> jax.sharding.PartitionSpec:
+            return logical_to_mesh_spec(P("batch", *(None,) * (len(shape) - 1)), shape, mesh)
+
+        return FusedDecode(interpret=choice == "interpret", mesh=mesh,
+                           row_spec=rows if mesh is not None else None)
 
     @property
     def paged_gathers(self) -> bool:
