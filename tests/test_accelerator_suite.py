@@ -24,10 +24,11 @@ RL_PHASES = {"requantize_s", "rollout_s", "logprobs_s", "update_s", "step_s",
 
 def test_suite_dry_run_writes_every_field(tmp_path):
     out = tmp_path / "suite.json"
-    # The first rollout (int8, dense, 64 rows), the whole RL step, 8-bit KV on a paged pool and
-    # one layer's attention.
-    assert accelerator.SUITE[4] == "rl_step" and accelerator.SUITE[6][0] == "attention"
-    accelerator.main(["--suite", "--tiny", "--suite_only=0,4,5,6", "--prompt_len=16",
+    # The first rollout (int8, dense, 64 rows), the fused products against XLA's, the whole RL
+    # step, 8-bit KV on a paged pool and one layer's attention.
+    assert accelerator.SUITE[2][0] == "products" and accelerator.SUITE[5] == "rl_step"
+    assert accelerator.SUITE[7][0] == "attention"
+    accelerator.main(["--suite", "--tiny", "--suite_only=0,2,5,6,7", "--prompt_len=16",
                       "--new_tokens=8", "--rounds=1", "--rl_prompts=2", "--rl_n=2",
                       f"--json={out}"])
     figures = json.loads(out.read_text())
@@ -35,7 +36,7 @@ def test_suite_dry_run_writes_every_field(tmp_path):
     assert {"chip", "chip_bandwidth_gb_per_s", "budget_s", "device"} <= set(figures)
     rows = figures["rollout"]
     assert [r["case"] for r in rows] == [accelerator.suite_case_name(*accelerator.SUITE[i])
-                                         for i in (0, 5)]
+                                         for i in (0, 6)]
     for r in rows:
         assert set(r) == ROLLOUT_FIELDS, set(r) ^ ROLLOUT_FIELDS
         # tokens/s of the decode steps (all but the first token) = rows / step time.
@@ -47,6 +48,11 @@ def test_suite_dry_run_writes_every_field(tmp_path):
     # precisions (the tilings' sweep runs on a GPU only).
     assert [(r["cache"], r["kv_precision"]) for r in figures["attention"]] == [
         ("dense", "bf16"), ("dense", "bf16"), ("paged", "bf16"), ("paged", "int8")]
+    products = figures["products"]  # on a CPU both samplers run XLA's products
+    assert products["rows"] == 64 and products["order"] == "A B B A"
+    assert products["fused_speedup"] == pytest.approx(products["xla_step_ms"]
+                                                      / products["fused_step_ms"])
+    assert products["fused_predicted_ms"] is None and products["xla_predicted_ms"] is None
     rl = figures["rl_step"]
     assert set(rl["fp"]) == set(rl["int8"]) == RL_PHASES
     assert rl["rows"] == 4 and rl["fp"]["generated_tokens"] == 4 * 8

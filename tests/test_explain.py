@@ -1,9 +1,10 @@
 """The compiled-program reader (`qurl_jax.plan.kernels`, `python -m qurl_jax.bench.explain`): what
 a GPU decode program launches per token, read from XLA's dump without a device.
 
-The reader's tests run on two committed dumps (tests/fixtures/xla_gpu_dump/: a loop over an int8
-W8A8 product, and the same loop with the weight deliberately dequantized to bf16 each step;
-compiled for gpu:h100-1 by jax 0.10.2's CUDA 13 plugin): they run everywhere. The tests that
+The reader's tests run on three committed dumps (tests/fixtures/xla_gpu_dump/: a loop over an
+int8 W8A8 product, the same loop with the weight deliberately dequantized to bf16 each step, and
+a loop over a decode layer's MLP in the fused kernels of `quant.FusedDecode`; compiled for
+gpu:h100-1 by jax 0.10.2's CUDA 13 plugin): they run everywhere. The tests that
 compile the samplers' programs for an H100 need that plugin (`pip install -e .[gpu-compile]`,
 which ./setup.sh does not install: docs/testing.md) and skip without it."""
 
@@ -87,6 +88,29 @@ def test_a_deliberately_dequantized_weight_shows_up():
                 if c.how == "widened"]
 
 
+def test_the_fused_kernels_are_read_as_what_they_do():
+    """A loop over an MLP in the fused kernels (x bf16[16, 256]; RMSNorm + quantize, gate/up
+    int8[512, 256] each with SwiGLU, down int8[256, 512] plus the residual): each a Pallas launch
+    named for its work, read as a product or a quantization, its operands read whole; the int8
+    weights never copied."""
+    reading = kernels.read_dump(str(FIXTURES / "fused"), ".")
+    token = {x.kernel: x for x in reading.launches if x.scope == "token"}
+    assert {k: x.category for k, x in token.items() if x.kind == "kCustomKernel"
+            and x.category != "elementwise"} == {
+        "rms_norm_quantize": "quantize", "w8a8_swiglu": "product", "w8a8_residual": "product"}
+    rows, hidden, inner = 16, 256, 512
+    norm = token["rms_norm_quantize"]  # x and the gain in; codes and f32 scales out
+    assert (norm.bytes_read, norm.bytes_written) == (rows * hidden * 2 + hidden * 2,
+                                                     rows * hidden + rows * 4)
+    gated = token["w8a8_swiglu"]  # codes, scales, both kernels' codes and scales; bf16 out
+    assert (gated.bytes_read, gated.bytes_written) == (
+        rows * hidden + rows * 4 + 2 * (inner * hidden + inner * 4), rows * inner * 2)
+    down = token["w8a8_residual"]  # bf16 activations, the residual, codes and scales
+    assert (down.bytes_read, down.bytes_written) == (
+        rows * inner * 2 + rows * hidden * 2 + hidden * inner + hidden * 4, rows * hidden * 2)
+    assert reading.weight_copies == ()
+
+
 def test_thunk_nesting_scopes_and_command_buffers():
     sequence = """\
 001: kCopy         [source | next=002 (1)] kCopy
@@ -168,3 +192,33 @@ def test_gpu_decode_programs_launch_no_copies_and_read_no_predicate_per_token(pa
     if page_size:  # one scatter per pool (K, V of each layer), not one per kv head, and the
         # four row-indexed outputs (tokens, two log-probs, mask)
         assert table.by_category["write"][0] == 2 * config.num_layers + 4
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_fused_products_launch_once_each_in_the_gpu_decode_step(page_size):
+    """The samplers' GPU decode programs with the fused products (`Engine.fused_products`,
+    'auto') against XLA's ('off'): each layer's four products one Pallas launch each, its
+    post-attention norm and quantization one; with a paged pool the paged kernel's splits
+    combined by one launch; fewer launches a token (at these tiny shapes XLA splits no
+    contraction: five or six a layer; 13.3 at the 1.5B config's, docs/performance.md), no
+    weight copied."""
+    from qurl_jax.bench import explain
+
+    target = _h100_or_skip()
+    config = explain.shape_config("DeepSeek-R1-Distill-Qwen-1.5B", tiny=True)
+    layers = config.num_layers
+    tables = {}
+    for fused in ("auto", "off"):
+        lowered, per_call, live = explain.model_program(config, target, "int8", 16, 16, 32,
+                                                        page_size=page_size,
+                                                        fused_products=fused)
+        reading = kernels.compile_and_read(lowered)
+        tables[fused] = reading, kernels.per_token(reading, per_call, live)
+    reading, table = tables["auto"]
+    token = [x.kernel for x in reading.launches if x.scope == "token"]
+    assert sum(k.startswith("w8a8_") for k in token) == 4 * layers
+    assert token.count("rms_norm_quantize") == layers
+    assert token.count("paged_split_combine") == (layers if page_size else 0)
+    assert table.transposed == table.widened == 0
+    old = tables["off"][1]
+    assert old.by_scope["token"][0] - table.by_scope["token"][0] >= 5 * layers

@@ -52,7 +52,8 @@ from the committed deviceless readings `docs/targets/suite_readings.json`, `benc
 `rl_step`: one whole RL step of the 1.5B GRPO config's shape on one device (rollout, log-probs,
 update; random weights, random rewards) with the bf16 and the int8 rollout, A B B A, and one
 layer's attention at 256 rows over bf16 and int8 pages at the paged kernel's tilings
-`SUITE_TILES` (`attention`, `--paged_tiles`). In priority
+`SUITE_TILES` (`attention`, `--paged_tiles`), and `products`: the fused W8A8 products of a GPU
+decode step against XLA's, A B B A (`Engine.fused_products`). In priority
 order; a case whose turn comes after the budget is listed under `skipped` with the reason. With
 `--tiny` it is the CPU dry run (every field written; its figures mean nothing).
 """
@@ -385,6 +386,7 @@ ONE_5B, SEVEN_B = "DeepSeek-R1-Distill-Qwen-1.5B", "Qwen2.5-Math-7B"
 SUITE = (
     (ONE_5B, "int8", "bf16", 0, 64),  # the dense step against the HBM bound (and the H200 run)
     (ONE_5B, "int8", "bf16", 16, 64),  # the paged pool against it, equal lengths
+    ("products", ONE_5B, 64),  # the fused W8A8 products against XLA's, A B B A
     (ONE_5B, "fp", "bf16", 16, 256),  # the bf16 actor at 256 rows ...
     (ONE_5B, "int8", "bf16", 16, 256),  # ... against int8
     "rl_step",  # one whole RL step, bf16 against int8 rollouts
@@ -398,6 +400,8 @@ SUITE = (
 # block; 96 pages a row at 512 + 1024 tokens and 16-token pages): the step model puts most of a
 # paged step at 256 rows in that kernel (docs/performance.md).
 SUITE_TILES = ("16x2", "8x4", "4x8", "2x8", "1x8")
+# The key of the products case's reading of XLA's products, after its rollout's name.
+PRODUCTS_XLA = "|xla_products"
 SUITE_READINGS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "targets",
                               "suite_readings.json")
 
@@ -526,19 +530,50 @@ def rl_step(precisions: tuple[str, ...] = ("fp", "int8")) -> dict[str, Any]:
     return out
 
 
+def products(model: str, rows: int, chip: Any) -> dict[str, Any]:
+    """The fused W8A8 products of a GPU decode step (`Engine.fused_products` 'auto', one Pallas
+    launch per product) against XLA's ('off'), the int8 actor's dense rollout of `rows` rows:
+    both samplers compiled and warmed, their full calls timed A B B A, each less its fastest
+    1-token call; beside each, the step model's prediction (`PRODUCTS_XLA` names XLA's reading).
+    On a CPU both run XLA's products (the dry run)."""
+    config = model_config(model)
+    p_len, new = ARGS.prompt_len, ARGS.new_tokens
+    params, dot_general = actor(config, "int8")
+    prompts = np.random.default_rng(0).integers(1, config.vocab_size, (rows, p_len)).tolist()
+    runs = {c: sampler_timer(config, params, dot_general, prompts, new, fused_products=c)
+            for c in ("auto", "off")}
+    for run in runs.values():
+        run(1)
+        run(new)
+    first = {c: min(run(1) for _ in range(ARGS.rounds)) for c, run in runs.items()}
+    full: dict[str, list[float]] = {c: [] for c in runs}
+    for c in ("auto", "off", "off", "auto"):
+        full[c].append(runs[c](new))
+    step = {c: (min(full[c]) - first[c]) / (new - 1) * 1e3 for c in runs}
+    name = suite_case_name(model, "int8", "bf16", 0, rows)
+    predicted = {c: _predicted_step_ms(n, chip, "bf16", 0)
+                 for c, n in (("auto", name), ("off", name + PRODUCTS_XLA))}
+    return {"model": model, "rows": rows, "prompt_len": p_len, "new_tokens": new,
+            "order": "A B B A", "fused_step_ms": step["auto"], "xla_step_ms": step["off"],
+            "fused_speedup": step["off"] / step["auto"],
+            "fused_predicted_ms": predicted["auto"], "xla_predicted_ms": predicted["off"]}
+
+
 def suite(out: dict[str, Any], save: Any) -> None:
     """--suite (module docstring): `SUITE` in order within `--budget_s`, `out` saved after every
     case."""
     start = time.perf_counter()
     device = jax.devices()[0]
     chip = _chip(device)
-    out.update({"suite": True, "budget_s": ARGS.budget_s, "rl_step": None, "skipped": [],
+    out.update({"suite": True, "budget_s": ARGS.budget_s, "rl_step": None, "products": None,
+                "skipped": [],
                 "chip": chip.name if chip else None,
                 "chip_bandwidth_gb_per_s": chip.bandwidth / 1e9 if chip else None})
     cases = SUITE if ARGS.suite_only is None else [SUITE[i] for i in ARGS.suite_only]
     for case in cases:
         name = case if isinstance(case, str) else (
-            f"attention|{case[1]}|{case[2]}" if case[0] == "attention" else suite_case_name(*case))
+            f"{case[0]}|{case[1]}|{case[2]}" if case[0] in ("attention", "products")
+            else suite_case_name(*case))
         elapsed = time.perf_counter() - start
         if elapsed > ARGS.budget_s:
             out["skipped"].append({"case": name, "reason": f"budget: {elapsed:.0f} s spent"})
@@ -549,6 +584,11 @@ def suite(out: dict[str, Any], save: Any) -> None:
                 ARGS.kv_precisions, ARGS.paged_tiles = ["bf16", "int8"], list(SUITE_TILES)
                 out["attention"] += [{"model": case[1], **r}
                                      for r in attention(model_config(case[1]), case[2])]
+            elif case[0] == "products":
+                out["products"] = products(case[1], case[2], chip)
+                r = out["products"]
+                print(f"  products: fused {r['fused_step_ms']:.2f} ms a step, XLA's "
+                      f"{r['xla_step_ms']:.2f} ms: x{r['fused_speedup']:.2f}", flush=True)
             elif case == "rl_step":
                 out["rl_step"] = rl_step()
                 r = out["rl_step"]

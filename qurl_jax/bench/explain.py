@@ -137,6 +137,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--command_buffer", default=None,
                    help="--model: xla_gpu_enable_command_buffer of the decode program (default: "
                         "the engine's; '' for XLA's default)")
+    p.add_argument("--fused_products", default="auto", choices=("auto", "off"),
+                   help="--model: the decode step's W8A8 products, one Pallas launch each "
+                        "('auto') or XLA's ('off'; Engine.fused_products)")
     p.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
                    help="an XLA option for this compile only, e.g. --xla "
                         "xla_gpu_graph_min_graph_size=1 (repeatable; experiments)")
@@ -171,12 +174,12 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         lowered, per_call, live = model_program(
             model, target, args.actor, args.rows, args.prompt_len, args.new_tokens, args.kv,
             args.page_size, args.steps_per_call, decode_chunk=args.decode_chunk,
-            command_buffer=args.command_buffer)
+            command_buffer=args.command_buffer, fused_products=args.fused_products)
         layers, paged, kv_8bit = model.num_layers, args.page_size > 0, args.kv != "bf16"
         refill = paged
         what = {"model": args.model, "tiny": args.tiny, "actor": args.actor, "rows": args.rows,
                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "kv": args.kv,
-                "page_size": args.page_size}
+                "page_size": args.page_size, "fused_products": args.fused_products}
     options = {k: _option_value(v) for k, _, v in (item.partition("=") for item in args.xla)}
     reading = kernels.compile_and_read(lowered, options, keep=args.dump_dir)
     table = kernels.per_token(reading, per_call, live)
@@ -195,27 +198,31 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def suite_readings(path: str, target_name: str = "gpu:h100-1") -> None:
-    """Reads every rollout of `bench.accelerator`'s device suite (`accelerator.SUITE`) compiled
-    for `target_name` and writes their per-token tables to `path` (after each case), which the
-    suite turns into its predictions on the chip it runs on."""
+    """Reads every rollout of `bench.accelerator`'s device suite (`accelerator.SUITE`, and the
+    products case's rollout with XLA's products) compiled for `target_name` and writes their
+    per-token tables to `path` (after each case), which the suite turns into its predictions on
+    the chip it runs on."""
     from qurl_jax.bench import accelerator
 
     target = targets.parse(target_name)
     out: dict[str, Any] = {"target": target.name, "jax": jax.__version__, "cases": {}}
-    for case in accelerator.SUITE:
-        if isinstance(case, str):
-            continue
+    rollouts = [(c, "auto", "") for c in accelerator.SUITE if len(c) == 5] + [
+        ((c[1], "int8", "bf16", 0, c[2]), "off", accelerator.PRODUCTS_XLA)
+        for c in accelerator.SUITE if c[0] == "products"]
+    for case, fused, suffix in rollouts:
         model, actor, kv, page_size, rows = case
         config = shape_config(model)
         lowered, per_call, live = model_program(
-            config, target, {"fp": "bf16"}.get(actor, actor), rows, 512, 1024, kv, page_size)
+            config, target, {"fp": "bf16"}.get(actor, actor), rows, 512, 1024, kv, page_size,
+            fused_products=fused)
         reading = kernels.compile_and_read(lowered)
         table = kernels.per_token(reading, per_call, live)
-        out["cases"][accelerator.suite_case_name(*case)] = {
+        name = accelerator.suite_case_name(*case) + suffix
+        out["cases"][name] = {
             "prompt_len": 512, "new_tokens": 1024, "page_size": page_size,
             "live_fraction": live, **kernels.to_json(reading, table, config.num_layers)}
-        print(f"{accelerator.suite_case_name(*case)}: {table.launches:.0f} launches, "
-              f"{table.bytes / 2**30:.2f} GiB a token", flush=True)
+        print(f"{name}: {table.launches:.0f} launches, {table.bytes / 2**30:.2f} GiB a token",
+              flush=True)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
 

@@ -108,16 +108,18 @@ def tree_bytes(tree: Any) -> int:
 
 def sampler_timer(config: ModelConfig, params: Any, dot_general: Any,
                   prompts: list[list[int]], max_new: int, max_concurrent_rows: int = 0,
-                  kv_precision: str = "bf16", page_size: int = 0, steps_per_call: int = 0
-                  ) -> Callable[[int], float]:
+                  kv_precision: str = "bf16", page_size: int = 0, steps_per_call: int = 0,
+                  fused_products: str = "auto") -> Callable[[int], float]:
     """run(new_tokens) -> seconds of one `Sampler.sample` call at temperature 1 (checked to run
     exactly new_tokens steps); one generation bucket, so the 1-token and the full call run the same
     two programs. `kv_precision`: the cache's (`Engine`). `page_size` > 0: a `RefillSampler`
     over a paged pool of pages of that many tokens, a page for every token of every row (it never
     preempts), read by the paged decode attention (JAX's paged kernels on GPU and TPU), at most
-    `steps_per_call` decode steps between two host calls (0: the sampler's default, a page)."""
+    `steps_per_call` decode steps between two host calls (0: the sampler's default, a page).
+    `fused_products`: the engine's (`Engine.fused_products`)."""
     buckets = dict(prompt_buckets=(len(prompts[0]),), gen_buckets=(max_new,),
-                   max_concurrent_rows=max_concurrent_rows, kv_precision=kv_precision)
+                   max_concurrent_rows=max_concurrent_rows, kv_precision=kv_precision,
+                   fused_products=fused_products)
     if page_size:
         rows = max_concurrent_rows or len(prompts)
         pages = paged_pool_pages(rows, len(prompts[0]), max_new, page_size)

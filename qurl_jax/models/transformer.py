@@ -74,8 +74,8 @@ PagedScatter = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 RowScale = Callable[[jax.Array, jax.Array], jax.Array]
 # A decode step's products fused into one launch each on the GPU (`quant.FusedDecode`, built by
 # the sampler's engine): `applies(layer params)`, `attention_in(x, gain, eps, q/k/v Linear params)
-# -> (q, k, v)`, `attention_out(attention output, o_proj params, residual)` and `mlp(normed h,
-# mlp params, residual)`; a `DecoderLayer` whose parameters it does not take runs its own.
+# -> (q, k, v)`, `attention_out(attention output, o_proj params, residual x)` and `mlp(x, gain,
+# eps, mlp params)`; a `DecoderLayer` whose parameters it does not take runs its own.
 FusedDecode = Any
 # One layer of a dense KVCache as the attention takes it (`KVCache.layer`): keys, values
 # [B, Hkv, S, D] and their scales f32[B, Hkv, S] (None in the compute dtype).
@@ -597,8 +597,8 @@ class DecoderLayer(nn.Module):
             out, new_cache = attention(None, positions, mask, cache, cache_pos, write_slots,
                                        qkv=qkv)
             x = fused.attention_out(out, p["self_attn"]["o_proj"], x)
-            h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
-            return fused.mlp(h, p["mlp"], x), new_cache
+            return fused.mlp(x, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps,
+                             p["mlp"]), new_cache
         h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
         attn, new_cache = attention(h, positions, mask, cache, cache_pos, write_slots,
                                     segment_ids)

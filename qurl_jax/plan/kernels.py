@@ -91,6 +91,9 @@ _COLLECTIVE_THUNKS = ("kAllGather", "kAllReduce", "kReduceScatter", "kAllToAll",
                       "kAllGatherStart", "kAllReduceStart", "kReduceScatterStart",
                       "kCollectivePermuteStart")
 _HOST_CALLBACK = ("callback", "host_")
+# A Pallas kernel's category by its name, first match (`Program.category`).
+_PALLAS_NAMES = (("product", r"w8a8|matmul|gemm"), ("reduce", r"combine"),
+                 ("attention", r"attention|attn|mha|decode"))
 
 
 class DumpError(ValueError):
@@ -297,7 +300,9 @@ class Program:
         """What a launch does, for a person: 'product', 'attention', 'pallas', 'write' (a
         scatter or in-place update: the KV cache, the outputs), 'transpose', 'copy',
         'quantize' (an 8-bit result), 'norm' (XLA's Triton normalisation fusions), 'reduce',
-        'elementwise', 'collective', 'host', 'other'."""
+        'elementwise', 'collective', 'host', 'other'. A Pallas kernel is read by its name: a
+        product (`quant.w8a8_product`, a matmul), a split-combine ('reduce'), an attention
+        kernel, or by its results (8-bit: 'quantize'), else 'pallas'."""
         if kind in _COLLECTIVE_THUNKS:
             return "collective"
         if kind in HOST_THUNKS:
@@ -317,8 +322,9 @@ class Program:
             if re.search(r"gemm|matmul|cublas", t, re.I):
                 return "product"
             if t in hlo.PALLAS_TARGETS:
-                return "attention" if re.search(r"attention|attn|mha|decode", kernel, re.I) \
-                    else "pallas"
+                return next((c for c, pattern in _PALLAS_NAMES if re.search(pattern, kernel, re.I)),
+                            "quantize" if any(a[0] in EIGHT_BIT for a in hlo.arrays(inst.type))
+                            else "pallas")
             return "other"
         if inst.opcode != "fusion":
             return "copy" if inst.opcode == "copy" else "other"

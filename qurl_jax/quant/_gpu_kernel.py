@@ -52,7 +52,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qurl_jax.quant._qtensor import QuantizedTensor, quantize_groups
+from qurl_jax.quant._qtensor import QuantizedTensor
+from qurl_jax.quant._recipes import QuantFormat
 
 # Streaming multiprocessors of an H100 / H200 SXM: the tile choice fills one wave of them.
 GPU_SMS = 132
@@ -161,6 +162,49 @@ class _Plan:
     interpret: bool
 
 
+def _quantizer(x_ref, gain_ref, rows: pl.Slice, n_rows: int, k: int, depth: int,
+               dtype: jnp.dtype, eps: float | None, code: jnp.dtype, max_code: float,
+               interpret: bool):
+    """The prologue of a block of `n_rows` rows of x_ref [M, K]: their RMSNorm (with `gain_ref`
+    and `eps`; the model's: float32 statistics, gain applied in `dtype`) and AQT's per-token
+    calibration, by passes over K in steps of `depth`. Returns (scale f32[n_rows], codes(i): the
+    rows' 8-bit codes of contraction block i)."""
+    f32 = jnp.float32
+    steps = k // depth
+    div = _divide(interpret)
+
+    def block(i):
+        return x_ref[rows, pl.ds(i * depth, depth)]
+
+    if eps is not None:
+        def sum_squares(i, acc):
+            x = block(i).astype(f32)
+            return acc + jnp.sum(x * x, axis=1)
+
+        ss = jax.lax.fori_loop(0, steps, sum_squares, jnp.zeros((n_rows,), f32))
+        rstd = jax.lax.rsqrt(ss * np.float32(1.0 / k) + np.float32(eps))
+
+    def activations(i):  # block i of the product's input, float32
+        if eps is None:
+            return block(i).astype(f32)
+        normed = (block(i).astype(f32) * rstd[:, None]).astype(dtype)
+        return (gain_ref[pl.ds(i * depth, depth)].astype(dtype) * normed).astype(f32)
+
+    # max |x| (0 -> 1) / max code (XLA's product with the reciprocal), then its reciprocal
+    amax = jax.lax.fori_loop(
+        0, steps, lambda i, m: jnp.maximum(m, jnp.max(jnp.abs(activations(i)), axis=1)),
+        jnp.zeros((n_rows,), f32))
+    scale = jnp.where(amax == 0.0, 1.0, amax) * (np.float32(1.0) / np.float32(max_code))
+    inverse = div(jnp.ones_like(scale), scale)
+    inverse = jnp.where(jnp.isinf(inverse), 1.0, inverse)
+
+    def codes(i):
+        q = jnp.clip(activations(i) * inverse[:, None], -max_code, max_code)
+        return (_round_half_even(q) if code == jnp.int8 else q).astype(code)
+
+    return scale, codes
+
+
 def _kernel(*refs, plan: _Plan) -> None:
     t, k, dt = plan.tiles, plan.k, plan.dtype
     steps = k // t.depth
@@ -182,36 +226,12 @@ def _kernel(*refs, plan: _Plan) -> None:
     def depth(i):
         return pl.ds(i * t.depth, t.depth)
 
-    if plan.norm is not None:  # the model's RMSNorm: f32 statistics, gain in the compute dtype
-        def sum_squares(i, acc):
-            x = x_ref[rows, depth(i)].astype(f32)
-            return acc + jnp.sum(x * x, axis=1)
-
-        ss = jax.lax.fori_loop(0, steps, sum_squares, jnp.zeros((t.rows,), f32))
-        rstd = jax.lax.rsqrt(ss * np.float32(1.0 / k) + np.float32(plan.norm))
-
-    def activations(i):  # block i of the product's input, float32
-        x = x_ref[rows, depth(i)]
-        if plan.norm is None:
-            return x.astype(f32)
-        normed = (x.astype(f32) * rstd[:, None]).astype(dt)
-        return (gain_ref[depth(i)].astype(dt) * normed).astype(f32)
-
     if plan.quantized_input:
         scale = xs_ref[rows]
-    else:  # AQT's per-token calibration: max |x| (0 -> 1) / max code, its reciprocal
-        amax = jax.lax.fori_loop(
-            0, steps, lambda i, m: jnp.maximum(m, jnp.max(jnp.abs(activations(i)), axis=1)),
-            jnp.zeros((t.rows,), f32))
-        scale = jnp.where(amax == 0.0, 1.0, amax) * (np.float32(1.0) / np.float32(plan.max_code))
-        inverse = div(jnp.ones_like(scale), scale)
-        inverse = jnp.where(jnp.isinf(inverse), 1.0, inverse)
-
-    def codes(i):
-        if plan.quantized_input:
-            return x_ref[rows, depth(i)]
-        q = jnp.clip(activations(i) * inverse[:, None], -plan.max_code, plan.max_code)
-        return (_round_half_even(q) if plan.code == jnp.int8 else q).astype(plan.code)
+        codes = lambda i: x_ref[rows, depth(i)]  # noqa: E731
+    else:
+        scale, codes = _quantizer(x_ref, gain_ref, rows, t.rows, k, t.depth, dt, plan.norm,
+                                  plan.code, plan.max_code, plan.interpret)
 
     acc_dtype = jnp.int32 if plan.code == jnp.int8 else f32
     contract = (((1,), (1,)), ((), ()))
@@ -323,6 +343,39 @@ def w8a8_product(x: jax.Array, kernels: Sequence[QuantizedTensor], *,
     return tuple(out)
 
 
+def norm_quantize(x: jax.Array, gain: jax.Array, eps: float, fmt: QuantFormat, *,
+                  interpret: bool = False, rows: int = 16) -> tuple[jax.Array, jax.Array]:
+    """The model's RMSNorm of x f[M, K] (gain f[K]) quantized per token as AQT's quantizer does
+    it (`quantize_groups` over K), in one launch: XLA makes it two (the normalisation fusion
+    cannot hold the norm's reduction and the absmax's one after it, so it computes the scales,
+    then normalises again to quantize). Returns (codes [M, K] in fmt's dtype, f32[M] scales).
+    M a multiple of `rows` (16), K of 32."""
+    m, k = x.shape
+    depth = _pow2_divisors(k, _MIN_DEPTH, 128)
+    if m % rows or not depth:
+        raise ValueError(f"norm_quantize: x [{m}, {k}] needs M a multiple of {rows} and K of 32")
+    depth = depth[-1]
+    code = jnp.dtype(fmt.dtype)
+
+    def kernel(x_ref, gain_ref, codes_ref, scale_ref):
+        block = pl.ds(pl.program_id(0) * rows, rows)
+        scale, codes = _quantizer(x_ref, gain_ref, block, rows, k, depth, x.dtype, eps, code,
+                                  fmt.max_code, interpret)
+
+        def write(i, carry):
+            codes_ref[block, pl.ds(i * depth, depth)] = codes(i)
+            return carry
+
+        jax.lax.fori_loop(0, k // depth, write, 0)
+        scale_ref[block] = scale
+
+    return pl.pallas_call(
+        kernel, grid=(m // rows,), out_shape=[jax.ShapeDtypeStruct((m, k), code),
+                                              jax.ShapeDtypeStruct((m,), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="rms_norm_quantize")(x, gain)
+
+
 # ------------------------------------------------------------------------------ a decode layer
 _ATTENTION_IN = ("q_proj", "k_proj", "v_proj")
 _LINEAR_KEYS = ({"kernel"}, {"kernel", "bias"})
@@ -336,9 +389,8 @@ class FusedDecode:
 
     - `attention_in`: the input RMSNorm, then q, k, v with their biases (one launch);
     - `attention_out`: o_proj of the attention's output plus the residual (one launch);
-    - `mlp`: gate and up of the post-attention norm's output (quantized per token by XLA's
-      normalisation fusion, AQT's quantizer), silu(gate) * up, then down_proj plus the residual
-      (two launches).
+    - `mlp`: the post-attention RMSNorm quantized per token (`norm_quantize`, one launch), gate
+      and up of it with silu(gate) * up (one launch), down_proj plus the residual (one launch).
 
     interpret: run the kernels in Pallas' interpreter (CPU tests).
     mesh, row_spec: on a mesh, each kernel runs per batch shard (`jax.shard_map`: XLA does not
@@ -395,20 +447,19 @@ class FusedDecode:
                          out, (residual,), o_proj["kernel"])
         return y
 
-    def mlp(self, h: jax.Array, mlp: dict, residual: jax.Array) -> jax.Array:
-        """residual + down(silu(gate(h)) * up(h)): h f[B, T, E] the post-attention norm's output,
-        mlp the MLP's parameters -> f[B, T, E]."""
+    def mlp(self, x: jax.Array, gain: jax.Array, eps: float, mlp: dict) -> jax.Array:
+        """x + down(silu(gate(h)) * up(h)), h = the post-attention RMSNorm of x (gain f[E]):
+        x f[B, T, E] the residual stream, mlp the MLP's parameters -> f[B, T, E]."""
         gate, up, down = (mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
-        dt = h.dtype
 
-        def run(x, ws):
-            codes, scale = quantize_groups(x, gate.act_format, (1,))
-            return w8a8_product(codes, ws, x_scale=scale[:, 0], swiglu=True, dtype=dt,
+        def gated(x, g, ws):
+            codes, scale = norm_quantize(x, g, eps, gate.act_format, interpret=self.interpret)
+            return w8a8_product(codes, ws, x_scale=scale, swiglu=True, dtype=x.dtype,
                                 interpret=self.interpret)
 
-        (inner,) = self._run(run, h, (), [gate, up])
-        (y,) = self._run(lambda x, r, w: w8a8_product(x, [w], residual=r, interpret=self.interpret),
-                         inner, (residual,), down)
+        (inner,) = self._run(gated, x, (), gain, [gate, up])
+        (y,) = self._run(lambda h, r, w: w8a8_product(h, [w], residual=r, interpret=self.interpret),
+                         inner, (x,), down)
         return y
 
     def _run(self, fn: Callable, x: jax.Array, rows: tuple[jax.Array, ...], *weights: object

@@ -373,7 +373,8 @@ class Engine:
 
         Float parameters are cast to the compute dtype here rather than by the model every step.
         On GPU devices the 8-bit linear kernels are stored transposed, in the layout the GPU's
-        8-bit products read (`quant.transpose_for_gpu`), so no decode program copies them.
+        8-bit products read (`quant.transpose_for_gpu`), so no decode program copies them; so
+        they are with `fused_products='interpret'` anywhere (the fused kernels read them so).
 
         CPU-only work, done only when the `platform` is 'cpu' (the one predicate; on an
         accelerator each of these would cost memory or time for nothing):
@@ -394,7 +395,7 @@ class Engine:
         """
         cfg = self.config
         params = cast_floats(params, cfg.compute_dtype)
-        if self._devices == "gpu":
+        if self._devices == "gpu" or self.fused_products == "interpret":
             return transpose_for_gpu(params)
         if self.platform != "cpu":
             return params
