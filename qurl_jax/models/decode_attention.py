@@ -104,21 +104,55 @@ def gpu_dense_tiles(slots: int) -> tuple[int, int]:
 
 
 def _gpu_dense(q, k, v, starts, lengths, *, interpret: bool):
+    """JAX's ragged GPU kernel (`pallas.ops.gpu.decode_attention`'s `attn_forward_kernel`) over
+    the rows and kv heads, called on the cache in place (`gqa` would transpose the cache to [B,
+    Hkv, S, D] first; ours is already in that layout), then its k_splits partial results
+    combined by one kernel that also zeroes the rows with no live slot (`_combine_splits`;
+    JAX's wrapper combines them with XLA launches). Returns f[B, H, D] in q's dtype."""
     from jax.experimental.pallas.ops.gpu import decode_attention as gpu_decode
 
     b, h, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     splits, block_k = gpu_dense_tiles(s)
-    # `gqa` would transpose the cache to [B, Hkv, S, D] first; ours is already in that layout, so
-    # the kernel's per-(row, kv head) function is mapped over it directly (no copy of the cache).
-    one = functools.partial(
-        gpu_decode.decode_attn_unbatched, sm_scale=1.0 / math.sqrt(d), block_h=16,
-        block_k=block_k, k_splits=splits, num_warps=None, num_stages=2, grid=None,
-        interpret=interpret, debug=False, return_residuals=False, normalize_output=True)
+    one = functools.partial(_gpu_dense_partials, kernel=gpu_decode.attn_forward_kernel,
+                            sm_scale=1.0 / math.sqrt(d), block_h=16, block_k=block_k,
+                            k_splits=splits, interpret=interpret)
     per_head = lambda x: jnp.broadcast_to(x[:, None], (b, hkv))  # noqa: E731
-    out = jax.vmap(jax.vmap(one))(q.reshape(b, hkv, h // hkv, d), k.astype(q.dtype),
-                                  v.astype(q.dtype), per_head(starts), per_head(lengths))
-    return out.reshape(b, h, d).astype(q.dtype)  # the kernel's final division promotes to f32
+    o, denominators, maxima = jax.vmap(jax.vmap(one))(
+        q.reshape(b, hkv, h // hkv, d), k.astype(q.dtype), v.astype(q.dtype),
+        per_head(starts), per_head(lengths))
+    return _combine_splits(o, denominators, maxima, lengths > starts, h, split_axis=2,
+                           interpret=interpret)
+
+
+def _gpu_dense_partials(q, k, v, start, length, *, kernel, sm_scale: float, block_h: int,
+                        block_k: int, k_splits: int, interpret: bool, num_warps: int = 4,
+                        num_stages: int = 2):
+    """One (row, kv head)'s launch of JAX's ragged kernel, as `decode_attn_unbatched` makes it,
+    without its combine: q f[G, D], k, v f[S, D], start and length i32[]. Returns each split's
+    output f[k_splits, G, D] in q's dtype and its softmax denominators and maxima f32[k_splits,
+    G]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    g, d = q.shape
+    per_split = k.shape[0] // k_splits
+    scalar = pl.BlockSpec((), lambda i, j: ())
+    kv = pl.BlockSpec((None, per_split, d), lambda i, j: (j, 0, 0))
+    return pl.pallas_call(
+        functools.partial(kernel, sm_scale=sm_scale, block_k=min(block_k, per_split),
+                          block_h=block_h, num_heads=g),
+        grid=(pl.cdiv(g, block_h), k_splits),
+        in_specs=[pl.BlockSpec((block_h, d), lambda i, j: (i, 0)), kv, kv, scalar, scalar],
+        out_specs=[pl.BlockSpec((None, block_h, d), lambda i, j: (j, i, 0)),
+                   pl.BlockSpec((None, block_h), lambda i, j: (j, i)),
+                   pl.BlockSpec((None, block_h), lambda i, j: (j, i))],
+        out_shape=[jax.ShapeDtypeStruct((k_splits, g, d), q.dtype),
+                   jax.ShapeDtypeStruct((k_splits, g), jnp.float32),
+                   jax.ShapeDtypeStruct((k_splits, g), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="mha_forward",
+    )(q, k.reshape(k_splits, per_split, d), v.reshape(k_splits, per_split, d), start, length)
 
 
 def _cpu_dense(q, k, v, starts, lengths):
@@ -176,8 +210,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                              f"f32 and head_dim % 16 == 0; got platform {plat!r}, {q.dtype}, "
                              f"head_dim {q.shape[-1]}")
         out = _cpu_dense(q, k, v, starts, lengths)
-    elif plat == "gpu" or (interpret and plat == "cpu"):
-        out = _gpu_dense(q, k, v, starts, lengths, interpret=interpret)
+    elif plat == "gpu" or (interpret and plat == "cpu"):  # zeroes empty rows itself
+        return _gpu_dense(q, k, v, starts, lengths, interpret=interpret)
     else:
         raise ValueError(f"decode_attention: impl='pallas' has no dense kernel on platform "
                          f"{plat!r} (GPU only; use paged_decode_attention on TPU, or impl='xla')")
@@ -261,7 +295,8 @@ def _gpu_paged(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales, *,
         interpret=interpret)
     o, denominators, maxima = jax.vmap(partials, (0, None, None, 0, 0, None, None))(
         _prescaled(q), k_pages, v_pages, page_table, lengths[:, None], k_scales, v_scales)
-    return _combine_splits(o, denominators, maxima, lengths, q.shape[1], interpret=interpret)
+    return _combine_splits(o, denominators, maxima, lengths > 0, q.shape[1],
+                           interpret=interpret)
 
 
 def _gpu_paged_partials(q, k_pages, v_pages, block_tables, length, k_scales, v_scales, *,
@@ -308,36 +343,40 @@ def _gpu_paged_partials(q, k_pages, v_pages, block_tables, length, k_scales, v_s
     )(q, k_pages, k_scales, v_pages, v_scales, block_tables.reshape(k_splits, per_split), length)
 
 
-def _combine_splits(o, denominators, maxima, lengths, heads: int, *, interpret: bool):
-    """The flash-decoding combine of the splits' partial outputs, one launch: o f[B, S, Hkv, Gp,
-    D], their softmax denominators l and maxima m f32[B, S, Hkv, Gp] (`_gpu_paged_partials`),
-    lengths i32[B] -> f[B, H, D] in o's dtype, zeros for a row of length 0. Each output is
-    sum_s o_s e^(m_s - M) / (sum_s l_s e^(m_s - M) + eps), M = max_s m_s, as JAX's wrapper
-    computes it but in float32 throughout (the wrapper rescales and sums the partials in o's
-    dtype). One program per (row, kv head), its G heads written one by one (G need not be a
-    power of two)."""
+def _combine_splits(o, denominators, maxima, live, heads: int, *, interpret: bool,
+                    split_axis: int = 1):
+    """The flash-decoding combine of a kernel's split partial outputs, one launch: o f[B, S,
+    Hkv, Gp, D] (`split_axis` 1: `_gpu_paged_partials`) or f[B, Hkv, S, Gp, D] (2:
+    `_gpu_dense_partials`), their softmax denominators l and maxima m f32 (o's shape without D),
+    live bool[B] -> f[B, H, D] in o's dtype, zeros for a row not live. Each output is sum_s o_s
+    e^(m_s - M) / (sum_s l_s e^(m_s - M) + eps), M = max_s m_s, as JAX's wrappers compute it but
+    in float32 throughout (they rescale and sum the partials in o's dtype). One program per (row,
+    kv head), its G <= Gp heads written one by one (G need not be a power of two)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b, splits, hkv, _, d = o.shape
+    b, hkv, d = o.shape[0], o.shape[3 - split_axis], o.shape[-1]
     g = heads // hkv
     eps = np.float32(jnp.finfo(jnp.float32).eps)
 
-    def kernel(o_ref, l_ref, m_ref, len_ref, out_ref):
+    def kernel(o_ref, l_ref, m_ref, live_ref, out_ref):
         row, kv = pl.program_id(0), pl.program_id(1)
-        live = len_ref[row] > 0
+
+        def at(j):  # (row, every split, kv head kv, query head j)
+            return (row, slice(None), kv, j) if split_axis == 1 else (row, kv, slice(None), j)
+
         for j in range(g):
-            m_j = m_ref[row, :, kv, j]  # [S]
+            m_j = m_ref[at(j)]  # [S]
             scale = jnp.exp(m_j - jnp.max(m_j))
-            total = jnp.sum(l_ref[row, :, kv, j] * scale)
-            acc = jnp.sum(o_ref[row, :, kv, j, :].astype(jnp.float32) * scale[:, None], axis=0)
-            out = jnp.where(live, acc / (total + eps), 0.0)
+            total = jnp.sum(l_ref[at(j)] * scale)
+            acc = jnp.sum(o_ref[at(j)].astype(jnp.float32) * scale[:, None], axis=0)
+            out = jnp.where(live_ref[row] != 0, acc / (total + eps), 0.0)
             out_ref[row, pl.ds((kv * g + j) * d, d)] = out.astype(out_ref.dtype)
 
     out = pl.pallas_call(
         kernel, grid=(b, hkv), out_shape=jax.ShapeDtypeStruct((b, heads * d), o.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-        name="paged_split_combine")(o, denominators, maxima, lengths)
+        name="split_combine")(o, denominators, maxima, live.astype(jnp.int32))
     return out.reshape(b, heads, d)
 
 
