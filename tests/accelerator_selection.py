@@ -18,6 +18,7 @@ FILES: tuple[str, ...] = (  # in order of priority: the first run first when the
     "tests/test_model_parity.py",
     "tests/test_attention.py",
     "tests/test_decode_attention.py",
+    "tests/test_gpu_kernel.py",
     "tests/test_quant.py",
     "tests/test_fp8_train.py",
     "tests/test_sampler.py",
@@ -51,6 +52,8 @@ EXCLUDE: dict[str, str] = {
 
 NEEDS_DEVICES: dict[str, int] = {
     "tests/test_decode_attention.py::test_kernels_under_shard_map_with_rows_split_over_devices": 2,
+    "tests/test_gpu_kernel.py::test_fused_decode_applies_only_to_what_it_takes": 2,
+    "tests/test_gpu_kernel.py::test_the_sampler_runs_the_fused_products_per_batch_shard": 2,
     "tests/test_sampler.py::test_sharded_chunked_greedy_matches_single_device": 8,
     "tests/test_refill.py::test_mesh_each_shard_refills_its_own_slots": 8,
     "tests/test_refill.py::test_lower_programs_are_the_programs_sample_runs": 8,
