@@ -149,6 +149,9 @@ def test_fused_decode_applies_only_to_what_it_takes(layer_params):
     adapter = {**prepared["layers_0"], "mlp": {**prepared["layers_0"]["mlp"],
                                                "lora": {"a": jnp.zeros((64, 4))}}}
     assert not fused.applies(adapter)  # a parameter beside the kernels (a LoRA adapter)
+    beside = {**prepared["layers_0"], "self_attn": {**prepared["layers_0"]["self_attn"],
+                                                    "lora_q": {"a": jnp.zeros((64, 4))}}}
+    assert not fused.applies(beside)
     weight_only = quant.transpose_for_gpu(quant.requantize(_random_params(TINY["qwen2"]),
                                                            "int8_weight_only"))
     assert not fused.applies(weight_only["layers_0"])

@@ -61,7 +61,6 @@ GPU_SMS = 132
 _MIN_EDGE, _MIN_DEPTH = 16, 32
 # Accumulator elements a block may hold (int32 / float32 in registers, 8 warps).
 _MAX_ACC = 128 * 128
-EPILOGUES = ("plain", "residual", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +76,21 @@ class Tiles:
 
 
 def _pow2_divisors(n: int, smallest: int, largest: int) -> list[int]:
+    """The powers of two in [smallest, largest] (within 16..512) dividing n, ascending."""
     return [d for d in (1 << i for i in range(4, 10)) if smallest <= d <= largest and n % d == 0]
 
 
 def choose_tiles(m: int, k: int, ns: Sequence[int], passes: int, x_bytes: int,
                  w_bytes: int, swiglu: bool = False) -> Tiles | None:
     """The tiling of a product of M rows, contraction K and kernels of ns columns whose prologue
-    reads a block's activations `passes` times at `x_bytes` an element: of the power-of-two tiles
+    reads a block's activations `passes` times at `x_bytes` an element (`swiglu`: ns is one of
+    the two kernels, a block computes both): of the power-of-two tiles
     the kernels' columns and M allow, the one whose busiest streaming multiprocessor reads the
     fewest bytes (activations re-read per column block, weights re-read per row block), in waves
     of `GPU_SMS` blocks. A model for the choice, not a measurement; None where no tile fits (K or
     a kernel's columns not a multiple of 32 / 16, or M not a multiple of 16)."""
     depths = _pow2_divisors(k, _MIN_DEPTH, 128)
-    cols = [c for c in _pow2_divisors(math.gcd(*ns), _MIN_EDGE, 128)]
+    cols = _pow2_divisors(math.gcd(*ns), _MIN_EDGE, 128)
     rows = _pow2_divisors(m, _MIN_EDGE, 128)
     if not depths or not cols or not rows:
         return None
@@ -99,7 +100,7 @@ def choose_tiles(m: int, k: int, ns: Sequence[int], passes: int, x_bytes: int,
         for bn in cols:
             if bm * bn * width > _MAX_ACC:
                 continue
-            blocks = (m // bm) * sum(n // bn for n in ns) // width
+            blocks = (m // bm) * sum(n // bn for n in ns)
             per_block = passes * bm * k * x_bytes + width * bn * k * w_bytes
             cost = (math.ceil(blocks / GPU_SMS) * per_block, -bm * bn)
             if best is None or cost < best[0]:
@@ -128,7 +129,7 @@ def _round_half_even(x: jax.Array) -> jax.Array:
     return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
 
 
-def _divide(interpret: bool):
+def _divide(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """a / b in float32, rounded as IEEE division: XLA's `divide` on the GPU is `div.rn.f32`,
     Triton's the approximate `div.full.f32`, so the kernel asks for the exact one."""
     if interpret:
@@ -306,8 +307,10 @@ def w8a8_product(x: jax.Array, kernels: Sequence[QuantizedTensor], *,
         need = "two kernels of equal columns" if swiglu else "one kernel, a residual f[M, N]"
         raise ValueError(f"w8a8_product: {epilogue} needs {need}; got kernels "
                          f"{[w.shape for w in kernels]}")
-    dt = jnp.dtype(dtype or x.dtype)
     quantized = x_scale is not None
+    if quantized and dtype is None:
+        raise ValueError("w8a8_product: codes in (x_scale given) need the compute dtype `dtype`")
+    dt = jnp.dtype(dtype or x.dtype)
     if quantized and x.dtype != fmt.dtype:
         raise ValueError(f"w8a8_product: codes of x are {x.dtype}, the kernels' {fmt.dtype}")
     passes = 1 if quantized else 2 + (norm is not None)
@@ -379,6 +382,8 @@ def norm_quantize(x: jax.Array, gain: jax.Array, eps: float, fmt: QuantFormat, *
 # ------------------------------------------------------------------------------ a decode layer
 _ATTENTION_IN = ("q_proj", "k_proj", "v_proj")
 _LINEAR_KEYS = ({"kernel"}, {"kernel", "bias"})
+# Everything an attention block may hold (Qwen3's q/k norms run in the model's attention).
+_ATTENTION_KEYS = {*_ATTENTION_IN, "o_proj", "q_norm", "k_norm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,8 +420,8 @@ class FusedDecode:
             gains = layer["input_layernorm"]["scale"], layer["post_attention_layernorm"]["scale"]
         except (KeyError, TypeError):
             return False
-        if set(mlp) != {"gate_proj", "up_proj", "down_proj"} or any(
-                set(p) not in _LINEAR_KEYS for p in linears) or any(
+        if set(mlp) != {"gate_proj", "up_proj", "down_proj"} or not set(attn) <= _ATTENTION_KEYS \
+                or any(set(p) not in _LINEAR_KEYS for p in linears) or any(
                 "bias" in p for p in linears[3:]) or not all(usable(p["kernel"]) for p in linears):
             return False
         kernels = [p["kernel"] for p in linears]
@@ -424,7 +429,8 @@ class FusedDecode:
                 self.mesh.shape).get("tensor", 1) > 1):
             return False
         hidden, inner = kernels[0].shape[0], kernels[4].shape[1]
-        shapes_fit = all(k % _MIN_DEPTH == 0 for k in (hidden, inner)) and all(
+        contractions = (hidden, inner, kernels[3].shape[0])  # o_proj's: heads x head_dim
+        shapes_fit = all(k % _MIN_DEPTH == 0 for k in contractions) and all(
             w.shape[1] % _MIN_EDGE == 0 for w in kernels)
         return shapes_fit and all(g.shape == (hidden,) for g in gains) and (
             kernels[3].shape == (kernels[0].shape[1], hidden)
