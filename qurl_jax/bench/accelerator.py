@@ -566,8 +566,7 @@ def suite(out: dict[str, Any], save: Any) -> None:
     device = jax.devices()[0]
     chip = _chip(device)
     out.update({"suite": True, "budget_s": ARGS.budget_s, "rl_step": None, "products": None,
-                "skipped": [],
-                "chip": chip.name if chip else None,
+                "skipped": [], "chip": chip.name if chip else None,
                 "chip_bandwidth_gb_per_s": chip.bandwidth / 1e9 if chip else None})
     cases = SUITE if ARGS.suite_only is None else [SUITE[i] for i in ARGS.suite_only]
     for case in cases:

@@ -206,9 +206,10 @@ def suite_readings(path: str, target_name: str = "gpu:h100-1") -> None:
 
     target = targets.parse(target_name)
     out: dict[str, Any] = {"target": target.name, "jax": jax.__version__, "cases": {}}
-    rollouts = [(c, "auto", "") for c in accelerator.SUITE if len(c) == 5] + [
+    cases = [c for c in accelerator.SUITE if isinstance(c, tuple)]
+    rollouts = [(c, "auto", "") for c in cases if len(c) == 5] + [
         ((c[1], "int8", "bf16", 0, c[2]), "off", accelerator.PRODUCTS_XLA)
-        for c in accelerator.SUITE if c[0] == "products"]
+        for c in cases if c[0] == "products"]
     for case, fused, suffix in rollouts:
         model, actor, kv, page_size, rows = case
         config = shape_config(model)

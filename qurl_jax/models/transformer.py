@@ -10,6 +10,8 @@ Every matrix product (q/k/v/o, gate/up/down and the LM head) goes through one in
 `dot_general(lhs, rhs, dimension_numbers)` hook with the signature of `jax.lax.dot_general`. The
 learner passes nothing (plain float matmuls); the rollout passes `qurl_jax.quant`'s hook together
 with parameters whose kernels have been replaced by quantized tensors. The model code never changes.
+On a GPU a decode step's layer may run its quantized products fused with their quantization and
+epilogues instead (`fused_decode`, `quant.FusedDecode`; the same parameters and math).
 
 Attention takes explicit per-token positions and a validity mask, so prompts can be left-padded, and
 an optional `KVCache` for prefill/decode with per-row state: each row writes its new keys and values

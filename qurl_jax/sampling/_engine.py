@@ -373,8 +373,8 @@ class Engine:
 
         Float parameters are cast to the compute dtype here rather than by the model every step.
         On GPU devices the 8-bit linear kernels are stored transposed, in the layout the GPU's
-        8-bit products read (`quant.transpose_for_gpu`), so no decode program copies them; so
-        they are with `fused_products='interpret'` anywhere (the fused kernels read them so).
+        8-bit products read (`quant.transpose_for_gpu`), so no decode program copies them; with
+        `fused_products='interpret'` on any platform too, the layout the fused kernels read.
 
         CPU-only work, done only when the `platform` is 'cpu' (the one predicate; on an
         accelerator each of these would cost memory or time for nothing):
@@ -440,8 +440,8 @@ class Engine:
         """The decode model's fused W8A8 products (`fused_products`; None: XLA's): on GPU
         devices ('auto') or in Pallas' interpreter ('interpret'), per batch shard on a mesh, not
         where the rollout mesh splits the weights over a tensor axis. Which layers it runs is
-        its own `applies` (per-channel 8-bit kernels stored transposed: on GPU devices
-        `prepare` stores them so; an interpreted test passes them stored so)."""
+        its own `applies` (per-channel 8-bit kernels stored transposed, as `prepare` stores
+        them on GPU devices and with 'interpret')."""
         mesh, choice = self.mesh, self.fused_products
         if choice == "off" or (choice == "auto" and self._devices != "gpu") or (
                 mesh is not None and dict(mesh.shape).get("tensor", 1) > 1):
