@@ -11,11 +11,12 @@ launch:
 - prologue: the activations x f[M, K] of the block's rows are read whole (the contraction is a few
   thousand elements); optionally RMS-normalised first (`norm`: the layer's input norm before q/k/v);
   their per-token absmax gives the scale; each block of K is quantized as it enters the product.
-  Or x arrives already quantized (`x_scale`: codes and their per-token scales, e.g. from XLA's
-  normalisation fusion, which reads the rows once however many columns the product has).
-- product: 8-bit x 8-bit on the tensor cores, int8 -> int32 (`wgmma ... s32.s8.s8` on sm90), FP8
-  E4M3 -> float32; the kernels' codes stored [N, K] (`transpose_for_gpu`: the contraction minor,
-  the layout the 8-bit MMA reads), no split over K, so no partial sums to reduce.
+  Or x arrives already quantized (`x_scale`: codes and their per-token scales, from
+  `norm_quantize`, which reads the rows once however many column blocks the product has).
+- product: 8-bit x 8-bit on the tensor cores, int8 -> int32 (`mma.sync` / `wgmma ...
+  s32.s8.s8`), FP8 E4M3 -> float32; the kernels' codes stored [N, K] (`transpose_for_gpu`: the
+  contraction minor, the layout the 8-bit MMA reads), no split over K, so no partial sums to
+  reduce.
 - epilogue: int32 -> float32 times the token scale, then the channel scale (AQT's order), cast to
   the compute dtype; then a bias per kernel (q/k/v), or the residual added (o_proj, down_proj), or
   silu(gate) * up of two kernels (gate/up).
@@ -28,9 +29,12 @@ compute dtype) operation by operation: scale = max|x| / max code (0 -> 1; XLA tu
 by the constant into a product with its float32 reciprocal, and so does this kernel), codes =
 round-half-even(clip(x * (1 / scale))), output = (acc * token scale) * channel scale. The
 reciprocals are IEEE divisions on the GPU (`div.rn.f32`: Triton's own division is approximate), so
-codes and outputs are the reference's bit for bit, except with `norm`: the sum of squares is taken
-in another order than XLA's reduction, so the normalised activations can differ in their last bit
-and a code by one. `interpret=True` runs the kernel in Pallas' interpreter (CPU tests).
+int8 codes and outputs are the reference's bit for bit (tests/test_gpu_kernel.py, in Pallas'
+interpreter; FP8 products accumulate in float32 in another order than XLA's dot), except with
+`norm`: the sum of squares is taken in another order than XLA's reduction, so the normalised
+activations can differ in their last bit and a code by one. Triton's int8 MMAs saturate at
+int32 rather than wrap (`.satfinite`): K products of codes of at most 127 stay below 2^31 for any
+K under 133,000. `interpret=True` runs the kernel in Pallas' interpreter (CPU tests).
 
 Why a kernel of our own: JAX's maintained GPU Pallas ops (`jax.experimental.pallas.ops.gpu`) have
 norms, attention and Mosaic-GPU matmuls (bf16, or bf16 x int8 weight-only on Hopper), none with
