@@ -54,8 +54,8 @@ def test_learner_programs_take_eigen_with_the_same_values(monkeypatch) -> None:
     for choice, learner in learners.items():
         params = learner.shard_params(params0)
         opt = learner.init_opt_state(params)
-        update = learner.update_fn(params, opt, batch).lower(params, opt, batch).compile()
-        logp_fn = learner.logprobs_fn(params, batch).lower(params, batch).compile()
+        update = learner.update_fn(params, opt, batch).lower(params, opt, batch, None).compile()
+        logp_fn = learner.logprobs_fn(params, batch).lower(params, batch, None).compile()
         for program in (update, logp_fn):
             assert ("ynn_fusion" in program.as_text()) == (choice == "xla"), choice
         # The update's gradients, compiled with the learner's own options (AdamW's first step

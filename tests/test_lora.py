@@ -16,7 +16,6 @@ import pytest
 from qurl_jax import lora, quant
 from qurl_jax.config.base import validate
 from qurl_jax.config.settings import RunSettings
-from qurl_jax.evaluate import evaluate_run
 from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, Transformer, init_params
 from qurl_jax.parallel import sharding as shd
@@ -24,6 +23,7 @@ from qurl_jax.plan import memory_plan
 from qurl_jax.rl.objectives import ObjectiveConfig
 from qurl_jax.runtime.checkpoint import CheckpointMismatchError
 from qurl_jax.runtime.errors import ConfigError
+from qurl_jax.train.evaluation import evaluate_run
 from qurl_jax.train.trainer import Trainer
 from tests.test_learner import _batch
 from tests.test_trainer import tiny_config

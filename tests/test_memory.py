@@ -37,9 +37,10 @@ def _temp_bytes(learner: Learner, length: int) -> dict[str, int]:
              "positions": spec((ROWS, length), jnp.int32),
              "attn_mask": spec((ROWS, length), jnp.bool_),
              "resp_mask": spec((ROWS, g), jnp.float32), "logp_behav": spec((ROWS, g), jnp.float32)}
-    logprobs = learner.logprobs_fn(params, batch).lower(params, batch).compile()
+    logprobs = learner.logprobs_fn(params, batch).lower(params, batch, None).compile()
     batch.update(logp_prox=spec((ROWS, g), jnp.float32), advantages=spec((ROWS,), jnp.float32))
-    update = learner.update_fn(params, opt_state, batch).lower(params, opt_state, batch).compile()
+    update = learner.update_fn(params, opt_state, batch).lower(
+        params, opt_state, batch, None).compile()
     return {"update": memory.compiled_memory(update)["temp_bytes"],
             "logprobs": memory.compiled_memory(logprobs)["temp_bytes"]}
 

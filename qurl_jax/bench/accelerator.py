@@ -362,13 +362,13 @@ def learner(precision: str) -> dict[str, Any]:
     opt_state = setup.learner.init_opt_state(params)
     t0 = time.perf_counter()
     fn = setup.learner.update_fn(params, opt_state, batch)
-    compiled = fn.lower(params, opt_state, batch).compile()
+    compiled = fn.lower(params, opt_state, batch, None).compile()
     compile_s = time.perf_counter() - t0
     analysis = compiled_memory(compiled)
     times = []
     for _ in range(1 + max(ARGS.rounds, 2)):
         t0 = time.perf_counter()
-        params, opt_state, metrics = compiled(params, opt_state, batch)
+        params, opt_state, metrics = compiled(params, opt_state, batch, None)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     step = float(np.median(times[1:]))

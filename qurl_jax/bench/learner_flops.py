@@ -142,8 +142,8 @@ def count(config_path: str, target_name: str, seed: int = 0,
         for layers in (1, 2):
             ln, params, opt = learner(packing_on, budget, layers)
             upd = 0.0 if update_batch is None else _flops(ln.update_fn(
-                params, opt, update_batch).lower(params, opt, update_batch).compile())
-            lp = ln.logprobs_fn(params, logprob_batch).lower(params, logprob_batch).compile()
+                params, opt, update_batch).lower(params, opt, update_batch, None).compile())
+            lp = ln.logprobs_fn(params, logprob_batch).lower(params, logprob_batch, None).compile()
             counted[layers] = (upd, _flops(lp))
             log(f"  {layers} layer(s): update micro-batch {counted[layers][0]:.4g}, log-prob "
                 f"slice {counted[layers][1]:.4g} FLOPs per device")
