@@ -3,6 +3,7 @@ only the adapter, the rollout and the learner read the very same base arrays, a 
 stale adapter stops the run, resume is exact, a LoRA checkpoint and a full fine-tune's refuse
 each other, the config's checks, and the PEFT export against `peft` (slow: needs torch)."""
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -72,6 +73,31 @@ def test_zero_b_gives_the_base_logits_exactly():
         quant.requantize(params, INT8)["layers_1"]["mlp"]["up_proj"]["kernel"].qvalue)
 
 
+def test_w8a8_learner_is_the_rollouts_product_with_an_int8_input_gradient():
+    """learner_products='w8a8': at b = 0 the learner's logits are the rollout's W8A8 logits
+    bit for bit (the same product of the same codes); the input gradient is the int8 product
+    of dy diag(s) and the codes, within int8 rounding of the float one, zero for a zero row, and
+    the frozen kernel gets no gradient."""
+    _, base, adapter = _base_and_adapter()
+    learner = lora.dot_general(lora.learner_products(jax.lax.dot_general))
+    np.testing.assert_array_equal(
+        _logits(learner, lora.attach(lora.learner_base(base, "w8a8"), adapter, LORA.scale)),
+        _logits(quant.rollout_dot_general, base))
+    kernel = base["layers_0"]["mlp"]["up_proj"]["kernel"]  # int8 [32, 64], W8A8
+    assert lora.is_w8a8_linear(kernel) and lora.learner_base(base, "w8a8") is base
+    x = jax.random.normal(jax.random.key(2), (6, 32))
+    dy = jax.random.normal(jax.random.key(3), (6, 64)).at[2].set(0.0)
+    y, vjp = jax.vjp(lora.w8a8_linear, x, kernel)
+    np.testing.assert_array_equal(y, quant.rollout_dot_general(x, kernel, (((1,), (0,)),
+                                                                           ((), ()))))
+    dx, dkernel = vjp(dy)
+    exact = np.asarray(dy) @ np.asarray(kernel.dequantize()).T
+    assert np.all(np.asarray(dx)[2] == 0.0)
+    err = np.abs(np.asarray(dx) - exact).max(axis=1) / np.abs(exact).max(axis=1).clip(1e-30)
+    assert 0 < err.max() < 0.02  # int8 rounding of dy diag(s), per token
+    assert not np.any(np.asarray(dkernel.scale))
+
+
 def test_attach_keeps_the_base_arrays_and_the_adapter_adds_its_product():
     params, base, adapter = _base_and_adapter(b_scale=0.1)
     attached = lora.attach(base, adapter, LORA.scale)
@@ -92,11 +118,12 @@ def test_attach_keeps_the_base_arrays_and_the_adapter_adds_its_product():
                            _logits(jax.lax.dot_general, params), atol=1e-3)
 
 
-def test_one_update_changes_only_the_adapter():
+@pytest.mark.parametrize("products", lora.LEARNER_PRODUCTS)
+def test_one_update_changes_only_the_adapter(products):
     _, base, adapter = _base_and_adapter()
     mesh = shd.make_mesh(1, 1, 1)
     learner = Learner(CFG, ObjectiveConfig(), OptimConfig(learning_rate=1e-2), mesh,
-                      temperature=0.9, lora=LORA)
+                      temperature=0.9, lora=dataclasses.replace(LORA, learner_products=products))
     before = jax.tree.map(np.asarray, base)
     adapter = learner.shard_params(adapter)
     a0 = jax.tree.map(np.asarray, adapter)
@@ -119,7 +146,9 @@ def _lora_config(**overrides):
 
 
 def test_rollout_and_learner_read_the_same_base_arrays_and_a_stale_adapter_stops(tmp_path):
-    t = Trainer(_lora_config(), str(tmp_path))
+    c = _lora_config()
+    c.model.lora.learner_products = "w8a8"  # the learner runs the rollout's own product
+    t = Trainer(c, str(tmp_path))
     seen = {}
     sample, update = t.sampler.sample, t.learner.update
 
@@ -188,9 +217,12 @@ def test_a_full_checkpoint_refuses_a_lora_config(tmp_path):
     ("rollout.invariant_scaling", 1.5, "config.rollout.invariant_scaling=1.5"),
     ("model.lora.targets", ("qkv_proj",), "match no projection"),
     ("model.lora.base_precision", "int4", "not one of"),
+    ("model.lora.learner_products", "int4", "learner_products='int4' is not one of"),
+    ("rollout.precision", "int8_weight_only", "learner_products='w8a8' runs the learner on"),
 ])
 def test_bad_lora_settings_name_the_field(field, value, match):
     c = _lora_config()
+    c.model.lora.learner_products = "w8a8"  # the int8 W8A8 rollout's own product
     section, *rest = field.split(".")
     node = c[section]
     for name in rest[:-1]:

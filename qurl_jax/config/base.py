@@ -88,9 +88,13 @@ def base_config() -> ml_collections.ConfigDict:
     # parameter. The base is quantized once, in base_precision ('int8' | 'fp8': the
     # rollout.precision recipe's codes, which must be of that format; 'compute': model.dtype),
     # and the rollout and the learner read the same arrays; only the adapter (float32) and its
-    # optimizer state train, are resharded and checkpointed.
+    # optimizer state train, are resharded and checkpointed. learner_products: how the learner
+    # (and the evaluation) read the base's codes: 'weight_only' (float activations) or 'w8a8'
+    # (the 'int8' rollout's own W8A8 product, with an int8 input gradient: pi_theta is the
+    # policy the rollout samples).
     c.model.lora = ml_collections.ConfigDict(dict(rank=0, alpha=32.0, targets=PROJECTIONS,
-                                                  base_precision="int8"))
+                                                  base_precision="int8",
+                                                  learner_products="weight_only"))
     c.model.tiny = ml_collections.ConfigDict(dict(  # used when source == 'tiny'
         model_type="qwen2", hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,

@@ -166,7 +166,8 @@ def lora_config(model: ml_collections.ConfigDict) -> LoraConfig:
     if lora is None:
         return LoraConfig()
     return LoraConfig(rank=int(lora.rank), alpha=float(lora.alpha), targets=tuple(lora.targets),
-                      base_precision=str(lora.base_precision))
+                      base_precision=str(lora.base_precision),
+                      learner_products=str(lora.learner_products))
 
 
 @dataclasses.dataclass(frozen=True)

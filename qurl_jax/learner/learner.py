@@ -335,7 +335,8 @@ class Learner:
       without AVX512); other platforms ignore it.
     lora: a `lora.LoraConfig` to train its adapter on a frozen base instead of every parameter:
       `params` is then the adapter (replicated on the mesh) and `logprobs` / `update` take the
-      base as `frozen` (read weight-only where it lies, never donated; `policy`).
+      base as `frozen` (read where it lies, as `lora.learner_products` says, never donated;
+      `policy`).
     """
 
     def __init__(self, model_config: ModelConfig, objective: ObjectiveConfig, optim: OptimConfig,
@@ -372,8 +373,11 @@ class Learner:
                              f"precision={self.precision.name!r} must be 'fp'")
         self.lora = lora
         products = _products_for(mesh)
-        if lora is not None:  # the frozen base weight-only, the adapters' products as any float's
+        if lora is not None:  # the frozen base's products, the adapters' as any float kernel's
             products = lora_lib.dot_general(lora_lib.learner_products(products))
+        # On XLA:CPU a LoRA learner's program holds the base's weight-only codes widened to the
+        # compute dtype (`lora.for_learner`).
+        self._widen = model_config.compute_dtype if platform_of(mesh) == "cpu" else None
         self.model = Transformer(model_config, products, remat=remat,
                                  scan_layers=scan_layers, shard_activation=self._shard_activation)
         self.objective = objective
@@ -411,12 +415,15 @@ class Learner:
 
     def policy(self, params: Any, frozen: Any = None) -> Any:
         """The model's parameters of the policy: `params` themselves, or with LoRA the frozen
-        base (`frozen`, its codes read weight-only) with the adapter `params` attached."""
+        base (`frozen`, read as `model.lora.learner_products` says: `lora.for_learner`; on
+        XLA:CPU its weight-only codes widened once per program call) with the adapter `params`
+        attached."""
         if self.lora is None:
             return params
         if frozen is None:
             raise ValueError("a LoRA learner needs the frozen base (frozen=...)")
-        return lora_lib.attach(lora_lib.weight_only(frozen), params, self.lora.scale)
+        base = lora_lib.for_learner(frozen, self.lora.learner_products, self._widen)
+        return lora_lib.attach(base, params, self.lora.scale)
 
     @staticmethod
     def _frozen_shardings(frozen: Any) -> Any:

@@ -38,7 +38,6 @@ from qurl_jax.quant import (
     quantize_kernel,
     quantized_leaves,
     requantize,
-    rollout_dot_general,
 )
 
 Params = dict[str, Any]
@@ -51,6 +50,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # Where the base's weights are kept: int8 or FP8 codes (the rollout recipe's format), or the
 # compute dtype (`model.dtype`).
 BASE_PRECISIONS = ("int8", "fp8", "compute")
+# How the learner's forward and input gradient read the base's codes (`lora._learner`): float
+# activations times the codes, or the rollout's int8 W8A8 product.
+LEARNER_PRODUCTS = ("weight_only", "w8a8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +65,16 @@ class LoraConfig:
       `re.search`es its module path, e.g. 'layers_3/self_attn/q_proj' ('_proj$' takes all seven).
     base_precision: 'int8' | 'fp8' (the base's kernels as the rollout recipe's codes) or
       'compute' (kept in the compute dtype).
+    learner_products: how the learner's forward and input gradient read the base's codes
+      (`lora.LEARNER_PRODUCTS`): 'weight_only' (float activations) or 'w8a8' (the rollout's
+      int8 W8A8 product, an int8 input gradient; needs the 'int8' rollout recipe).
     """
 
     rank: int = 0
     alpha: float = 32.0
     targets: tuple[str, ...] = PROJECTIONS
     base_precision: str = "int8"
+    learner_products: str = "weight_only"
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +94,9 @@ class LoraConfig:
         if self.base_precision not in BASE_PRECISIONS:
             raise ValueError(f"config.{prefix}base_precision={self.base_precision!r} is not one "
                              f"of {BASE_PRECISIONS}")
+        if self.learner_products not in LEARNER_PRODUCTS:
+            raise ValueError(f"config.{prefix}learner_products={self.learner_products!r} is not "
+                             f"one of {LEARNER_PRODUCTS}")
         if self.enabled and not self.targets:
             raise ValueError(f"config.{prefix}targets is empty: name the projections to adapt, "
                              f"e.g. {PROJECTIONS}")
@@ -201,7 +210,7 @@ def dot_general(inner: DotGeneral) -> DotGeneral:
     """The model's product hook with adapters: a `LoraKernel` rhs gives inner(x, base) + (x @ a)
     @ b * scale (the adapter's products through `inner` too, in the activations' dtype); any
     other rhs goes to `inner` unchanged. `inner` must take the base's kernels (for
-    `QuantizedTensor`s: `quant.rollout_dot_general`, or `learner_products`)."""
+    `QuantizedTensor`s: `quant.rollout_dot_general`, or `lora.learner_products`)."""
 
     def hook(lhs: jax.Array, rhs: Any, dimension_numbers: Any, precision: Any = None,
              preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
@@ -220,19 +229,6 @@ def dot_general(inner: DotGeneral) -> DotGeneral:
         return out + (up * rhs.scale).astype(out.dtype)
 
     return hook
-
-
-def learner_products(products: DotGeneral) -> DotGeneral:
-    """The learner's inner hook: a frozen `QuantizedTensor` kernel through `quant`'s product
-    (weight-only once the base is `weight_only`), float kernels through `products` (on XLA:CPU
-    the plain weight-gradient products the learner uses for every float kernel)."""
-
-    def inner(lhs: jax.Array, rhs: Any, dimension_numbers: Any, **kwargs: Any) -> jax.Array:
-        if isinstance(rhs, QuantizedTensor):
-            return rollout_dot_general(lhs, rhs, dimension_numbers, **kwargs)
-        return products(lhs, rhs, dimension_numbers, **kwargs)
-
-    return inner
 
 
 def merge(base: Params, adapter: Params, scale: float, dtype: Any = jnp.float32) -> Params:
@@ -272,7 +268,8 @@ def fingerprint(adapter: Params) -> np.ndarray:
 def check_base_recipe(cfg: LoraConfig, recipe: Recipe) -> None:
     """ValueError (one line naming both fields) when the rollout recipe does not store the
     base's kernels in `cfg.base_precision`: 'int8' takes an int8 recipe (W8A8 'int8', or
-    'int8_weight_only'), 'fp8' an FP8 one ('fp8', 'fp8_block'), 'compute' the 'fp' recipe."""
+    'int8_weight_only'), 'fp8' an FP8 one ('fp8', 'fp8_block'), 'compute' the 'fp' recipe;
+    learner_products 'w8a8' takes the W8A8 'int8' recipe."""
     wanted = {"int8": QuantFormat.INT8, "fp8": QuantFormat.FP8_E4M3, "compute": None}
     if recipe.weight_format is not wanted[cfg.base_precision]:
         raise ValueError(f"config.model.lora.base_precision={cfg.base_precision!r} does not "
@@ -280,6 +277,13 @@ def check_base_recipe(cfg: LoraConfig, recipe: Recipe) -> None:
                          "base's own codes, so pick a rollout recipe of the base's format "
                          "(int8: 'int8' or 'int8_weight_only'; fp8: 'fp8' or 'fp8_block'; "
                          "compute: 'fp')")
+    if cfg.learner_products == "w8a8" and not (
+            recipe.weight_format is QuantFormat.INT8 and recipe.act_format is QuantFormat.INT8
+            and recipe.weight_block is None):
+        raise ValueError(f"config.model.lora.learner_products='w8a8' runs the learner on the "
+                         f"rollout's int8 W8A8 product, but config.rollout.precision="
+                         f"{recipe.name!r} is not that product: use rollout.precision='int8' "
+                         "or learner_products='weight_only'")
 
 
 def quantize_base(params: Params, cfg: LoraConfig, recipe: Recipe, compute_dtype: Any,

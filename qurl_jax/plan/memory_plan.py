@@ -183,10 +183,11 @@ class Setup:
     def eval_actor(self) -> Any:
         """The evaluation's full-precision actor (the compute dtype, `quant.requantize(..., 'fp')`)
         as `jax.ShapeDtypeStruct`s on the rollout's replicas, as `Trainer.evaluate` samples it;
-        with LoRA the frozen base read weight-only with the adapter."""
+        with LoRA the frozen base read as the learner reads it (`lora.learner_base`) with the
+        adapter."""
         if self.lora is not None:
-            return lora.attach(lora.weight_only(self.frozen), self.rollout_adapter,
-                               self.lora.scale)
+            return lora.attach(lora.learner_base(self.frozen, self.lora.learner_products),
+                               self.rollout_adapter, self.lora.scale)
         dtype = self.model_config.compute_dtype
         return self.reshard.abstract(jax.eval_shape(
             lambda p: quant.requantize(p, "fp", compute_dtype=dtype), self.params))

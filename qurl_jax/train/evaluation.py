@@ -37,7 +37,8 @@ def _lora_policy(settings: Any, learner: Any, model_config: Any, init: Any, work
                  step: int) -> Any:
     """A LoRA run's policy as the evaluation samples it: the frozen base quantized from the
     initial weights as the trainer makes it, with the adapter of checkpoint `step` (at step 0
-    the initial one) attached, the base read weight-only (`Trainer._eval_policy`)."""
+    the initial one) attached, the base read as the learner reads it
+    (`model.lora.learner_products`; `Trainer._eval_policy`)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -58,7 +59,8 @@ def _lora_policy(settings: Any, learner: Any, model_config: Any, init: Any, work
         adapter = state["adapter"]
     base = lora.quantize_base(init, cfg, settings.rollout.recipe, model_config.compute_dtype)
     base = jax.device_put(base, NamedSharding(learner.mesh, PartitionSpec()))
-    return lora.attach(lora.weight_only(base), learner.shard_params(adapter), cfg.scale)
+    return lora.attach(lora.learner_base(base, cfg.learner_products), learner.shard_params(adapter),
+                       cfg.scale)
 
 
 def _policy(learner: Any, model_config: Any, init: Any, workdir: str,

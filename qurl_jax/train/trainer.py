@@ -186,7 +186,7 @@ class Trainer:
         # the learner's log-probs (logp_prox) stay dense.
         sampler_settings = self.settings.rollout.sampler
         # With LoRA both samplers read the frozen base through the adapters' hook: the rollout
-        # with the recipe's product (W8A8 for int8), the evaluation weight-only.
+        # with the recipe's product (W8A8 for int8), the evaluation as the learner reads it.
         self.sampler = build_rollout_sampler(
             self.model_config, lora.dot_general(quant.rollout_dot_general) if self.lora
             else quant.make_dot_general(self.recipe), sampler_settings, **engine_kwargs)
@@ -626,11 +626,11 @@ class Trainer:
 
     def _eval_policy(self, params: Any) -> Any:
         """What the evaluation sampler samples: the full-precision `params` on the rollout's
-        replicas, or with LoRA the adapter `params` on the frozen base, read weight-only (the
-        learner's policy; no float copy of the base)."""
+        replicas, or with LoRA the adapter `params` on the frozen base, read as the learner
+        reads it (`lora.learner_base`: the learner's policy; no float copy of the base)."""
         if self.lora:
-            return lora.attach(lora.weight_only(self.base), self._adapter_on_rollout(params),
-                               self.lora.scale)
+            return lora.attach(lora.learner_base(self.base, self.lora.learner_products),
+                               self._adapter_on_rollout(params), self.lora.scale)
         return self._on_rollout_layout(params)
 
     def _on_rollout_layout(self, params: Any) -> Any:
