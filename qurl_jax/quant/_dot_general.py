@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.numerics import utils as aqt_numerics
 
+from qurl_jax.cpu_kernels import fixed_order
 from qurl_jax.quant._cpu_kernel import int8_dot_general, packed_int8_dot_general
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_row_groups
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
@@ -117,11 +118,49 @@ def block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Arr
     return jnp.einsum("gmn,mg,gn->mn", partial, a_scale, b_scale)
 
 
+def exact_block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Array,
+                              b_scale: jax.Array, block_n: int) -> jax.Array:
+    """`block_scaled_matmul` of E4M3 operands in a fixed order, the same for every row whatever
+    the rows in the call (exact on-policy numerics, `models.exact`): per group the fused
+    multiply-add chain over its contraction rows from 0, then the groups' partials, each times
+    its activation and weight scales, added in group order
+    (`cpu_kernels.fixed_order.matmul_e4m3`; on TPU and GPU the same sum per tile of rows)."""
+    if b_codes.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"exact numerics: block-scaled products need E4M3 codes, got "
+                         f"{b_codes.dtype} (train.on_policy_numerics='exact' runs the 'fp' and "
+                         f"'fp8_block' recipes)")
+    a = a_codes.astype(jnp.float32)
+
+    def cpu(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+            ) -> jax.Array:
+        return fixed_order.matmul_e4m3(a, a_scale, b_codes, b_scale, block_n)
+
+    def other(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+              ) -> jax.Array:
+        ng, n = a_scale.shape[1], b_codes.shape[1]
+        b = b_codes.astype(jnp.float32).reshape(ng, -1, n)
+        sb = jnp.repeat(b_scale, block_n, axis=1)[:, :n]
+
+        def tile(a: jax.Array, sa: jax.Array) -> jax.Array:
+            parts = jnp.einsum("mgk,gkn->gmn", a.reshape(a.shape[0], ng, -1), b)
+            out = jnp.zeros(parts.shape[1:], jnp.float32)
+            for g in range(ng):
+                out = out + (parts[g] * sa[:, g:g + 1]) * sb[g][None]
+            return out
+
+        return fixed_order.row_tiles(tile, a, a_scale)
+
+    return fixed_order.on_cpu(cpu, other, a, a_scale.astype(jnp.float32), b_codes,
+                              b_scale.astype(jnp.float32))
+
+
 def block_product(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[int, int],
-                  act_format: QuantFormat) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  act_format: QuantFormat, exact: bool = False
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x[M, K] times a block-scaled kernel [K, N], activations quantized in 1 x block[0] groups.
 
-    codes: [K, N] kernel codes; scale: f32[ceil(K / block[0]), ceil(N / block[1])].
+    codes: [K, N] kernel codes; scale: f32[ceil(K / block[0]), ceil(N / block[1])]; exact: the
+    product in the fixed order (`exact_block_scaled_matmul`).
     Returns (f32[M, N] product, activation codes [M, G * block[0]], f32 scales [M, G]); the
     learner keeps the activation codes for its backward pass (`_fp8_train`).
     """
@@ -129,16 +168,18 @@ def block_product(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple
     pad = x_codes.shape[1] - codes.shape[0]
     if pad:
         codes = jnp.pad(codes, ((0, pad), (0, 0)))
-    return block_scaled_matmul(x_codes, x_scale, codes, scale, block[1]), x_codes, x_scale
+    product = exact_block_scaled_matmul if exact else block_scaled_matmul
+    return product(x_codes, x_scale, codes, scale, block[1]), x_codes, x_scale
 
 
-def _block_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int) -> jax.Array:
+def _block_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int,
+                   exact: bool = False) -> jax.Array:
     """x[..., K] times a block-scaled kernel (`block_product`). Output f32[..., N]."""
     codes, scale, block = rhs.qvalue, rhs.scale, rhs.block
     if rhs_axis == 1:  # tied head: embedding [V, E] contracts E; view it as a kernel [E, V]
         codes, scale, block = codes.T, scale.T, block[::-1]
     lead, k = lhs.shape[:-1], lhs.shape[-1]
-    out, _, _ = block_product(lhs.reshape(-1, k), codes, scale, block, rhs.act_format)
+    out, _, _ = block_product(lhs.reshape(-1, k), codes, scale, block, rhs.act_format, exact)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -157,12 +198,14 @@ def _weight_only_per_channel(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int
 
 def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
                         dimension_numbers: DotDimensionNumbers, precision: Any = None,
-                        preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+                        preferred_element_type: Any = None, *, exact: bool = False,
+                        **kwargs: Any) -> jax.Array:
     """`jax.lax.dot_general` that also accepts a `QuantizedTensor` rhs (see module docstring).
 
     lhs: f[..., K] activations; rhs: a float array or a QuantizedTensor kernel [K, N] (contracting
-    axis 0) or [N, K] (contracting axis 1, the tied LM head). Returns f[..., N] in lhs's dtype (or
-    `preferred_element_type`).
+    axis 0) or [N, K] (contracting axis 1, the tied LM head). exact: a block-scaled kernel's
+    product in the fixed order (exact on-policy numerics; `models.exact` sets it, and runs float
+    kernels itself). Returns f[..., N] in lhs's dtype (or `preferred_element_type`).
     """
     if not isinstance(rhs, QuantizedTensor):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -184,10 +227,14 @@ def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
     elif rhs.act_format is None:
         out = jax.lax.dot_general(lhs, rhs.dequantize(lhs.dtype), dimension_numbers,
                                   precision=precision)
+    elif exact and (rhs.is_per_channel(rhs_axis) or rhs.act_format is not QuantFormat.FP8_E4M3):
+        raise ValueError(f"exact numerics: a {rhs.act_format} kernel with block {rhs.block} has "
+                         f"no fixed-order product (train.on_policy_numerics='exact' runs the "
+                         f"'fp' and 'fp8_block' recipes)")
     elif rhs.is_per_channel(rhs_axis):
         out = _per_channel_product(lhs, rhs, rhs_axis)
     else:
-        out = _block_product(lhs, rhs, rhs_axis)
+        out = _block_product(lhs, rhs, rhs_axis, exact)
     return out.astype(out_dtype)
 
 

@@ -115,11 +115,13 @@ class TrainKernel:
 
 
 class _Grouping(NamedTuple):
-    """Static scale grouping of one product: weight block, format, tokens per wgrad group."""
+    """Static scale grouping of one product: weight block, format, tokens per wgrad group; and
+    whether the forward product runs in the fixed order (exact on-policy numerics)."""
 
     block: tuple[int, int]
     fmt: QuantFormat
     token_group: int
+    exact: bool = False
 
 
 def _forward(x: jax.Array, w: jax.Array, valid: jax.Array, grouping: _Grouping
@@ -128,7 +130,8 @@ def _forward(x: jax.Array, w: jax.Array, valid: jax.Array, grouping: _Grouping
     activation codes [M, Kp] and f32 scales [M, Kp / block[0]], the FP8 weight blocks, valid."""
     x = jnp.where(valid[:, None], x, 0.0)
     wq = quantize_kernel(w, grouping.fmt, grouping.block, grouping.fmt)
-    out, x_codes, x_scale = block_product(x, wq.qvalue, wq.scale, wq.block, grouping.fmt)
+    out, x_codes, x_scale = block_product(x, wq.qvalue, wq.scale, wq.block, grouping.fmt,
+                                          grouping.exact)
     return out, (x_codes, x_scale, wq, valid)
 
 
@@ -174,7 +177,7 @@ _fp8_linear.defvjp(_forward, _fp8_linear_bwd)
 def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None = None,
                      block: tuple[int, int] = (128, 128),
                      fmt: QuantFormat = QuantFormat.FP8_E4M3,
-                     token_group: int = TOKEN_GROUP) -> jax.Array:
+                     token_group: int = TOKEN_GROUP, exact: bool = False) -> jax.Array:
     """x @ w with all three GEMMs in block-scaled FP8 (see module docstring); differentiable.
 
     Args:
@@ -186,6 +189,8 @@ def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None
         have block[0] channels, the output-gradient groups along N block[1].
       fmt: the FP8 format (E4M3).
       token_group: tokens per scale group of the weight-gradient operands.
+      exact: the forward product in the fixed order (`_dot_general.exact_block_scaled_matmul`,
+        exact on-policy numerics), the rollout's under the same setting; the backward unchanged.
 
     Returns f[..., N] in x's dtype. Gradients: dX in x's dtype, dW in w's dtype (both computed in
     float32).
@@ -201,7 +206,7 @@ def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None
                          f"the leading axes {lead} of x {x.shape}")
     else:
         valid = token_mask.reshape(-1).astype(jnp.bool_)
-    grouping = _Grouping((min(block[0], k), min(block[1], w.shape[1])), fmt, token_group)
+    grouping = _Grouping((min(block[0], k), min(block[1], w.shape[1])), fmt, token_group, exact)
     # The casts sit outside the custom VJP, so their transposes hand dX back in the compute dtype
     # and dW in the master dtype.
     out = _fp8_linear(x.reshape(-1, k).astype(jnp.float32), w.astype(jnp.float32), valid,
@@ -212,14 +217,16 @@ def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None
 def train_dot_general(lhs: jax.Array, rhs: jax.Array | TrainKernel,
                       dimension_numbers: DotDimensionNumbers, precision: Any = None,
                       preferred_element_type: Any = None, *,
-                      token_mask: jax.Array | None = None, **kwargs: Any) -> jax.Array:
+                      token_mask: jax.Array | None = None, exact: bool = False,
+                      **kwargs: Any) -> jax.Array:
     """The learner's `dot_general` hook: FP8 block-scaled for `TrainKernel`s, plain otherwise.
 
     lhs: f[..., K] activations; rhs: a `TrainKernel` [K, N] (a marked linear layer, contracting
     axis 0) or any float array (LM head, tied or untied, and every unmarked product), which goes
     to `jax.lax.dot_general` unchanged. token_mask: bool over lhs's leading axes (see
-    `fp8_block_linear`); bind it per batch with `functools.partial`. Returns f[..., N] in lhs's
-    dtype (or `preferred_element_type`).
+    `fp8_block_linear`); bind it per batch with `functools.partial`. exact: the forward product
+    in the fixed order (`models.exact` sets it; float rhs never come here then). Returns
+    f[..., N] in lhs's dtype (or `preferred_element_type`).
     """
     if not isinstance(rhs, TrainKernel):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -231,7 +238,8 @@ def train_dot_general(lhs: jax.Array, rhs: jax.Array | TrainKernel,
             f"the last lhs axis with rhs axis 0 and no batch axes; got "
             f"dimension_numbers={dimension_numbers} for lhs of shape {lhs.shape}"
         )
-    out = fp8_block_linear(lhs, rhs.value, token_mask=token_mask, block=rhs.block, fmt=rhs.fmt)
+    out = fp8_block_linear(lhs, rhs.value, token_mask=token_mask, block=rhs.block, fmt=rhs.fmt,
+                           exact=exact)
     return out.astype(preferred_element_type or lhs.dtype)
 
 
