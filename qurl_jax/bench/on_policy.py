@@ -409,8 +409,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     report: dict[str, Any] = {"model": args.model, "precision": args.precision,
                               "numerics": args.numerics}
     print(f"{args.model}: {config.num_layers} layers, hidden {config.hidden_size}; "
-          f"precision {args.precision}, numerics {args.numerics}; {args.prompts} prompts x {args.n}, up to "
-          f"{args.max_new_tokens} tokens, T = {args.temperature}{' greedy' if args.greedy else ''}")
+          f"precision {args.precision}, numerics {args.numerics}; {args.prompts} prompts x "
+          f"{args.n}, up to {args.max_new_tokens} tokens, T = {args.temperature}"
+          f"{' greedy' if args.greedy else ''}")
     print(f"{'sampler':8s} {'tokens':>6s} {'KL k3':>10s} {'mean|gap|':>10s} {'max|gap|':>10s} "
           f"{'bit-equal':>9s}")
     static_out = None

@@ -222,15 +222,16 @@ def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
         )
     out_dtype = preferred_element_type or lhs.dtype
     rhs_axis = int(rhs_c[0])
+    if exact and (rhs.is_per_channel(rhs_axis) or rhs.act_format is not QuantFormat.FP8_E4M3):
+        raise ValueError(f"exact numerics: a kernel of weight format {rhs.qvalue.dtype}, "
+                         f"activations {rhs.act_format}, block {rhs.block} has no fixed-order "
+                         f"product (train.on_policy_numerics='exact' runs the 'fp' and "
+                         f"'fp8_block' recipes, vocabulary tables in float)")
     if rhs.act_format is None and rhs.is_per_channel(rhs_axis):
         out = _weight_only_per_channel(lhs, rhs, rhs_axis, precision)
     elif rhs.act_format is None:
         out = jax.lax.dot_general(lhs, rhs.dequantize(lhs.dtype), dimension_numbers,
                                   precision=precision)
-    elif exact and (rhs.is_per_channel(rhs_axis) or rhs.act_format is not QuantFormat.FP8_E4M3):
-        raise ValueError(f"exact numerics: a {rhs.act_format} kernel with block {rhs.block} has "
-                         f"no fixed-order product (train.on_policy_numerics='exact' runs the "
-                         f"'fp' and 'fp8_block' recipes)")
     elif rhs.is_per_channel(rhs_axis):
         out = _per_channel_product(lhs, rhs, rhs_axis)
     else:

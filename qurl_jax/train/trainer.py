@@ -122,7 +122,8 @@ class Trainer:
                               f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = self.settings.rollout.recipe
         self.objective = self.settings.train.objective
-        self.model_config = model_config_for(self.settings.model)
+        numerics = s.train.on_policy_numerics  # `models.exact`: both sides, one setting
+        self.model_config = model_config_for(self.settings.model).replace(numerics=numerics)
         self.learner = self.settings.train.learner(self.model_config, self.mesh,
                                                    temperature=s.rollout.temperature,
                                                    rollout_rows=self.settings.rollout_rows,
@@ -163,6 +164,7 @@ class Trainer:
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(self.settings,
                                                                           self.workdir, reward_fn)
+        self.model_config = self.model_config.replace(numerics=numerics)
         engine_kwargs = dict(max_prompt_len=s.data.max_prompt_len,
                              max_new_tokens=max(s.rollout.max_new_tokens, s.eval.max_new_tokens),
                              pad_id=self.task.pad_id, mesh=self.rollout_mesh)
