@@ -76,16 +76,28 @@ def np_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def np_block_matmul(a, a_scale, b, b_scale, block_n):
+    """Group partials P_G (fused chains); u_G = P_G * a_scale; eight lanes of fused chains of
+    u_G * b_scale over the first 8 * floor(G / 8) groups (group G in lane G % 8), a tail chain
+    over the rest, (((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))) + tail."""
     m, n = a.shape[0], b.shape[1]
-    g = a.shape[1] // a_scale.shape[1]
+    groups = a_scale.shape[1]
+    g = a.shape[1] // groups
     cols = np.arange(n) // block_n
-    out = np.zeros((m, n), F32)
-    for group in range(a_scale.shape[1]):
+    main = groups // 8 * 8
+    lanes = [np.zeros((m, n), F32) for _ in range(8)]
+    tail = np.zeros((m, n), F32)
+    for group in range(groups):
         partial = np.zeros((m, n), F32)
         for k in range(group * g, (group + 1) * g):
             partial = fma(a[:, k:k + 1], b[k][None], partial)
-        out = out + (partial * a_scale[:, group:group + 1]) * b_scale[group, cols][None]
-    return out
+        u = partial * a_scale[:, group:group + 1]
+        if group < main:
+            lanes[group % 8] = fma(u, b_scale[group, cols][None], lanes[group % 8])
+        else:
+            tail = fma(u, b_scale[group, cols][None], tail)
+    tree = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5])
+                                                              + (lanes[6] + lanes[7]))
+    return tree + tail
 
 
 def np_rms_norm(x, gain, eps):
@@ -161,8 +173,10 @@ def test_matmul_is_the_fused_chain_over_k_for_any_rows_and_either_layout():
         jnp.asarray(a[:13]), jnp.asarray(np.ascontiguousarray(b.T)), transposed=True)), want)
 
 
-def test_block_scaled_fp8_matmul_sums_group_partials_in_order():
-    m, groups, g, n, block_n = 9, 3, 32, 70, 32
+@pytest.mark.parametrize("groups, block_n", [(3, 64), (11, 64), (17, 1)])
+def test_block_scaled_fp8_matmul_combines_group_partials_in_the_documented_order(groups,
+                                                                               block_n):
+    m, g, n = 9, 16, 70
     a = (RNG.standard_normal((m, groups * g)) * 30).astype(ml_dtypes.float8_e4m3fn).astype(F32)
     codes = (RNG.standard_normal((groups * g, n)) * 30).astype(ml_dtypes.float8_e4m3fn)
     a_scale = RNG.uniform(0.1, 2.0, (m, groups)).astype(F32)
@@ -171,6 +185,45 @@ def test_block_scaled_fp8_matmul_sums_group_partials_in_order():
                                              jnp.asarray(codes), jnp.asarray(b_scale), block_n))
     np.testing.assert_array_equal(got, np_block_matmul(a, a_scale, codes.astype(F32), b_scale,
                                                        block_n))
+
+
+_XLA_EMULATION_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from qurl_jax.quant._dot_general import block_scaled_matmul, fast_block_scaled_matmul
+from qurl_jax.runtime import xla_cpu
+rng = np.random.default_rng(0)
+shapes = [(64, 5, 576, 128), (200, 12, 192, 128), (640, 9, 128, 1), (100, 5, 64, 1),
+          (896, 17, 1536, 1), (100, 9, 64, 1), (48, 3, 576, 128), (128, 3, 96, 128)]
+for dots in ("xla", "learner"):
+    opts = xla_cpu.learner_compiler_options(dots)
+    for m, groups, n, block_n in shapes:
+        a = jnp.asarray(rng.standard_normal((m, groups * 128)) * 30, jnp.float8_e4m3fn)
+        b = jnp.asarray(rng.standard_normal((groups * 128, n)) * 30, jnp.float8_e4m3fn)
+        sa = jnp.asarray(rng.uniform(0.01, 2.0, (m, groups)), jnp.float32)
+        sb = jnp.asarray(rng.uniform(0.01, 2.0, (groups, -(-n // block_n))), jnp.float32)
+        xla = jax.jit(block_scaled_matmul, static_argnums=4, compiler_options=opts)
+        fast = jax.jit(fast_block_scaled_matmul, static_argnums=4, compiler_options=opts)
+        kernel = "qurl_fixed_matmul_e4m3" in fast.lower(a, sa, b, sb, block_n).as_text()
+        equal = bool(jnp.array_equal(fast(a, sa, b, sb, block_n), xla(a, sa, b, sb, block_n)))
+        print(dots, m, groups, n, block_n, int(kernel), int(equal))
+"""
+
+
+def test_the_fp8_learners_product_is_xlas_emulation_bit_for_bit():
+    """`fast_block_scaled_matmul` (the FP8 learner's three products) gives the bits of XLA:CPU's
+    emulation, with YNNPACK's products and with Eigen's (`train.cpu_dots`), at XLA's default
+    optimisation level (not the suite's flags: a subprocess), where it takes the kernel
+    (M >= 64, N a multiple of 64, 8 or more groups only at a multiple of 8 rows); elsewhere it
+    is XLA's own (the last three shapes)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    out = subprocess.run([sys.executable, "-c", _XLA_EMULATION_SCRIPT], check=True, env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=600).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith(("xla", "learner"))]
+    assert len(rows) == 16
+    for dots, m, groups, n, block_n, kernel, equal in rows:
+        assert equal == "1", (dots, m, groups, n, block_n)
+        xla_only = (m, groups, n) in (("100", "9", "64"), ("48", "3", "576"), ("128", "3", "96"))
+        assert kernel == ("0" if xla_only else "1"), (m, groups, n)
 
 
 def test_rms_norm_sums_squares_in_lanes_and_the_tree():

@@ -20,6 +20,9 @@ E4M3 activation codes (1 x 128 groups) that differ. The first value that differs
 that does. Recording changes the compiled programs (every value becomes an output), so part 2
 shows where differences arise; part 1's figures are the real programs'.
 
+Part 3 (`--step_ab`), cost: one RL step (requantize, rollout, packed update) with default and
+with exact numerics, interleaved round by round in one process.
+
 Models: `smollm2` (SmolLM2-135M-Instruct's real weights from its GGUF file) or `outlier` (a small
 Llama-shaped model whose random weights carry real-like activation outliers, `outlier_model`).
 Prints tables and one JSON line with every figure.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -388,6 +392,70 @@ def _per_layer(rows: Sequence[dict[str, Any]], part: str) -> list[dict[str, floa
     return out
 
 
+# ------------------------------------------------------------------------------------ part 3
+def step_ab(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
+            precision: str, n: int = 8, max_new_tokens: int = 96, temperature: float = 0.7,
+            micro_batches: int = 8, logprob_chunk: int = 128, rounds: int = 3, seed: int = 0
+            ) -> dict[str, float]:
+    """Seconds of one RL step with default and with exact numerics, interleaved round by round
+    in one process (after a warm-up round each, which compiles): the actor requantized, the
+    prompts sampled n times by the static sampler, one packed learner update whose pi_prox is
+    its own forward (one minibatch, as configs/smollm2_135m_word.py). Returns per side the
+    median step, rollout and update seconds, and exact / default."""
+    mesh = shd.make_mesh()
+    recipe = quant.get_recipe(precision)
+    rows = len(prompts) * n
+    settings = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    sides: dict[str, dict[str, Any]] = {}
+    for numerics in ("default", "exact"):
+        cfg = config.replace(numerics=numerics)
+        learner = Learner(cfg, ObjectiveConfig(), OptimConfig(learning_rate=2e-5), mesh,
+                          temperature=temperature, precision=precision, packing=True,
+                          num_micro_batches=micro_batches,
+                          logprob_batch_size=rows // micro_batches, logprob_chunk=logprob_chunk)
+        p = learner.shard_params(params)
+        sides[numerics] = dict(
+            learner=learner, params=p, opt=learner.init_opt_state(p),
+            sampler=Sampler(cfg, quant.make_dot_general(precision), mesh=mesh,
+                            max_prompt_len=max(len(q) for q in prompts),
+                            max_new_tokens=max_new_tokens),
+            requantize=jax.jit(lambda w: quant.requantize(w, recipe) if recipe.quantizes else w),
+            step=[], rollout=[], update=[], tokens=[])
+    advantages = np.random.default_rng(seed).normal(size=rows).astype(np.float32)
+
+    def one_round(side: dict[str, Any], r: int) -> None:
+        learner = side["learner"]
+        start = time.perf_counter()
+        actor = side["requantize"](side["params"])
+        out = side["sampler"].sample(actor, prompts, settings, key=jax.random.key(seed + r), n=n)
+        tokens, attn_mask, positions = out.sequences()
+        jax.block_until_ready(out.logp)
+        middle = time.perf_counter()
+        batch = learner.shard_batch({"tokens": tokens, "positions": positions,
+                                     "attn_mask": attn_mask,
+                                     "resp_mask": out.mask.astype(jnp.float32),
+                                     "logp_behav": out.logp, "advantages": advantages})
+        side["params"], side["opt"], metrics = learner.update(side["params"], side["opt"], batch)
+        jax.block_until_ready((side["params"], metrics))
+        end = time.perf_counter()
+        if r:
+            side["step"].append(end - start)
+            side["rollout"].append(middle - start)
+            side["update"].append(end - middle)
+            side["tokens"].append(float(np.sum(np.asarray(out.mask))))
+
+    for r in range(rounds + 1):
+        for side in sides.values():
+            one_round(side, r)
+    report: dict[str, float] = {}
+    for name, side in sides.items():
+        for key in ("step", "rollout", "update", "tokens"):
+            report[f"{name}/{key}"] = float(np.median(side[key]))
+    for key in ("step", "rollout", "update"):
+        report[f"exact_over_default/{key}"] = report[f"exact/{key}"] / report[f"default/{key}"]
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="outlier", choices=("outlier", "smollm2"))
@@ -401,9 +469,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--samplers", default=",".join(SAMPLERS))
     parser.add_argument("--no_layers", action="store_true", help="skip part 2")
+    parser.add_argument("--step_ab", action="store_true",
+                        help="instead: one RL step's seconds with default and exact numerics, "
+                             "interleaved (part 3; --prompts x --n rows)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --step_ab")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     config, params = load_model(args.model, args.seed)
+    if args.step_ab:
+        prompts = random_prompts(config, args.prompts, args.seed, 60, 110)
+        r = step_ab(config, params, prompts, precision=args.precision, n=args.n,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    rounds=args.rounds, seed=args.seed)
+        print(f"{args.model}, {args.precision}: one RL step ({args.prompts} prompts x {args.n}, "
+              f"up to {args.max_new_tokens} tokens), medians of {args.rounds} interleaved rounds")
+        for name in ("default", "exact"):
+            step, roll, upd = (r[f"{name}/{k}"] for k in ("step", "rollout", "update"))
+            print(f"  {name:8s} step {step:7.2f} s  rollout {roll:6.2f} s  update {upd:6.2f} s "
+                  f"({r[name + '/tokens']:.0f} tokens)")
+        ratio = {k: r[f"exact_over_default/{k}"] for k in ("step", "rollout", "update")}
+        print(f"  exact / default: step {ratio['step']:.2f}x, rollout {ratio['rollout']:.2f}x, "
+              f"update {ratio['update']:.2f}x")
+        print(json.dumps(r))
+        return
     config = config.replace(numerics=args.numerics)
     prompts = random_prompts(config, args.prompts, args.seed)
     report: dict[str, Any] = {"model": args.model, "precision": args.precision,

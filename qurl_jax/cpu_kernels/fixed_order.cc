@@ -27,7 +27,7 @@
 // file: every fused multiply-add is an explicit one.
 //
 // Speed: the products run packed panels of B (kNB columns x kKC rows, or one FP8 group) through
-// an outer-product micro-kernel (6 rows x 32 columns on AVX512), items of 256 rows x 64 columns
+// an outer-product micro-kernel (6 rows x 64 columns on AVX512), items of 256 rows x 64 columns
 // shared with XLA's thread pool (parallel.h).
 
 #include <immintrin.h>
@@ -122,8 +122,23 @@ inline Vec Pow2(Vec n) {  // 2^n for integral n in [-126, 127]
   const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
 }
+// 16 E4M3 codes -> floats (exact): normal codes by their bits (exponent bias 7 -> 127),
+// subnormals as mantissa * 2^-9, then the sign.
+inline Vec DecodeE4M3(const uint8_t* p) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(x, 3), _mm512_set1_epi32(15));
+  const __m512i m = _mm512_and_si512(x, _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_or_si512(
+      _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+      _mm512_slli_epi32(m, 20));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0f / 512));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  const __m512 mag = _mm512_mask_mov_ps(_mm512_castsi512_ps(normal), is_sub, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  return {_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign))};
+}
 constexpr int kMR = 6;
-constexpr int kNV = 2;
+constexpr int kNV = 4;
 
 #include "fixed_order_impl.h"
 
@@ -190,6 +205,20 @@ inline __m256 Pow2Half(__m256 n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
 inline Vec Pow2(Vec n) { return {Pow2Half(n.lo), Pow2Half(n.hi)}; }
+inline __m256 DecodeE4M3Half(const uint8_t* p) {  // as k512's DecodeE4M3, 8 codes
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i e = _mm256_and_si256(_mm256_srli_epi32(x, 3), _mm256_set1_epi32(15));
+  const __m256i m = _mm256_and_si256(x, _mm256_set1_epi32(7));
+  const __m256i normal = _mm256_or_si256(
+      _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23),
+      _mm256_slli_epi32(m, 20));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(1.0f / 512));
+  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+  const __m256 mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+}
+inline Vec DecodeE4M3(const uint8_t* p) { return {DecodeE4M3Half(p), DecodeE4M3Half(p + 8)}; }
 constexpr int kMR = 6;
 constexpr int kNV = 1;
 
@@ -237,10 +266,10 @@ ffi::Error MatmulE4M3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer
   if (ad.size() != 2 || sd.size() != 2 || bd.size() != 2 || bsd.size() != 2 ||
       ad[1] != bd[0] || sd[0] != ad[0] || sd[1] < 1 || ad[1] % sd[1] != 0 ||
       bsd[0] != sd[1] || block_n < 1 || bsd[1] != (bd[1] + block_n - 1) / block_n ||
-      (block_n % 32 != 0 && block_n < bd[1])) {
+      (block_n != 1 && block_n % 64 != 0 && block_n < bd[1])) {
     return ffi::Error::InvalidArgument(
         "qurl_fixed_matmul_e4m3: expects a[M, G * g], a_scale[M, G], b u8[G * g, N], "
-        "b_scale[G, ceil(N / block_n)] with block_n a multiple of 32 (or >= N)");
+        "b_scale[G, ceil(N / block_n)] with block_n 1, a multiple of 64 or >= N");
   }
   GemmArgs g{a.typed_data(), ad[1], b.typed_data(), bd[1], BKind::kE4M3, c->typed_data(),
              bd[1], ad[0], bd[1], ad[1]};

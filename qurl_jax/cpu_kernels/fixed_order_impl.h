@@ -49,52 +49,72 @@ constexpr int64_t kNB = 64;        // columns of a packed panel (a multiple of k
 constexpr int64_t kKC = 256;       // contraction rows of a packed panel (plain products)
 constexpr int64_t kMB = 256;       // rows of A per work item
 
-// One micro-tile: rows [0, mr) of A (row stride lda) times the panel's kNR columns starting at
-// `col` (panel row stride kNB), over kc contraction rows. Plain (scale == nullptr): each C element
+// Where a block-scaled micro-tile's group partial goes (see GemmItem): its rows' activation
+// scales (stride a_scale_ld), the weight scale (one value, or per column when per_column), and
+// the accumulator it updates by a fused multiply-add (row stride ld), from 0 when `fresh`.
+struct Combine {
+  const float* a_scale;
+  int64_t a_scale_ld;
+  const float* b_scale;
+  bool per_column;
+  float* dst;
+  int64_t ld;
+  bool fresh;
+};
+
+// One micro-tile: rows [0, MR) of A (row stride lda) times the panel's kNR columns starting at
+// `col` (panel row stride kNB), over kc contraction rows. Plain (comb == nullptr): each C element
 // continues its fused chain from C (or from 0 when `first`). Block-scaled: the chain starts at 0
-// (the group's partial P) and C becomes (first ? 0 : C) + (P * a_scale[r]) * b_scale.
+// (the group's partial P), then dst = fma(P * a_scale[r], b_scale, fresh ? 0 : dst).
+// The contraction loop on its own (noinline, restrict): the accumulators stay in registers.
+// Inlined into its caller, GCC kept storing all of them to the stack every iteration.
 template <int MR>
-void Micro(const float* a, int64_t lda, const float* panel, int64_t col, int64_t kc, float* c,
-           int64_t ldc, int64_t ncols, bool first, const float* a_scale, int64_t a_scale_ld,
-           float b_scale) {
-  Vec acc[MR][kNV];
-  const bool plain = a_scale == nullptr;
+__attribute__((noinline)) void KLoop(const float* __restrict a, int64_t lda,
+                                     const float* __restrict bp, int64_t kc,
+                                     Vec (&__restrict acc)[MR][kNV]) {
+  Vec r0[MR][kNV];
   for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < kNV; ++j) {
-      const int64_t left = ncols - 16 * j;
-      acc[r][j] = (plain && !first && left > 0) ? LoadN(c + r * ldc + 16 * j, left) : Zero();
-    }
+    for (int j = 0; j < kNV; ++j) r0[r][j] = acc[r][j];
   }
-  const float* bp = panel + col;
   for (int64_t kk = 0; kk < kc; ++kk) {
     Vec b[kNV];
     for (int j = 0; j < kNV; ++j) b[j] = Load(bp + kk * kNB + 16 * j);
     for (int r = 0; r < MR; ++r) {
       const Vec av = Set1(a[r * lda + kk]);
-      for (int j = 0; j < kNV; ++j) acc[r][j] = Fma(av, b[j], acc[r][j]);
+      for (int j = 0; j < kNV; ++j) r0[r][j] = Fma(av, b[j], r0[r][j]);
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < kNV; ++j) {
-      const int64_t left = ncols - 16 * j;
-      if (left <= 0) continue;
-      Vec out = acc[r][j];
-      if (!plain) {
-        const Vec term = Mul(Mul(out, Set1(a_scale[r * a_scale_ld])), Set1(b_scale));
-        out = Add(first ? Zero() : LoadN(c + r * ldc + 16 * j, left), term);
-      }
-      StoreN(c + r * ldc + 16 * j, out, left);
-    }
+    for (int j = 0; j < kNV; ++j) acc[r][j] = r0[r][j];
   }
 }
 
 template <int MR>
-void MicroRows(const GemmArgs& g, const float* panel, int64_t col, int64_t m0, int64_t n0,
-               int64_t k0, int64_t kc, bool first, float b_scale) {
-  const int64_t ncols = std::min<int64_t>(kNR, g.n - n0 - col);
-  const float* a_scale = g.a_scale ? g.a_scale + m0 * g.groups + k0 / g.group : nullptr;
-  Micro<MR>(g.a + m0 * g.lda + k0, g.lda, panel, col, kc, g.c + m0 * g.ldc + n0 + col, g.ldc,
-            ncols, first, a_scale, g.groups, b_scale);
+void Micro(const float* a, int64_t lda, const float* panel, int64_t col, int64_t kc, float* c,
+           int64_t ldc, int64_t ncols, bool first, const Combine* comb) {
+  Vec acc[MR][kNV];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < kNV; ++j) {
+      const int64_t left = ncols - 16 * j;
+      acc[r][j] = (!comb && !first && left > 0) ? LoadN(c + r * ldc + 16 * j, left) : Zero();
+    }
+  }
+  KLoop<MR>(a, lda, panel + col, kc, acc);
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < kNV; ++j) {
+      const int64_t left = ncols - 16 * j;
+      if (left <= 0) continue;
+      if (!comb) {
+        StoreN(c + r * ldc + 16 * j, acc[r][j], left);
+        continue;
+      }
+      const Vec sb = comb->per_column ? LoadN(comb->b_scale + 16 * j, left)
+                                      : Set1(comb->b_scale[0]);
+      const Vec u = Mul(acc[r][j], Set1(comb->a_scale[r * comb->a_scale_ld]));
+      float* dst = comb->dst + r * comb->ld + 16 * j;
+      StoreN(dst, Fma(u, sb, comb->fresh ? Zero() : LoadN(dst, left)), left);
+    }
+  }
 }
 
 // Panel [kc, kNB] of B's rows [k0, k0 + kc) and columns [n0, n0 + kNB), as f32, zero past N.
@@ -110,7 +130,9 @@ void PackPanel(const GemmArgs& g, int64_t k0, int64_t kc, int64_t n0, float* pan
       continue;  // below, column by column
     } else {
       const uint8_t* src = static_cast<const uint8_t*>(g.b) + k * g.ldb + n0;
-      for (int64_t j = 0; j < cols; ++j) row[j] = kE4M3[src[j]];
+      int64_t j = 0;
+      for (; j + 16 <= cols; j += 16) Store(row + j, DecodeE4M3(src + j));
+      for (; j < cols; ++j) row[j] = kE4M3[src[j]];
     }
     for (int64_t j = cols; j < kNB; ++j) row[j] = 0.0f;
   }
@@ -122,30 +144,80 @@ void PackPanel(const GemmArgs& g, int64_t k0, int64_t kc, int64_t n0, float* pan
   }
 }
 
+template <int MR>
+void MicroRows(const GemmArgs& g, const float* panel, int64_t col, int64_t m0, int64_t n0,
+               int64_t k0, int64_t kc, bool first, const Combine* comb) {
+  const int64_t ncols = std::min<int64_t>(kNR, g.n - n0 - col);
+  Micro<MR>(g.a + m0 * g.lda + k0, g.lda, panel, col, kc, g.c + m0 * g.ldc + n0 + col, g.ldc,
+            ncols, first, comb);
+}
+
 // Rows [m0, m0 + mb) x columns [n0, n0 + kNB) of C, the whole contraction in order.
-void GemmItem(const GemmArgs& g, int64_t m0, int64_t mb, int64_t n0, std::vector<float>* scratch) {
+//
+// Block-scaled products combine the G group partials as XLA:CPU's emulation
+// (`quant._dot_general.block_scaled_matmul`) does: with u_G = P_G * a_scale[m, G],
+//   main = 8 * floor(G / 8); lane l (0..7) = fused chain of u_G * b_scale over G < main with
+//   G % 8 == l, from 0; tail = fused chain over G >= main, from 0;
+//   c = (((lane0 + lane1) + (lane2 + lane3)) + ((lane4 + lane5) + (lane6 + lane7))) + tail.
+// The lanes live in `lanes` [8, mb, kNB] while the groups run, the tail in C.
+void GemmItem(const GemmArgs& g, int64_t m0, int64_t mb, int64_t n0, std::vector<float>* scratch,
+              std::vector<float>* lanes) {
   const int64_t step = g.group ? g.group : kKC;
   scratch->resize(step * kNB);
   float* panel = scratch->data();
+  const int64_t main = g.group ? g.groups / 8 * 8 : 0;
+  if (main) lanes->resize(8 * mb * kNB);
   for (int64_t k0 = 0; k0 < g.k; k0 += step) {
     const int64_t kc = std::min(step, g.k - k0);
     PackPanel(g, k0, kc, n0, panel);
     const bool first = k0 == 0;
+    const int64_t gi = k0 / step;  // the group, for block-scaled products
     for (int64_t col = 0; col < kNB && n0 + col < g.n; col += kNR) {
-      // One weight scale per micro-tile: kNR divides block_n, so a tile never spans two blocks.
-      const float b_scale = g.b_scale ? g.b_scale[(k0 / step) * g.b_scale_ld +
-                                                  (n0 + col) / g.block_n] : 0.0f;
-      int64_t r = 0;
-      for (; r + kMR <= mb; r += kMR) {
-        MicroRows<kMR>(g, panel, col, m0 + r, n0, k0, kc, first, b_scale);
+      Combine comb{};
+      if (g.group) {
+        const int64_t n = n0 + col;
+        comb.per_column = g.block_n == 1;
+        // kNR divides block_n > 1, so a tile never spans two weight blocks.
+        comb.b_scale = g.b_scale + gi * g.b_scale_ld + (comb.per_column ? n : n / g.block_n);
+        comb.a_scale_ld = g.groups;
+        if (gi < main) {
+          comb.ld = kNB;
+          comb.fresh = gi < 8;
+        } else {
+          comb.ld = g.ldc;
+          comb.fresh = gi == main;
+        }
       }
+      int64_t r = 0;
+      auto rows = [&](auto micro, int64_t at) {
+        if (g.group) {
+          comb.a_scale = g.a_scale + (m0 + at) * g.groups + gi;
+          comb.dst = gi < main ? lanes->data() + ((gi % 8) * mb + at) * kNB + col
+                               : g.c + (m0 + at) * g.ldc + n0 + col;
+        }
+        micro(g, panel, col, m0 + at, n0, k0, kc, first, g.group ? &comb : nullptr);
+      };
+      for (; r + kMR <= mb; r += kMR) rows(MicroRows<kMR>, r);
       switch (mb - r) {
         case 0: break;
-#define QURL_TAIL(n) case n: MicroRows<n>(g, panel, col, m0 + r, n0, k0, kc, first, b_scale); break;
+#define QURL_TAIL(n) case n: rows(MicroRows<n>, r); break;
         QURL_TAIL(1) QURL_TAIL(2) QURL_TAIL(3) QURL_TAIL(4) QURL_TAIL(5)
 #undef QURL_TAIL
         default: break;
       }
+    }
+  }
+  if (!main) return;
+  const int64_t cols = std::min(kNB, g.n - n0);
+  const bool tail = main < g.groups;
+  for (int64_t r = 0; r < mb; ++r) {
+    float* c = g.c + (m0 + r) * g.ldc + n0;
+    for (int64_t j = 0; j < cols; j += 16) {
+      Vec l[8];
+      for (int i = 0; i < 8; ++i) l[i] = LoadN(lanes->data() + (i * mb + r) * kNB + j, cols - j);
+      const Vec tree = Add(Add(Add(l[0], l[1]), Add(l[2], l[3])),
+                           Add(Add(l[4], l[5]), Add(l[6], l[7])));
+      StoreN(c + j, Add(tree, tail ? LoadN(c + j, cols - j) : Zero()), cols - j);
     }
   }
 }
@@ -153,10 +225,10 @@ void GemmItem(const GemmArgs& g, int64_t m0, int64_t mb, int64_t n0, std::vector
 void Gemm(xla::ffi::ThreadPool& pool, const GemmArgs& g) {
   const int64_t mbs = (g.m + kMB - 1) / kMB, nbs = (g.n + kNB - 1) / kNB;
   qurl_jax::RunParallel(pool, mbs * nbs, g.m * g.n * g.k, [&g, nbs](int64_t item) {
-    thread_local std::vector<float> scratch;
+    thread_local std::vector<float> scratch, lanes;
     const int64_t mi = item / nbs, ni = item % nbs;
     const int64_t m0 = mi * kMB;
-    GemmItem(g, m0, std::min(kMB, g.m - m0), ni * kNB, &scratch);
+    GemmItem(g, m0, std::min(kMB, g.m - m0), ni * kNB, &scratch, &lanes);
   });
 }
 

@@ -118,13 +118,55 @@ def block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Arr
     return jnp.einsum("gmn,mg,gn->mn", partial, a_scale, b_scale)
 
 
+# `fast_block_scaled_matmul` runs the kernel where it gives XLA:CPU's own bits: at least this
+# many rows, a multiple of this many columns, and with 8 or more groups a multiple of 8 rows
+# (elsewhere XLA takes other paths, whose sums round differently: its GEMM's below 64 rows or
+# off 64 columns, a sequential combine for the rows past the last 8; measured with XLA's default
+# optimisation level, YNNPACK's or Eigen's products alike; tests/test_exact_numerics.py).
+FAST_MIN_ROWS = 64
+FAST_COLUMN_MULTIPLE = 64
+FAST_ROW_MULTIPLE = 8
+
+
+def fast_block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Array,
+                             b_scale: jax.Array, block_n: int) -> jax.Array:
+    """`block_scaled_matmul`, bit for bit, at about a float32 GEMM's speed on CPU: the FP8
+    learner's three products (`_fp8_train`).
+
+    XLA:CPU's emulation materialises every group's float32 partial product ([G, M, N]) and
+    combines them in a batched product over the groups: about 7x a float32 GEMM of the same
+    shape. The fixed-order kernel (`cpu_kernels.fixed_order.matmul_e4m3`) computes each group's
+    partial as the same fused chain (XLA's GEMM at M >= 64) and combines them in XLA's order
+    (eight lanes and a tail, see its `GemmItem`), in registers and one pass. It runs where the
+    two agree (a CPU program, E4M3 codes, the shapes of FAST_MIN_ROWS, FAST_COLUMN_MULTIPLE and
+    FAST_ROW_MULTIPLE); everything else is `block_scaled_matmul`."""
+    m, n, groups = a_codes.shape[0], b_codes.shape[1], a_scale.shape[1]
+    if (m < FAST_MIN_ROWS or n % FAST_COLUMN_MULTIPLE
+            or (groups >= 8 and m % FAST_ROW_MULTIPLE)
+            or b_codes.dtype != jnp.float8_e4m3fn or a_codes.dtype != jnp.float8_e4m3fn
+            or not fixed_order.available()):
+        return block_scaled_matmul(a_codes, a_scale, b_codes, b_scale, block_n)
+
+    def cpu(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+            ) -> jax.Array:
+        return fixed_order.matmul_e4m3(a.astype(jnp.float32), a_scale, b_codes, b_scale,
+                                       block_n)
+
+    def other(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+              ) -> jax.Array:
+        return block_scaled_matmul(a, a_scale, b_codes, b_scale, block_n)
+
+    return fixed_order.on_cpu(cpu, other, a_codes, a_scale, b_codes, b_scale)
+
+
 def exact_block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Array,
                               b_scale: jax.Array, block_n: int) -> jax.Array:
     """`block_scaled_matmul` of E4M3 operands in a fixed order, the same for every row whatever
     the rows in the call (exact on-policy numerics, `models.exact`): per group the fused
     multiply-add chain over its contraction rows from 0, then the groups' partials, each times
-    its activation and weight scales, added in group order
-    (`cpu_kernels.fixed_order.matmul_e4m3`; on TPU and GPU the same sum per tile of rows)."""
+    its activation scale, combined with the weight scales in `fast_block_scaled_matmul`'s order
+    (`cpu_kernels.fixed_order.matmul_e4m3`; on TPU and GPU a sum over the groups in order per
+    tile of rows)."""
     if b_codes.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"exact numerics: block-scaled products need E4M3 codes, got "
                          f"{b_codes.dtype} (train.on_policy_numerics='exact' runs the 'fp' and "
@@ -155,12 +197,13 @@ def exact_block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: j
 
 
 def block_product(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[int, int],
-                  act_format: QuantFormat, exact: bool = False
+                  act_format: QuantFormat, exact: bool = False, fast: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x[M, K] times a block-scaled kernel [K, N], activations quantized in 1 x block[0] groups.
 
     codes: [K, N] kernel codes; scale: f32[ceil(K / block[0]), ceil(N / block[1])]; exact: the
-    product in the fixed order (`exact_block_scaled_matmul`).
+    product in the fixed order (`exact_block_scaled_matmul`); fast: `fast_block_scaled_matmul`
+    (the same bits as the default, the learner's).
     Returns (f32[M, N] product, activation codes [M, G * block[0]], f32 scales [M, G]); the
     learner keeps the activation codes for its backward pass (`_fp8_train`).
     """
@@ -168,7 +211,8 @@ def block_product(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple
     pad = x_codes.shape[1] - codes.shape[0]
     if pad:
         codes = jnp.pad(codes, ((0, pad), (0, 0)))
-    product = exact_block_scaled_matmul if exact else block_scaled_matmul
+    product = (exact_block_scaled_matmul if exact
+               else fast_block_scaled_matmul if fast else block_scaled_matmul)
     return product(x_codes, x_scale, codes, scale, block[1]), x_codes, x_scale
 
 

@@ -79,7 +79,7 @@ from flax import traverse_util
 from qurl_jax.quant._dot_general import (
     DotDimensionNumbers,
     block_product,
-    block_scaled_matmul,
+    fast_block_scaled_matmul,
 )
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel, quantize_row_groups
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
@@ -131,7 +131,7 @@ def _forward(x: jax.Array, w: jax.Array, valid: jax.Array, grouping: _Grouping
     x = jnp.where(valid[:, None], x, 0.0)
     wq = quantize_kernel(w, grouping.fmt, grouping.block, grouping.fmt)
     out, x_codes, x_scale = block_product(x, wq.qvalue, wq.scale, wq.block, grouping.fmt,
-                                          grouping.exact)
+                                          grouping.exact, fast=True)
     return out, (x_codes, x_scale, wq, valid)
 
 
@@ -158,7 +158,7 @@ def _fp8_linear_bwd(grouping: _Grouping,
     pad_n = dy_codes.shape[1] - w_t.shape[0]
     if pad_n:
         w_t = jnp.pad(w_t, ((0, pad_n), (0, 0)))
-    dx = block_scaled_matmul(dy_codes, dy_scale, w_t, wq.scale.T, br)
+    dx = fast_block_scaled_matmul(dy_codes, dy_scale, w_t, wq.scale.T, br)
 
     # wgrad: X^T and dY^T in groups of `token_group` tokens per channel (128x1 in [M, K] terms).
     # X is re-grouped from the saved FP8 activations, dequantized in float32.
@@ -167,7 +167,7 @@ def _fp8_linear_bwd(grouping: _Grouping,
     x_deq = (x_codes.astype(jnp.float32).reshape(m, ng, -1) * x_scale[..., None]).reshape(m, -1)
     xt_codes, xt_scale = quantize_row_groups(x_deq.T, fmt, tg)  # [Kp, Mp], f32[Kp, nT]
     dyt_codes, dyt_scale = quantize_row_groups(dy.T, fmt, tg)  # [N, Mp], f32[N, nT]
-    dw = block_scaled_matmul(xt_codes, xt_scale, dyt_codes.T, dyt_scale.T, 1)[:k]
+    dw = fast_block_scaled_matmul(xt_codes, xt_scale, dyt_codes.T, dyt_scale.T, 1)[:k]
     return dx, dw, None
 
 
