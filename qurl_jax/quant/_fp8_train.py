@@ -81,7 +81,12 @@ from qurl_jax.quant._dot_general import (
     block_product,
     fast_block_scaled_matmul,
 )
-from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel, quantize_row_groups
+from qurl_jax.quant._qtensor import (
+    QuantizedTensor,
+    quantize_column_groups,
+    quantize_kernel,
+    quantize_row_groups,
+)
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
 from qurl_jax.quant._requantize import kernel_block, quantized_kernel_paths
 
@@ -161,13 +166,15 @@ def _fp8_linear_bwd(grouping: _Grouping,
     dx = fast_block_scaled_matmul(dy_codes, dy_scale, w_t, wq.scale.T, br)
 
     # wgrad: X^T and dY^T in groups of `token_group` tokens per channel (128x1 in [M, K] terms).
-    # X is re-grouped from the saved FP8 activations, dequantized in float32.
+    # X is re-grouped from the saved FP8 activations, dequantized in float32. Both are grouped
+    # in place (`quantize_column_groups`): only X's codes are transposed, dY's are the product's
+    # right operand as they come.
     tg = min(grouping.token_group, m)
     ng = x_scale.shape[1]
     x_deq = (x_codes.astype(jnp.float32).reshape(m, ng, -1) * x_scale[..., None]).reshape(m, -1)
-    xt_codes, xt_scale = quantize_row_groups(x_deq.T, fmt, tg)  # [Kp, Mp], f32[Kp, nT]
-    dyt_codes, dyt_scale = quantize_row_groups(dy.T, fmt, tg)  # [N, Mp], f32[N, nT]
-    dw = fast_block_scaled_matmul(xt_codes, xt_scale, dyt_codes.T, dyt_scale.T, 1)[:k]
+    x_codes_t, x_scale_t = quantize_column_groups(x_deq, fmt, tg)  # [Mp, Kp], f32[nT, Kp]
+    dy_codes_t, dy_scale_t = quantize_column_groups(dy, fmt, tg)  # [Mp, N], f32[nT, N]
+    dw = fast_block_scaled_matmul(x_codes_t.T, x_scale_t.T, dy_codes_t, dy_scale_t, 1)[:k]
     return dx, dw, None
 
 
