@@ -46,6 +46,8 @@ from qurl_jax import quant
 from qurl_jax.learner import packing as packing_lib
 from qurl_jax.learner.learner import Learner, OptimConfig
 from qurl_jax.models import ModelConfig, init_params
+from qurl_jax.models import attention as attn_lib
+from qurl_jax.models import exact as exact_lib
 from qurl_jax.models.config import NUMERICS
 from qurl_jax.models.transformer import Linear
 from qurl_jax.parallel import sharding as shd
@@ -392,6 +394,14 @@ def _per_layer(rows: Sequence[dict[str, Any]], part: str) -> list[dict[str, floa
     return out
 
 
+def _xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                   k_valid: jax.Array, implementation: str,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
+    """`models.exact.attention`'s signature, XLA's attention (`--xla_attention`)."""
+    return attn_lib.attention(q, k, v, q_pos, k_pos, k_valid, implementation,
+                              segment_ids=segment_ids)
+
+
 # ------------------------------------------------------------------------------------ part 3
 def step_ab(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
             precision: str, n: int = 8, max_new_tokens: int = 96, temperature: float = 0.7,
@@ -473,6 +483,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="instead: one RL step's seconds with default and exact numerics, "
                              "interleaved (part 3; --prompts x --n rows)")
     parser.add_argument("--rounds", type=int, default=3, help="with --step_ab")
+    parser.add_argument("--xla_attention", action="store_true",
+                        help="with --numerics=exact: attention left to XLA (the default path's), "
+                             "every other op exact: what remains where only attention is not "
+                             "invariant (the TPU and GPU formulation)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     config, params = load_model(args.model, args.seed)
@@ -493,6 +507,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(r))
         return
     config = config.replace(numerics=args.numerics)
+    if args.xla_attention:
+        exact_lib.attention = _xla_attention
     prompts = random_prompts(config, args.prompts, args.seed)
     report: dict[str, Any] = {"model": args.model, "precision": args.precision,
                               "numerics": args.numerics}
