@@ -19,6 +19,15 @@ compute (real tokens / rows x row length). Prints one JSON line with every figur
 ('learner'), interleaved the same way: which is faster for this model's width on this CPU
 (`train.cpu_dots`, `qurl_jax.runtime.xla_cpu`).
 
+`--ab precision` / `--ab numerics` instead runs the same packed batch through two `Learner`s that
+differ only in `train.precision` ('fp' vs 'fp8_block') or in `train.on_policy_numerics` ('default'
+vs 'exact', at `--precision`), interleaved the same way, and reports each side's update and
+log-prob seconds and their ratio; `--smollm2` gives the model SmolLM2-135M's shapes (random
+weights, `--layers` of them: 30 by default), e.g. the FP8 learner against the float32 one:
+
+    python -m qurl_jax.bench.learner --ab precision --smollm2 --rows 64 --max_prompt_len 128 \
+        --max_new_tokens 96 --micro_batches 8 --logprob_chunk 128 --rounds 3
+
 `--vs_torch` instead times one update of a SmolLM2-135M-shaped model against torch doing the same
 forward, backward and AdamW step on the same tokens (`qurl_jax.bench.learner_vs_torch`).
 """

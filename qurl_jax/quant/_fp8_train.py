@@ -29,9 +29,12 @@ activations (dequantized, then quantized in 128x1 groups), as Jet-RL does with i
 transpose kernel, rather than from the float32 activations (which are not kept); dY is quantized
 from the incoming compute-dtype gradient.
 
-One inner GEMM. All three products call `_dot_general.block_scaled_matmul` (block-scaled codes x
+One inner GEMM. All three products are `_dot_general.block_scaled_matmul` (block-scaled codes x
 block-scaled codes -> float32), the rollout's inner product too; a fast GPU kernel (cuBLASLt
-blockwise FP8 or Pallas/Triton) replaces only that function. On CPU FP8 is emulated by XLA.
+blockwise FP8 or Pallas/Triton) replaces only that function. On CPU FP8 is emulated: the learner
+calls `fast_block_scaled_matmul`, XLA's emulation's bits from qurl_jax's CPU kernel at about a
+float32 GEMM's speed (XLA's own takes ~7x that: it materialises every group's partial product),
+or `exact_block_scaled_matmul` in the forward under exact on-policy numerics (`models.exact`).
 
 Padding. K, N and the token count are zero-padded to whole groups inside the quantizers; zeros
 change no group's max |x| and no product. Padding tokens of the batch are kept out of every scale
