@@ -17,8 +17,9 @@ The rest is elementwise (embedding gather, RoPE, SiLU, residual adds, casts) and
 bits per element in any program. Measured with `python -m qurl_jax.bench.on_policy`.
 
 On CPU each of these is a fixed-order kernel (`qurl_jax.cpu_kernels.fixed_order`: the order of
-every sum is written out there, and tests hold each against NumPy summed in that order); the
-model's compute dtype must be float32 there. The learner differentiates through them with the
+every sum is written out there, and tests hold each against NumPy summed in that order), in
+float32 whatever the compute dtype (both sides alike); under a multi-device mesh XLA gathers their
+operands (correct, not fast: the custom calls are not partitioned). The learner differentiates through them with the
 default path's backward (`_default_backward`: a `jax.custom_vjp` whose forward is the exact op and
 whose backward is the VJP of the op it replaces), so gradients are the default path's up to
 rounding.
