@@ -19,6 +19,15 @@ compute (real tokens / rows x row length). Prints one JSON line with every figur
 ('learner'), interleaved the same way: which is faster for this model's width on this CPU
 (`train.cpu_dots`, `qurl_jax.runtime.xla_cpu`).
 
+`--ab precision` / `--ab numerics` instead runs the same packed batch through two `Learner`s that
+differ only in `train.precision` ('fp' vs 'fp8_block') or in `train.on_policy_numerics` ('default'
+vs 'exact', at `--precision`), interleaved the same way, and reports each side's update and
+log-prob seconds and their ratio; `--smollm2` gives the model SmolLM2-135M's shapes (random
+weights, `--layers` of them: 30 by default), e.g. the FP8 learner against the float32 one:
+
+    python -m qurl_jax.bench.learner --ab precision --smollm2 --rows 64 --max_prompt_len 128 \
+        --max_new_tokens 96 --micro_batches 8 --logprob_chunk 128 --rounds 3
+
 `--vs_torch` instead times one update of a SmolLM2-135M-shaped model against torch doing the same
 forward, backward and AdamW step on the same tokens (`qurl_jax.bench.learner_vs_torch`).
 """
@@ -40,47 +49,76 @@ from qurl_jax.models import ModelConfig, init_params
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.rl.objectives import ObjectiveConfig
 
+# --ab: the two sides of each comparison, (name, Learner keywords, ModelConfig changes).
+AB_SIDES = {
+    "precision": (("fp", {"precision": "fp"}, {}),
+                  ("fp8_block", {"precision": "fp8_block"}, {})),
+    "numerics": (("default", {}, {"numerics": "default"}),
+                 ("exact", {}, {"numerics": "exact"})),
+}
+
+
+def _sides(args: argparse.Namespace) -> tuple[tuple[str, dict, dict], ...]:
+    """(name, Learner keywords, ModelConfig changes) of the two learners compared."""
+    if args.ab:
+        base = {"packing": True, "cpu_dots": args.cpu_dots, "precision": args.precision}
+        return tuple((name, {**base, **kw}, cfg) for name, kw, cfg in AB_SIDES[args.ab])
+    if args.cpu_dots_ab:
+        return (("xla", {"packing": True, "cpu_dots": "xla"}, {}),
+                ("learner", {"packing": True, "cpu_dots": "learner"}, {}))
+    return (("padded", {"packing": False, "cpu_dots": args.cpu_dots}, {}),
+            ("packed", {"packing": True, "cpu_dots": args.cpu_dots}, {}))
+
 
 def run(args: argparse.Namespace) -> dict[str, float]:
-    cfg = ModelConfig(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=args.hidden * 3, num_layers=args.layers,
-                      num_heads=args.heads, num_kv_heads=max(args.heads // 2, 1),
-                      head_dim=args.hidden // args.heads, attention=args.attention)
-    host = long_tailed_batch(args.rows, args.max_prompt_len, args.max_new_tokens, args.vocab,
+    if args.smollm2:
+        from qurl_jax.bench.learner_vs_torch import SMOLLM2_135M, smollm2_shapes
+
+        cfg = smollm2_shapes(args.layers).replace(attention=args.attention)
+        vocab = SMOLLM2_135M["vocab_size"]
+    else:
+        cfg = ModelConfig(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
+                          intermediate_size=args.hidden * 3, num_layers=args.layers,
+                          num_heads=args.heads, num_kv_heads=max(args.heads // 2, 1),
+                          head_dim=args.hidden // args.heads, attention=args.attention)
+        vocab = args.vocab
+    host = long_tailed_batch(args.rows, args.max_prompt_len, args.max_new_tokens, vocab,
                              args.seed)
     real = int(host["attn_mask"].sum())
     mesh = shd.make_mesh()
     params0 = init_params(cfg, jax.random.key(args.seed))
-    if args.cpu_dots_ab:
-        kinds = {"xla": (True, "xla"), "learner": (True, "learner")}
-    else:
-        kinds = {"padded": (False, args.cpu_dots), "packed": (True, args.cpu_dots)}
     sides = {}
-    for name, (packed, cpu_dots) in kinds.items():
-        learner = Learner(cfg, ObjectiveConfig(), OptimConfig(learning_rate=1e-6), mesh,
-                          num_micro_batches=args.micro_batches, packing=packed,
+    for name, kw, changes in _sides(args):
+        learner = Learner(cfg.replace(**changes), ObjectiveConfig(),
+                          OptimConfig(learning_rate=1e-6), mesh,
+                          num_micro_batches=args.micro_batches,
                           logprob_batch_size=args.rows // args.micro_batches,
-                          cpu_dots=cpu_dots)
+                          logprob_chunk=args.logprob_chunk, **kw)
         params = learner.shard_params(params0)
         sides[name] = {"learner": learner, "params": params,
-                       "opt": learner.init_opt_state(params), "times": []}
+                       "opt": learner.init_opt_state(params), "times": [], "update": [],
+                       "logprobs": []}
 
-    def one_round(side: dict) -> float:
+    def one_round(side: dict) -> tuple[float, float]:
         learner = side["learner"]
         # A fresh batch object per round (as the trainer's): the packing is redone and timed.
         batch = learner.shard_batch({k: jnp.asarray(v) for k, v in host.items()})
         jax.block_until_ready(batch)
         start = time.perf_counter()
-        batch["logp_prox"] = learner.logprobs(side["params"], batch)
+        batch["logp_prox"] = jax.block_until_ready(learner.logprobs(side["params"], batch))
+        middle = time.perf_counter()
         side["params"], side["opt"], metrics = learner.update(side["params"], side["opt"], batch)
         jax.block_until_ready((side["params"], metrics))
-        return time.perf_counter() - start
+        return middle - start, time.perf_counter() - middle
 
     for side in sides.values():  # warm-up: compiles
         one_round(side)
     for _ in range(args.rounds):
         for side in sides.values():
-            side["times"].append(one_round(side))
+            logprobs, update = one_round(side)
+            side["times"].append(logprobs + update)
+            side["logprobs"].append(logprobs)
+            side["update"].append(update)
     out: dict[str, float] = {"real_tokens": float(real)}
     padded_tokens = args.rows * (args.max_prompt_len + args.max_new_tokens)
     for name, side in sides.items():
@@ -92,11 +130,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         computed = real / share
         out.update({f"{name}/seconds": t, f"{name}/real_tokens_per_s": real / t,
                     f"{name}/computed_tokens": float(computed),
-                    f"{name}/real_token_share": share})
-    if args.cpu_dots_ab:
-        out["speedup"] = out["xla/seconds"] / out["learner/seconds"]
-    else:
-        out["speedup"] = out["padded/seconds"] / out["packed/seconds"]
+                    f"{name}/real_token_share": share,
+                    f"{name}/update_seconds": statistics.median(side["update"]),
+                    f"{name}/logprobs_seconds": statistics.median(side["logprobs"])})
+    first, second = (name for name, _, _ in _sides(args))
+    out["speedup"] = out[f"{first}/seconds"] / out[f"{second}/seconds"]
+    out["update_ratio"] = out[f"{second}/update_seconds"] / out[f"{first}/update_seconds"]
     return out
 
 
@@ -129,11 +168,18 @@ def main(argv: list[str] | None = None) -> None:
                          "config.train.cpu_dots; 'eigen' only with --vs_torch)")
     ap.add_argument("--cpu_dots_ab", action="store_true",
                     help="instead of padded vs packed: cpu_dots 'xla' vs 'learner', both packed")
+    ap.add_argument("--ab", choices=tuple(AB_SIDES),
+                    help="instead of padded vs packed, both packed: train.precision 'fp' vs "
+                         "'fp8_block' (precision), or train.on_policy_numerics 'default' vs "
+                         "'exact' at --precision (numerics)")
+    ap.add_argument("--precision", default="fp", help="with --ab numerics: train.precision")
+    ap.add_argument("--smollm2", action="store_true",
+                    help="SmolLM2-135M's shapes (random weights; --layers of them)")
     ap.add_argument("--apart", action="store_true",
                     help="with --vs_torch: one process at a time (ours, torch, torch, ours), each "
                          "warmed up and timed for --rounds rounds")
     ap.add_argument("--logprob_chunk", type=int, default=512,
-                    help="with --vs_torch: our learner's response positions per LM-head chunk")
+                    help="our learner's response positions per LM-head chunk")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers (default: 2, or 30 with --vs_torch)")
     ap.add_argument("--config", help="with --flops: a config file (configs/)")
@@ -185,14 +231,20 @@ def main(argv: list[str] | None = None) -> None:
               f"({out['ours/cpu_seconds']:.2f} / {out['torch/cpu_seconds']:.2f})")
         print(json.dumps(out))
         return
-    args.layers = args.layers or 2
+    args.layers = args.layers or (30 if args.smollm2 else 2)
     out = run(args)
-    names = ("xla", "learner") if args.cpu_dots_ab else ("padded", "packed")
-    print(f"{'layout':<8}{'median s':>10}{'real tok/s':>12}{'computed tok':>14}{'real share':>12}")
+    names = tuple(name for name, _, _ in _sides(args))
+    print(f"{'side':<10}{'median s':>10}{'update s':>10}{'logprobs s':>11}{'real tok/s':>12}"
+          f"{'computed tok':>14}{'real share':>12}")
     for name in names:
-        print(f"{name:<8}{out[f'{name}/seconds']:>10.3f}{out[f'{name}/real_tokens_per_s']:>12.0f}"
+        print(f"{name:<10}{out[f'{name}/seconds']:>10.3f}{out[f'{name}/update_seconds']:>10.3f}"
+              f"{out[f'{name}/logprobs_seconds']:>11.3f}"
+              f"{out[f'{name}/real_tokens_per_s']:>12.0f}"
               f"{out[f'{name}/computed_tokens']:>14.0f}{out[f'{name}/real_token_share']:>12.3f}")
-    if args.cpu_dots_ab:
+    if args.ab:
+        print(f"{names[1]} / {names[0]} ({args.rounds} interleaved rounds, medians): update "
+              f"{out['update_ratio']:.2f}x, log-probs + update {1 / out['speedup']:.2f}x")
+    elif args.cpu_dots_ab:
         print(f"'learner' speedup over 'xla' (log-probs + update, same run, {args.hidden} wide, "
               f"{args.layers} layers): {out['speedup']:.2f}x")
     else:

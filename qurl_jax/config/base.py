@@ -28,7 +28,7 @@ from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
 from qurl_jax.lora import PROJECTIONS, check_base_recipe
 from qurl_jax.models.attention import Implementation as AttentionImplementation
-from qurl_jax.models.config import SUPPORTED_MODEL_TYPES, Remat
+from qurl_jax.models.config import NUMERICS, SUPPORTED_MODEL_TYPES, Remat
 from qurl_jax.models.kv_quant import KVPrecision, KVScale
 from qurl_jax.quant import RECIPES
 from qurl_jax.rl.objectives import Aggregation, KLEstimator, Mode
@@ -292,6 +292,12 @@ def base_config() -> ml_collections.ConfigDict:
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
     c.train.precision = "fp"
+    # 'exact': the rollout computes every value that feeds a quantizer or a log-prob in the
+    # learner forward's order (fixed-order products, norms, attention and log-softmax, one model
+    # on both sides: `models.exact`), so pi_behav equals pi_prox bit for bit when both run the
+    # same precision (fp / fp, or Jet-RL's fp8_block / fp8_block). 'default': XLA's own orders.
+    # CPU kernels (AVX2 + FMA); docs/jet_rl.md. Changes the math: a run resumes only with its own.
+    c.train.on_policy_numerics = "default"
     # Before the first step, compile every program and stop if one needs more memory per device
     # than the device has (naming the knob to change): 'auto' when the programs are compiled for
     # an accelerator only, 'on' also for the CPU (then memory_limit_gib must be set), 'off'.
@@ -604,6 +610,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rollout.kv_precision, KV_PRECISIONS, "rollout.kv_precision")
     _choice(c.rollout.kv_scale, KV_SCALES, "rollout.kv_scale")
     _choice(c.train.precision, TRAIN_PRECISIONS, "train.precision")
+    _choice(c.train.on_policy_numerics, NUMERICS, "train.on_policy_numerics")
     _choice(c.rl.loss_mode, LOSS_MODES, "rl.loss_mode")
     _choice(c.rl.agg, AGGREGATIONS, "rl.agg")
     _choice(c.rl.advantage, ADVANTAGES, "rl.advantage")
@@ -660,6 +667,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     from qurl_jax.config.checks import check_packing
 
     check_packing(c)
+    from qurl_jax.config.checks import check_exact_numerics
+
+    check_exact_numerics(c)
     try:
         objective_from_config(c.rl)
     except ValueError as e:

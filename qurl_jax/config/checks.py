@@ -13,6 +13,9 @@ learn, and the data itself.
   nearly every token or sequence).
 - `check_packing(c)`: with `train.packing`, a `train.pack_length` shorter than the longest
   sequence, or a `train.tokens_per_micro_batch` under one packed row, is an error.
+- `check_exact_numerics(c)`: `train.on_policy_numerics='exact'` with a rollout the learner does
+  not run (a per-channel int8 / fp8 actor, int8 vocabulary tables, an 8-bit or compressed KV
+  cache) is an error: no fixed order can make those log-probs the learner's.
 - `slow_settings(c)`: settings that only make a run slow, as warnings: a rollout that decodes one
   row at a time (`max_concurrent_rows=1`, or a paged KV pool that holds one row).
   `config.validate` runs the first two; the trainer logs the third.
@@ -153,3 +156,30 @@ def check_packing(c: ml_collections.ConfigDict) -> None:
         packing.check_per_doubling(c.train.pack_buckets)
     except ValueError as e:
         raise ConfigError(f"config.{e}") from None
+
+
+def check_exact_numerics(c: ml_collections.ConfigDict) -> None:
+    """`ConfigError` naming the field when `train.on_policy_numerics='exact'` meets a rollout
+    that computes something the learner never does: its products then have no fixed-order form
+    shared with the learner (per-channel int8 / fp8 recipes; int8 vocabulary tables,
+    `rollout.quantize_vocab`), or its attention reads keys the learner's does not have (an 8-bit
+    or compressed KV cache)."""
+    if c.train.on_policy_numerics != "exact":
+        return
+    where = "train.on_policy_numerics='exact'"
+    if c.rollout.precision not in ("fp", "fp8_block"):
+        raise ConfigError(f"config.rollout.precision={c.rollout.precision!r}: {where} runs the "
+                          f"'fp' and 'fp8_block' rollouts (the learner's precisions)")
+    if c.rollout.precision != "fp" and c.rollout.quantize_vocab:
+        raise ConfigError(f"config.rollout.quantize_vocab=True: {where} needs the vocabulary "
+                          f"tables in float, as the learner holds them (set it False)")
+    if c.rollout.kv_precision != "bf16":
+        raise ConfigError(f"config.rollout.kv_precision={c.rollout.kv_precision!r}: {where} needs "
+                          f"the KV cache in the compute dtype ('bf16'), as the learner's keys")
+    if c.rollout.kv_policy != "dense":
+        raise ConfigError(f"config.rollout.kv_policy={c.rollout.kv_policy!r}: {where} needs every "
+                          f"key the learner attends to ('dense')")
+    if c.model.lora.rank:
+        raise ConfigError(f"config.model.lora.rank={c.model.lora.rank}: {where} is not built for "
+                          f"LoRA adapters yet (their products have no fixed-order form); set "
+                          f"model.lora.rank=0")

@@ -320,7 +320,8 @@ class RolloutSettings:
 class TrainSettings:
     """The learner: its `objective` and `optim`, the rollout batch cut into `num_minibatches`
     optimizer steps of `num_micro_batches` accumulated micro-batches (`rl`), and its memory and
-    precision knobs (`train`: remat, scan_layers, logprob_chunk, precision, cpu_dots)."""
+    precision knobs (`train`: remat, scan_layers, logprob_chunk, precision, cpu_dots,
+    on_policy_numerics: the `ModelConfig.numerics` of the learner and the rollout)."""
 
     objective: ObjectiveConfig = ObjectiveConfig()
     optim: OptimConfig = OptimConfig()
@@ -335,6 +336,7 @@ class TrainSettings:
     tokens_per_micro_batch: int = 0
     pack_buckets: int = PER_DOUBLING
     cpu_dots: str = "auto"
+    on_policy_numerics: str = "default"
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
@@ -345,7 +347,8 @@ class TrainSettings:
                    logprob_chunk=c.train.logprob_chunk, precision=c.train.precision,
                    packing=c.train.packing, pack_length=c.train.pack_length,
                    tokens_per_micro_batch=c.train.tokens_per_micro_batch,
-                   pack_buckets=c.train.pack_buckets, cpu_dots=c.train.cpu_dots)
+                   pack_buckets=c.train.pack_buckets, cpu_dots=c.train.cpu_dots,
+                   on_policy_numerics=c.train.on_policy_numerics)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""

@@ -3,7 +3,10 @@
 Two kernels in this directory speed up the rollout's decode loop on x86 CPUs with AVX512: the int8
 matmul that AQT's int8 recipe uses for its integer product (`int8_matmul.cc`, wrapped by
 `qurl_jax.quant._cpu_kernel`) and the decode attention the sampler uses (`decode_attention.cc`,
-wrapped by `decode_attention.py`). Each source is compiled with the system C++ compiler (`$CXX`,
+wrapped by `decode_attention.py`). The third, `fixed_order.cc` (AVX512 or AVX2 + FMA, wrapped by
+`fixed_order.py`), computes products, RMSNorm, attention and log-probs in one documented order
+per row: exact on-policy numerics (`qurl_jax.models.exact`) and the FP8 learner's products.
+Each source is compiled with the system C++ compiler (`$CXX`,
 default `c++`) into `$QURL_JAX_CACHE_DIR` (default `~/.cache/qurl_jax`), keyed by a hash of the
 directory's sources and the jaxlib version, loaded with ctypes, and its handlers registered as FFI
 targets for the CPU platform.

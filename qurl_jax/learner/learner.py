@@ -127,7 +127,8 @@ def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positi
     head_dot = _head_dot(precision)
     head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     return chunked_token_logprobs(head, hidden, tokens[:, -response_len:], temperature,
-                                  chunk=chunk, with_entropy=with_entropy)
+                                  chunk=chunk, with_entropy=with_entropy,
+                                  exact=model.config.numerics == "exact")
 
 
 def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
@@ -150,6 +151,7 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
                             return_hidden=True, segment_ids=rows["segment_ids"])
     head_dot = _head_dot(precision)
     head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
+    exact = model.config.numerics == "exact"
     tokens = rows["tokens"]
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     if resp_index.size < targets.size and not quant.get_recipe(precision).quantizes:
@@ -159,9 +161,10 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
         # FP8 keeps every position, whose scales a gather would change.
         hidden = hidden.reshape(-1, hidden.shape[-1])[resp_index]  # [B, G, E]
         return chunked_token_logprobs(head, hidden, targets.reshape(-1)[resp_index],
-                                      temperature, chunk=chunk, with_entropy=with_entropy)
+                                      temperature, chunk=chunk, with_entropy=with_entropy,
+                                      exact=exact)
     logp, entropy = chunked_token_logprobs(head, hidden, targets, temperature, chunk=chunk,
-                                           with_entropy=with_entropy)
+                                           with_entropy=with_entropy, exact=exact)
     take = lambda x: x.reshape(-1)[resp_index]  # noqa: E731
     return take(logp), None if entropy is None else take(entropy)
 

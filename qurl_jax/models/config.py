@@ -18,6 +18,9 @@ import jax.numpy as jnp
 from qurl_jax.models.attention import Implementation
 from qurl_jax.models.kv_quant import KVScale
 
+# `ModelConfig.numerics`: 'exact' runs `models.exact`'s fixed-order ops.
+NUMERICS = ("default", "exact")
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -80,6 +83,10 @@ class ModelConfig:
     # What one scale of an 8-bit decode cache covers (`kv_quant.KVScale`: 'token' | 'sequence'),
     # a property of the sampler's cache like `attention`; hf.py ignores it too.
     kv_scale: str = "token"
+    # 'exact': the ops whose reduction order XLA picks per shape run in one fixed order, so the
+    # learner's forward and the rollout's prefill and cached decode give bitwise-equal values
+    # (`models.exact`, `train.on_policy_numerics`); a property of how this process runs the model.
+    numerics: str = "default"
 
     @property
     def compute_dtype(self) -> Any:
@@ -120,6 +127,9 @@ class ModelConfig:
         if self.kv_scale not in tuple(KVScale):
             raise ValueError(f"ModelConfig.kv_scale={self.kv_scale!r} must be one of "
                              f"{tuple(str(g) for g in KVScale)}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"ModelConfig.numerics={self.numerics!r} must be one of {NUMERICS} "
+                             "(train.on_policy_numerics)")
         if self.attention not in tuple(Implementation):
             raise ValueError(f"ModelConfig.attention={self.attention!r} is not supported; "
                              f"expected one of {tuple(str(i) for i in Implementation)}")

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from qurl_jax.models import exact as exact_lib
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.transformer import Transformer
 
@@ -71,7 +72,8 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1
 
 def chunked_token_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array,
                            targets: jax.Array, temperature: float = 1.0, *, chunk: int,
-                           with_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                           with_entropy: bool = False, exact: bool = False
+                           ) -> tuple[jax.Array, jax.Array | None]:
     """`token_logprobs_and_entropy(head(hidden), targets)` without ever holding all the logits.
 
     hidden f[B, G, E] (final hidden states of the positions that predict `targets`),
@@ -80,6 +82,8 @@ def chunked_token_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.A
     gather on one chunk at a time under `jax.checkpoint`: the forward keeps one f32[B, chunk, V]
     block and the backward recomputes it per chunk instead of storing it, so the logits cost
     O(B * chunk * V) memory for any G. Returns f32[B, G] log-probs and entropies (or None).
+    `exact`: the log-probs in the fixed order the sampler reports them in under exact numerics
+    (`models.exact.token_logprobs`; entropies as always).
     """
     b, g = targets.shape
     c = min(chunk, g)
@@ -93,7 +97,11 @@ def chunked_token_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.A
     # prevent_cse=False: inside a scan, CSE cannot merge the recomputation with the forward.
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def one_chunk(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        return token_logprobs_and_entropy(head(h), t, temperature, with_entropy)
+        logits = head(h)
+        logp, entropy = token_logprobs_and_entropy(logits, t, temperature, with_entropy)
+        if exact:
+            logp = exact_lib.token_logprobs(logits, t, temperature, token_logprobs)
+        return logp, entropy
 
     if n == 1:  # no loop: XLA:CPU fuses a single chunk with its neighbours
         logp, entropy = jax.tree.map(lambda x: x[None], one_chunk(hs[0], ts[0]))

@@ -29,6 +29,7 @@ without one the dense path's attention over the rows' pages gathered.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax.models import attention as attn_lib
+from qurl_jax.models import exact as exact_lib
 from qurl_jax.models.config import ModelConfig, Remat
 from qurl_jax.models.kv_quant import (
     KVPrecision,
@@ -384,13 +386,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """RMSNorm over x's last axis computed in float32, gain `scale` applied in `dtype` (as Hugging
+    Face does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(dtype) * normed.astype(dtype)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, gain applied in the compute dtype (as Hugging Face does)."""
+    """`rms_norm` with its gain as a parameter; `exact`: in the fixed order (`models.exact`)."""
 
     eps: float
     dtype: Any
     param_dtype: Any
     axis_name: str = "norm"
+    exact: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -398,9 +409,10 @@ class RMSNorm(nn.Module):
             "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
             (x.shape[-1],), self.param_dtype,
         )
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return scale.astype(self.dtype) * normed.astype(self.dtype)
+        norm = functools.partial(rms_norm, eps=self.eps, dtype=self.dtype)
+        if self.exact:
+            return exact_lib.rms_norm(x, scale, self.eps, norm).astype(self.dtype)
+        return norm(x, scale)
 
 
 class Linear(nn.Module):
@@ -462,8 +474,10 @@ class Attention(nn.Module):
         b, t = positions.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
+        exact = cfg.numerics == "exact"
+        dot = products(cfg, self.dot_general)
         lin = lambda n, f, axes, bias: Linear(  # noqa: E731
-            f, axes, self.dot_general, dt, pdt, use_bias=bias, name=n
+            f, axes, dot, dt, pdt, use_bias=bias, name=n
         )
         bias = cfg.attention_bias
         if qkv is None:
@@ -475,8 +489,8 @@ class Attention(nn.Module):
             project = lambda out: out  # noqa: E731
         q, k, v = (y.reshape(b, t, n, d) for y, n in zip(qkv, (h, hkv, hkv), strict=True))
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", exact, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", exact, name="k_norm")(k)
         inv_freq = rope_inv_freq(cfg)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
@@ -495,7 +509,7 @@ class Attention(nn.Module):
                 row_scale = getattr(self.paged_attention, "row_scale", row_scale)
             new_cache = cache.write(k, v, getattr(self.paged_attention, "write", None), row_scale)
             lengths = new_cache.lengths()
-            if self.paged_attention is not None:
+            if self.paged_attention is not None and not exact:
                 scales = {} if new_cache.k_scale is None else dict(
                     k_scales=new_cache.k_scale, v_scales=new_cache.v_scale)
                 out = self.paged_attention(q[:, 0], new_cache.k, new_cache.v,
@@ -503,9 +517,9 @@ class Attention(nn.Module):
             else:  # the dense path's own math over the rows' pages gathered
                 keys, values = new_cache.gather(dt)
                 slot = jnp.arange(keys.shape[2], dtype=jnp.int32)
-                out = attn_lib.attention(q, keys, values, positions,
-                                         jnp.broadcast_to(slot, (b, slot.size)),
-                                         slot[None, :] < lengths[:, None], cfg.attention)
+                out = self._attend(q, keys, values, positions,
+                                   jnp.broadcast_to(slot, (b, slot.size)),
+                                   slot[None, :] < lengths[:, None])
             return project(out.reshape(b, t, h * d)), new_cache
         if cache is None:
             keys, values = k, v
@@ -532,7 +546,7 @@ class Attention(nn.Module):
                 values = dequantize_kv(new_cache[1], new_cache[3], dt)
             q_pos, k_pos, k_valid = positions, cache_pos, cache_pos >= 0
 
-        if cache is not None and t == 1 and self.decode_attention is not None:
+        if cache is not None and t == 1 and self.decode_attention is not None and not exact:
             # Slots past a row's n_used are empty, so reading [0, max n_used) is exact. A hook
             # that reads 8-bit codes itself (`reads_codes`) gets them with their scales.
             grouped, length = attn_lib.group_queries(q, hkv), jnp.max(write_slots) + 1
@@ -544,9 +558,21 @@ class Attention(nn.Module):
                 out = self.decode_attention(grouped, keys, values, k_valid, length)
             out = attn_lib.ungroup_queries(out, t)
         else:
-            out = attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
-                                     causal_by_index=cache is None, segment_ids=segment_ids)
+            out = self._attend(q, keys, values, q_pos, k_pos, k_valid, cache is None,
+                               segment_ids)
         return project(out.reshape(b, t, h * d)), new_cache
+
+    def _attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, q_pos: jax.Array,
+                k_pos: jax.Array, k_valid: jax.Array, causal_by_index: bool = False,
+                segment_ids: jax.Array | None = None) -> jax.Array:
+        """`attention.attention` by the configured implementation, or under exact numerics
+        `models.exact.attention` (that implementation's gradient)."""
+        cfg = self.config
+        if cfg.numerics == "exact":
+            return exact_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
+                                       segment_ids)
+        return attn_lib.attention(q, keys, values, q_pos, k_pos, k_valid, cfg.attention,
+                                  causal_by_index=causal_by_index, segment_ids=segment_ids)
 
 
 def _sequence_scale(stored: jax.Array, new: jax.Array, valid: jax.Array, cache_pos: jax.Array,
@@ -570,9 +596,10 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         dt, pdt, m = cfg.compute_dtype, cfg.params_dtype, cfg.intermediate_size
-        gate = Linear(m, ("embed", "mlp"), self.dot_general, dt, pdt, name="gate_proj")(x)
-        up = Linear(m, ("embed", "mlp"), self.dot_general, dt, pdt, name="up_proj")(x)
-        return Linear(cfg.hidden_size, ("mlp", "embed"), self.dot_general, dt, pdt,
+        dot = products(cfg, self.dot_general)
+        gate = Linear(m, ("embed", "mlp"), dot, dt, pdt, name="gate_proj")(x)
+        up = Linear(m, ("embed", "mlp"), dot, dt, pdt, name="up_proj")(x)
+        return Linear(cfg.hidden_size, ("mlp", "embed"), dot, dt, pdt,
                       name="down_proj")(jax.nn.silu(gate) * up)
 
 
@@ -587,10 +614,11 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, positions, mask, cache, cache_pos, write_slots, segment_ids=None):
         cfg = self.config
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
+        exact = cfg.numerics == "exact"
         attention = Attention(cfg, self.dot_general, self.decode_attention,
                               self.paged_attention, name="self_attn")
         fused = self.fused_decode
-        if (fused is not None and cache is not None and x.shape[1] == 1
+        if (fused is not None and cache is not None and x.shape[1] == 1 and not exact
                 and not self.is_initializing() and fused.applies(self.variables["params"])):
             # A GPU decode step: the same layer, its products one launch each (`FusedDecode`).
             p = self.variables["params"]
@@ -601,11 +629,11 @@ class DecoderLayer(nn.Module):
             x = fused.attention_out(out, p["self_attn"]["o_proj"], x)
             return fused.mlp(x, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps,
                              p["mlp"]), new_cache
-        h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="input_layernorm")(x)
+        h = RMSNorm(cfg.rms_norm_eps, dt, pdt, exact=exact, name="input_layernorm")(x)
         attn, new_cache = attention(h, positions, mask, cache, cache_pos, write_slots,
                                     segment_ids)
         x = x + attn
-        h = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x)
+        h = RMSNorm(cfg.rms_norm_eps, dt, pdt, exact=exact, name="post_attention_layernorm")(x)
         x = x + MLP(cfg, self.dot_general, name="mlp")(h)
         return x, new_cache
 
@@ -712,15 +740,16 @@ class Transformer(nn.Module):
                     x, positions, mask, kv, cache_pos, write_slots, segment_ids)
                 x = pin(x, RESIDUAL_AXES)
                 new_kv.append(kv)
-        x = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="norm")(x)
+        x = RMSNorm(cfg.rms_norm_eps, dt, pdt, exact=cfg.numerics == "exact", name="norm")(x)
         if last_only:
             x = x[:, -1:]
+        dot = products(cfg, self.dot_general)
         if return_hidden:
             out = x
         elif cfg.tie_word_embeddings:
-            out = embed.attend(x, self.dot_general).astype(jnp.float32)
+            out = embed.attend(x, dot).astype(jnp.float32)
         else:
-            out = Linear(cfg.vocab_size, ("embed", "vocab"), self.dot_general, dt, pdt,
+            out = Linear(cfg.vocab_size, ("embed", "vocab"), dot, dt, pdt,
                          name="lm_head")(x).astype(jnp.float32)
         new_cache = None
         if paged:
@@ -764,14 +793,22 @@ class Transformer(nn.Module):
         return jax.lax.scan(body, x, stacked)[0]
 
 
+def products(config: ModelConfig, dot_general: DotGeneral) -> DotGeneral:
+    """The model's product hook: `dot_general`, or under `config.numerics == 'exact'` the same
+    products in the fixed order (`models.exact.products`)."""
+    return exact_lib.products(dot_general) if config.numerics == "exact" else dot_general
+
+
 def lm_head_logits(config: ModelConfig, params: Any, hidden: jax.Array,
                    dot_general: DotGeneral = jax.lax.dot_general) -> jax.Array:
     """f32[..., V] logits of final hidden states f[..., E] (from `return_hidden=True`).
 
     The same product as the model's own head (`Embed.attend` when tied, the `lm_head` Linear
-    otherwise): compute dtype in and out, then float32.
+    otherwise): compute dtype in and out, then float32; under exact numerics the fixed-order
+    product (`products`).
     """
     dt = config.compute_dtype
+    dot_general = products(config, dot_general)
     if config.tie_word_embeddings:
         weight, contract = params["embed_tokens"]["embedding"], 1  # [V, E]
     else:

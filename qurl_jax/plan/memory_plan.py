@@ -703,7 +703,8 @@ def report(settings: RunSettings, shapes_dir: str,
     unknown = set(programs or ()) - set(PROGRAMS)
     if unknown:
         raise PlanError(f"--programs: unknown {sorted(unknown)}; known: {list(PROGRAMS)}")
-    model_config = model_shape(settings.model, shapes_dir)
+    model_config = model_shape(settings.model, shapes_dir).replace(
+        numerics=settings.train.on_policy_numerics)
     devices = target.devices()
     try:
         setup = build_setup(settings, model_config, devices)

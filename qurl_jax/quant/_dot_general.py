@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.numerics import utils as aqt_numerics
 
+from qurl_jax.cpu_kernels import fixed_order
 from qurl_jax.quant._cpu_kernel import int8_dot_general, packed_int8_dot_general
 from qurl_jax.quant._qtensor import QuantizedTensor, quantize_row_groups
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
@@ -117,11 +118,92 @@ def block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Arr
     return jnp.einsum("gmn,mg,gn->mn", partial, a_scale, b_scale)
 
 
+# `fast_block_scaled_matmul` runs the kernel where it gives XLA:CPU's own bits: at least this
+# many rows, a multiple of this many columns, and with 8 or more groups a multiple of 8 rows
+# (elsewhere XLA takes other paths, whose sums round differently: its GEMM's below 64 rows or
+# off 64 columns, a sequential combine for the rows past the last 8; measured with XLA's default
+# optimisation level, YNNPACK's or Eigen's products alike; tests/test_exact_numerics.py).
+FAST_MIN_ROWS = 64
+FAST_COLUMN_MULTIPLE = 64
+FAST_ROW_MULTIPLE = 8
+
+
+def fast_block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Array,
+                             b_scale: jax.Array, block_n: int) -> jax.Array:
+    """`block_scaled_matmul`, bit for bit, at about a float32 GEMM's speed on CPU: the FP8
+    learner's three products (`_fp8_train`).
+
+    XLA:CPU's emulation materialises every group's float32 partial product ([G, M, N]) and
+    combines them in a batched product over the groups: about 7x a float32 GEMM of the same
+    shape. The fixed-order kernel (`cpu_kernels.fixed_order.matmul_e4m3`) computes each group's
+    partial as the same fused chain (XLA's GEMM at M >= 64) and combines them in XLA's order
+    (eight lanes and a tail, see its `GemmItem`), in registers and one pass. It runs where the
+    two agree (a CPU program, E4M3 codes, the shapes of FAST_MIN_ROWS, FAST_COLUMN_MULTIPLE and
+    FAST_ROW_MULTIPLE); everything else is `block_scaled_matmul`."""
+    m, n, groups = a_codes.shape[0], b_codes.shape[1], a_scale.shape[1]
+    if (m < FAST_MIN_ROWS or n % FAST_COLUMN_MULTIPLE
+            or (groups >= 8 and m % FAST_ROW_MULTIPLE)
+            or b_codes.dtype != jnp.float8_e4m3fn or a_codes.dtype != jnp.float8_e4m3fn
+            or not fixed_order.available()):
+        return block_scaled_matmul(a_codes, a_scale, b_codes, b_scale, block_n)
+
+    def cpu(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+            ) -> jax.Array:
+        return fixed_order.matmul_e4m3(a.astype(jnp.float32), a_scale, b_codes, b_scale,
+                                       block_n)
+
+    def other(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+              ) -> jax.Array:
+        return block_scaled_matmul(a, a_scale, b_codes, b_scale, block_n)
+
+    return fixed_order.on_cpu(cpu, other, a_codes, a_scale, b_codes, b_scale)
+
+
+def exact_block_scaled_matmul(a_codes: jax.Array, a_scale: jax.Array, b_codes: jax.Array,
+                              b_scale: jax.Array, block_n: int) -> jax.Array:
+    """`block_scaled_matmul` of E4M3 operands in a fixed order, the same for every row whatever
+    the rows in the call (exact on-policy numerics, `models.exact`): per group the fused
+    multiply-add chain over its contraction rows from 0, then the groups' partials, each times
+    its activation scale, combined with the weight scales in `fast_block_scaled_matmul`'s order
+    (`cpu_kernels.fixed_order.matmul_e4m3`; on TPU and GPU a sum over the groups in order per
+    tile of rows)."""
+    if b_codes.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"exact numerics: block-scaled products need E4M3 codes, got "
+                         f"{b_codes.dtype} (train.on_policy_numerics='exact' runs the 'fp' and "
+                         f"'fp8_block' recipes)")
+    a = a_codes.astype(jnp.float32)
+
+    def cpu(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+            ) -> jax.Array:
+        return fixed_order.matmul_e4m3(a, a_scale, b_codes, b_scale, block_n)
+
+    def other(a: jax.Array, a_scale: jax.Array, b_codes: jax.Array, b_scale: jax.Array
+              ) -> jax.Array:
+        ng, n = a_scale.shape[1], b_codes.shape[1]
+        b = b_codes.astype(jnp.float32).reshape(ng, -1, n)
+        sb = jnp.repeat(b_scale, block_n, axis=1)[:, :n]
+
+        def tile(a: jax.Array, sa: jax.Array) -> jax.Array:
+            parts = jnp.einsum("mgk,gkn->gmn", a.reshape(a.shape[0], ng, -1), b)
+            out = jnp.zeros(parts.shape[1:], jnp.float32)
+            for g in range(ng):
+                out = out + (parts[g] * sa[:, g:g + 1]) * sb[g][None]
+            return out
+
+        return fixed_order.row_tiles(tile, a, a_scale)
+
+    return fixed_order.on_cpu(cpu, other, a, a_scale.astype(jnp.float32), b_codes,
+                              b_scale.astype(jnp.float32))
+
+
 def block_product(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[int, int],
-                  act_format: QuantFormat) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  act_format: QuantFormat, exact: bool = False, fast: bool = False
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x[M, K] times a block-scaled kernel [K, N], activations quantized in 1 x block[0] groups.
 
-    codes: [K, N] kernel codes; scale: f32[ceil(K / block[0]), ceil(N / block[1])].
+    codes: [K, N] kernel codes; scale: f32[ceil(K / block[0]), ceil(N / block[1])]; exact: the
+    product in the fixed order (`exact_block_scaled_matmul`); fast: `fast_block_scaled_matmul`
+    (the same bits as the default, the learner's).
     Returns (f32[M, N] product, activation codes [M, G * block[0]], f32 scales [M, G]); the
     learner keeps the activation codes for its backward pass (`_fp8_train`).
     """
@@ -129,16 +211,19 @@ def block_product(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple
     pad = x_codes.shape[1] - codes.shape[0]
     if pad:
         codes = jnp.pad(codes, ((0, pad), (0, 0)))
-    return block_scaled_matmul(x_codes, x_scale, codes, scale, block[1]), x_codes, x_scale
+    product = (exact_block_scaled_matmul if exact
+               else fast_block_scaled_matmul if fast else block_scaled_matmul)
+    return product(x_codes, x_scale, codes, scale, block[1]), x_codes, x_scale
 
 
-def _block_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int) -> jax.Array:
+def _block_product(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int,
+                   exact: bool = False) -> jax.Array:
     """x[..., K] times a block-scaled kernel (`block_product`). Output f32[..., N]."""
     codes, scale, block = rhs.qvalue, rhs.scale, rhs.block
     if rhs_axis == 1:  # tied head: embedding [V, E] contracts E; view it as a kernel [E, V]
         codes, scale, block = codes.T, scale.T, block[::-1]
     lead, k = lhs.shape[:-1], lhs.shape[-1]
-    out, _, _ = block_product(lhs.reshape(-1, k), codes, scale, block, rhs.act_format)
+    out, _, _ = block_product(lhs.reshape(-1, k), codes, scale, block, rhs.act_format, exact)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -157,12 +242,14 @@ def _weight_only_per_channel(lhs: jax.Array, rhs: QuantizedTensor, rhs_axis: int
 
 def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
                         dimension_numbers: DotDimensionNumbers, precision: Any = None,
-                        preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+                        preferred_element_type: Any = None, *, exact: bool = False,
+                        **kwargs: Any) -> jax.Array:
     """`jax.lax.dot_general` that also accepts a `QuantizedTensor` rhs (see module docstring).
 
     lhs: f[..., K] activations; rhs: a float array or a QuantizedTensor kernel [K, N] (contracting
-    axis 0) or [N, K] (contracting axis 1, the tied LM head). Returns f[..., N] in lhs's dtype (or
-    `preferred_element_type`).
+    axis 0) or [N, K] (contracting axis 1, the tied LM head). exact: a block-scaled kernel's
+    product in the fixed order (exact on-policy numerics; `models.exact` sets it, and runs float
+    kernels itself). Returns f[..., N] in lhs's dtype (or `preferred_element_type`).
     """
     if not isinstance(rhs, QuantizedTensor):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -179,6 +266,11 @@ def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
         )
     out_dtype = preferred_element_type or lhs.dtype
     rhs_axis = int(rhs_c[0])
+    if exact and (rhs.is_per_channel(rhs_axis) or rhs.act_format is not QuantFormat.FP8_E4M3):
+        raise ValueError(f"exact numerics: a kernel of weight format {rhs.qvalue.dtype}, "
+                         f"activations {rhs.act_format}, block {rhs.block} has no fixed-order "
+                         f"product (train.on_policy_numerics='exact' runs the 'fp' and "
+                         f"'fp8_block' recipes, vocabulary tables in float)")
     if rhs.act_format is None and rhs.is_per_channel(rhs_axis):
         out = _weight_only_per_channel(lhs, rhs, rhs_axis, precision)
     elif rhs.act_format is None:
@@ -187,7 +279,7 @@ def rollout_dot_general(lhs: jax.Array, rhs: jax.Array | QuantizedTensor,
     elif rhs.is_per_channel(rhs_axis):
         out = _per_channel_product(lhs, rhs, rhs_axis)
     else:
-        out = _block_product(lhs, rhs, rhs_axis)
+        out = _block_product(lhs, rhs, rhs_axis, exact)
     return out.astype(out_dtype)
 
 

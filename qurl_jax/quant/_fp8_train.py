@@ -29,9 +29,12 @@ activations (dequantized, then quantized in 128x1 groups), as Jet-RL does with i
 transpose kernel, rather than from the float32 activations (which are not kept); dY is quantized
 from the incoming compute-dtype gradient.
 
-One inner GEMM. All three products call `_dot_general.block_scaled_matmul` (block-scaled codes x
+One inner GEMM. All three products are `_dot_general.block_scaled_matmul` (block-scaled codes x
 block-scaled codes -> float32), the rollout's inner product too; a fast GPU kernel (cuBLASLt
-blockwise FP8 or Pallas/Triton) replaces only that function. On CPU FP8 is emulated by XLA.
+blockwise FP8 or Pallas/Triton) replaces only that function. On CPU FP8 is emulated: the learner
+calls `fast_block_scaled_matmul`, XLA's emulation's bits from qurl_jax's CPU kernel at about a
+float32 GEMM's speed (XLA's own takes ~7x that: it materialises every group's partial product),
+or `exact_block_scaled_matmul` in the forward under exact on-policy numerics (`models.exact`).
 
 Padding. K, N and the token count are zero-padded to whole groups inside the quantizers; zeros
 change no group's max |x| and no product. Padding tokens of the batch are kept out of every scale
@@ -79,9 +82,14 @@ from flax import traverse_util
 from qurl_jax.quant._dot_general import (
     DotDimensionNumbers,
     block_product,
-    block_scaled_matmul,
+    fast_block_scaled_matmul,
 )
-from qurl_jax.quant._qtensor import QuantizedTensor, quantize_kernel, quantize_row_groups
+from qurl_jax.quant._qtensor import (
+    QuantizedTensor,
+    quantize_column_groups,
+    quantize_kernel,
+    quantize_row_groups,
+)
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
 from qurl_jax.quant._requantize import kernel_block, quantized_kernel_paths
 
@@ -115,11 +123,13 @@ class TrainKernel:
 
 
 class _Grouping(NamedTuple):
-    """Static scale grouping of one product: weight block, format, tokens per wgrad group."""
+    """Static scale grouping of one product: weight block, format, tokens per wgrad group; and
+    whether the forward product runs in the fixed order (exact on-policy numerics)."""
 
     block: tuple[int, int]
     fmt: QuantFormat
     token_group: int
+    exact: bool = False
 
 
 def _forward(x: jax.Array, w: jax.Array, valid: jax.Array, grouping: _Grouping
@@ -128,7 +138,8 @@ def _forward(x: jax.Array, w: jax.Array, valid: jax.Array, grouping: _Grouping
     activation codes [M, Kp] and f32 scales [M, Kp / block[0]], the FP8 weight blocks, valid."""
     x = jnp.where(valid[:, None], x, 0.0)
     wq = quantize_kernel(w, grouping.fmt, grouping.block, grouping.fmt)
-    out, x_codes, x_scale = block_product(x, wq.qvalue, wq.scale, wq.block, grouping.fmt)
+    out, x_codes, x_scale = block_product(x, wq.qvalue, wq.scale, wq.block, grouping.fmt,
+                                          grouping.exact, fast=True)
     return out, (x_codes, x_scale, wq, valid)
 
 
@@ -155,16 +166,18 @@ def _fp8_linear_bwd(grouping: _Grouping,
     pad_n = dy_codes.shape[1] - w_t.shape[0]
     if pad_n:
         w_t = jnp.pad(w_t, ((0, pad_n), (0, 0)))
-    dx = block_scaled_matmul(dy_codes, dy_scale, w_t, wq.scale.T, br)
+    dx = fast_block_scaled_matmul(dy_codes, dy_scale, w_t, wq.scale.T, br)
 
     # wgrad: X^T and dY^T in groups of `token_group` tokens per channel (128x1 in [M, K] terms).
-    # X is re-grouped from the saved FP8 activations, dequantized in float32.
+    # X is re-grouped from the saved FP8 activations, dequantized in float32. Both are grouped
+    # in place (`quantize_column_groups`): only X's codes are transposed, dY's are the product's
+    # right operand as they come.
     tg = min(grouping.token_group, m)
     ng = x_scale.shape[1]
     x_deq = (x_codes.astype(jnp.float32).reshape(m, ng, -1) * x_scale[..., None]).reshape(m, -1)
-    xt_codes, xt_scale = quantize_row_groups(x_deq.T, fmt, tg)  # [Kp, Mp], f32[Kp, nT]
-    dyt_codes, dyt_scale = quantize_row_groups(dy.T, fmt, tg)  # [N, Mp], f32[N, nT]
-    dw = block_scaled_matmul(xt_codes, xt_scale, dyt_codes.T, dyt_scale.T, 1)[:k]
+    x_codes_t, x_scale_t = quantize_column_groups(x_deq, fmt, tg)  # [Mp, Kp], f32[nT, Kp]
+    dy_codes_t, dy_scale_t = quantize_column_groups(dy, fmt, tg)  # [Mp, N], f32[nT, N]
+    dw = fast_block_scaled_matmul(x_codes_t.T, x_scale_t.T, dy_codes_t, dy_scale_t, 1)[:k]
     return dx, dw, None
 
 
@@ -174,7 +187,7 @@ _fp8_linear.defvjp(_forward, _fp8_linear_bwd)
 def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None = None,
                      block: tuple[int, int] = (128, 128),
                      fmt: QuantFormat = QuantFormat.FP8_E4M3,
-                     token_group: int = TOKEN_GROUP) -> jax.Array:
+                     token_group: int = TOKEN_GROUP, exact: bool = False) -> jax.Array:
     """x @ w with all three GEMMs in block-scaled FP8 (see module docstring); differentiable.
 
     Args:
@@ -186,6 +199,8 @@ def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None
         have block[0] channels, the output-gradient groups along N block[1].
       fmt: the FP8 format (E4M3).
       token_group: tokens per scale group of the weight-gradient operands.
+      exact: the forward product in the fixed order (`_dot_general.exact_block_scaled_matmul`,
+        exact on-policy numerics), the rollout's under the same setting; the backward unchanged.
 
     Returns f[..., N] in x's dtype. Gradients: dX in x's dtype, dW in w's dtype (both computed in
     float32).
@@ -201,7 +216,7 @@ def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None
                          f"the leading axes {lead} of x {x.shape}")
     else:
         valid = token_mask.reshape(-1).astype(jnp.bool_)
-    grouping = _Grouping((min(block[0], k), min(block[1], w.shape[1])), fmt, token_group)
+    grouping = _Grouping((min(block[0], k), min(block[1], w.shape[1])), fmt, token_group, exact)
     # The casts sit outside the custom VJP, so their transposes hand dX back in the compute dtype
     # and dW in the master dtype.
     out = _fp8_linear(x.reshape(-1, k).astype(jnp.float32), w.astype(jnp.float32), valid,
@@ -212,14 +227,16 @@ def fp8_block_linear(x: jax.Array, w: jax.Array, *, token_mask: jax.Array | None
 def train_dot_general(lhs: jax.Array, rhs: jax.Array | TrainKernel,
                       dimension_numbers: DotDimensionNumbers, precision: Any = None,
                       preferred_element_type: Any = None, *,
-                      token_mask: jax.Array | None = None, **kwargs: Any) -> jax.Array:
+                      token_mask: jax.Array | None = None, exact: bool = False,
+                      **kwargs: Any) -> jax.Array:
     """The learner's `dot_general` hook: FP8 block-scaled for `TrainKernel`s, plain otherwise.
 
     lhs: f[..., K] activations; rhs: a `TrainKernel` [K, N] (a marked linear layer, contracting
     axis 0) or any float array (LM head, tied or untied, and every unmarked product), which goes
     to `jax.lax.dot_general` unchanged. token_mask: bool over lhs's leading axes (see
-    `fp8_block_linear`); bind it per batch with `functools.partial`. Returns f[..., N] in lhs's
-    dtype (or `preferred_element_type`).
+    `fp8_block_linear`); bind it per batch with `functools.partial`. exact: the forward product
+    in the fixed order (`models.exact` sets it; float rhs never come here then). Returns
+    f[..., N] in lhs's dtype (or `preferred_element_type`).
     """
     if not isinstance(rhs, TrainKernel):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -231,7 +248,8 @@ def train_dot_general(lhs: jax.Array, rhs: jax.Array | TrainKernel,
             f"the last lhs axis with rhs axis 0 and no batch axes; got "
             f"dimension_numbers={dimension_numbers} for lhs of shape {lhs.shape}"
         )
-    out = fp8_block_linear(lhs, rhs.value, token_mask=token_mask, block=rhs.block, fmt=rhs.fmt)
+    out = fp8_block_linear(lhs, rhs.value, token_mask=token_mask, block=rhs.block, fmt=rhs.fmt,
+                           exact=exact)
     return out.astype(preferred_element_type or lhs.dtype)
 
 

@@ -72,6 +72,23 @@ def quantize_row_groups(x: jax.Array, fmt: QuantFormat,
     return codes.reshape(m, ng * group), scale[..., 0]
 
 
+def quantize_column_groups(x: jax.Array, fmt: QuantFormat,
+                           group: int) -> tuple[jax.Array, jax.Array]:
+    """`quantize_row_groups(x.T, fmt, group)` left in x's layout: each column of x[M, K] in
+    groups of `group` consecutive rows (group x 1 blocks), M zero-padded to whole groups.
+
+    Returns (codes [G * group, K] in fmt.dtype, f32 scales [G, K]), G = ceil(M / group): the
+    transposes of `quantize_row_groups(x.T, ...)`'s, bit for bit (the same quantizer per
+    element, the same maximum per group), without transposing x's float32 values."""
+    m, k = x.shape
+    ng = math.ceil(m / group)
+    x = x.astype(jnp.float32)
+    if ng * group != m:
+        x = jnp.pad(x, ((0, ng * group - m), (0, 0)))
+    codes, scale = quantize_groups(x.reshape(ng, group, k), fmt, (1,))
+    return codes.reshape(ng * group, k), scale[:, 0]
+
+
 @flax.struct.dataclass
 class QuantizedTensor:
     """A frozen low-precision kernel for the rollout model.

@@ -38,9 +38,11 @@ from jax.sharding import Mesh
 
 from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.models import decode_attention as ragged
+from qurl_jax.models import exact as exact_lib
 from qurl_jax.models import kv_quant
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.kv_quant import KVPrecision
+from qurl_jax.models.params import token_logprobs
 from qurl_jax.models.transformer import (
     DecodeAttention,
     DotGeneral,
@@ -467,7 +469,7 @@ class Engine:
         Pallas' interpreter on host devices with 'pallas' (tests); with 'auto' on one CPU
         device, the gathered pages through the CPU decode-attention kernel. On a mesh it runs
         per shard: each batch shard's rows read their own block of the pool (`_cache.PagedKV`)."""
-        if self.paging is None or self.decode_attention == "xla":
+        if self.paging is None or self.decode_attention == "xla" or self._exact:
             return None
         devices, cfg = self._devices, self.config
         if self.decode_attention == "auto" and self.platform == "cpu":
@@ -552,7 +554,7 @@ class Engine:
         shard (`_per_shard`)."""
         cfg = self.config
         choice, devices = self.decode_attention, self._devices
-        if choice == "xla" or self.paging is not None:  # a paged cache: `paged_hook`
+        if choice == "xla" or self.paging is not None or self._exact:  # paged: `paged_hook`
             return None
         if choice == "auto" and self.platform == "cpu":
             if self.sharding.single_device and cpu_attention.usable(cfg.compute_dtype,
@@ -654,7 +656,19 @@ class Engine:
         column steps[r] of stream streams[r]."""
         row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(decoding.key, streams)
         step_keys = jax.vmap(jax.random.fold_in)(row_keys, steps)
-        return sample_tokens(logits, step_keys, decoding.temperature, decoding.top_p, mode)
+        tok, lp, lp_full = sample_tokens(logits, step_keys, decoding.temperature, decoding.top_p,
+                                         mode)
+        if self._exact:
+            # The learner's log-prob in the learner's order (a truncated draw keeps its own lp).
+            lp_full = exact_lib.token_logprobs(logits, tok, decoding.temperature, token_logprobs)
+            lp = lp if mode.truncates else lp_full
+        return tok, lp, lp_full
+
+    @property
+    def _exact(self) -> bool:
+        """Exact on-policy numerics (`ModelConfig.numerics`): the model's own fixed-order
+        attention instead of the decode hooks, and the learner's log-prob."""
+        return self.config.numerics == "exact"
 
     def finish(self, state: DecodeState, eos_ids: jax.Array) -> dict[str, jax.Array]:
         """The outputs' `SampleOutput.PER_ROW` fields (N rows, G columns)."""

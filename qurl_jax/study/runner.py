@@ -92,6 +92,12 @@ VARIANTS = (
     Variant("jetrl_fp8_block", {"rollout.precision": "fp8_block", "train.precision": "fp8_block",
                                 "rollout.quantize_vocab": False, "rl.loss_mode": "naive"}, False,
             "fp8_block train + rollout (Jet-RL), naive"),
+    # The same with exact on-policy numerics: pi_behav == pi_prox bit for bit (models.exact).
+    Variant("jetrl_fp8_block_exact", {"rollout.precision": "fp8_block",
+                                      "train.precision": "fp8_block",
+                                      "rollout.quantize_vocab": False, "rl.loss_mode": "naive",
+                                      "train.on_policy_numerics": "exact"}, False,
+            "fp8_block train + rollout (Jet-RL), exact numerics, naive"),
     Variant("rkv_tis", {**RKV, "rl.loss_mode": "tis"}, False,
             "rkv rollout, uncorrected (TIS on the sparse log-probs)"),
     Variant("rkv_sparse_rl", {**RKV, "rl.loss_mode": "sparse_rl"}, True,
@@ -116,7 +122,7 @@ FIGURES = {
         "int8_acr", "int8_acr_s1.5"), ("rollout/reward_mean", "quant/code_change_fraction",
                                        "kl_behav_prox_k3")),
     "jetrl.png": ("Jet-RL: fp train + fp8_block rollout vs the unified fp8_block flow", (
-        "fp", "fp_train_fp8_block_rollout", "jetrl_fp8_block"),
+        "fp", "fp_train_fp8_block_rollout", "jetrl_fp8_block", "jetrl_fp8_block_exact"),
         ("kl_behav_prox_k3", "rollout/reward_mean")),
     "sparse_rl.png": ("Sparse-RL: rkv rollout (budget 64), uncorrected vs corrected", (
         "fp", "rkv_tis", "rkv_sparse_rl", "int8_rkv_acr_sparse_rl"),

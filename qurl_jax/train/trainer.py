@@ -133,7 +133,8 @@ class Trainer:
                               f"divisible by the {self._blocks} processes' blocks of the batch")
         self.recipe = self.settings.rollout.recipe
         self.objective = self.settings.train.objective
-        self.model_config = model_config_for(self.settings.model)
+        numerics = s.train.on_policy_numerics  # `models.exact`: both sides, one setting
+        self.model_config = model_config_for(self.settings.model).replace(numerics=numerics)
         # LoRA (`model.lora`): `self.params` is the adapter, trained on the frozen `self.base`.
         self.lora = s.model.lora if s.model.lora.enabled else None
         self._state_key = "adapter" if self.lora else "params"
@@ -179,6 +180,7 @@ class Trainer:
         self._preflight()
         self.model_config, init_params_, self.task = build_model_and_task(self.settings,
                                                                           self.workdir, reward_fn)
+        self.model_config = self.model_config.replace(numerics=numerics)
         engine_kwargs = dict(max_prompt_len=s.data.max_prompt_len,
                              max_new_tokens=max(s.rollout.max_new_tokens, s.eval.max_new_tokens),
                              pad_id=self.task.pad_id, mesh=self.rollout_mesh)
