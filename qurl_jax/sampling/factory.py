@@ -105,13 +105,16 @@ def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
 
 
 def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettings,
-                       **engine_kwargs: Any) -> Sampler:
-    """The run's evaluation sampler: full precision and dense (Sparse-RL's compression applies
-    to the rollout actor only), static, as many concurrent rows and the same decode attention
-    as the rollouts."""
+                       compressed: bool = False, **engine_kwargs: Any) -> Sampler:
+    """The run's evaluation sampler: full precision, static, as many concurrent rows and the same
+    decode attention as the rollouts; its KV cache dense (Sparse-RL's compression applies to the
+    rollout actor), or with `compressed` the rollout's `kv_policy` (`eval.kv_cache='rollout'`:
+    the model under sparse inference)."""
+    kv_policy = settings.kv_policy if compressed else None
     return Sampler(model_config, jax.lax.dot_general,
                    max_concurrent_rows=settings.max_concurrent_rows,
-                   decode_attention=settings.decode_attention, **engine_kwargs)
+                   decode_attention=settings.decode_attention, kv_policy=kv_policy,
+                   **engine_kwargs)
 
 
 def samples_per_call(sampler: Any, n: int) -> int:

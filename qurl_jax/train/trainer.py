@@ -180,7 +180,7 @@ class Trainer:
                      pool, kv.value,
                      f" (a scale per {sampler_settings.kv_scale.value})" if kv.quantizes else "")
         self.eval_sampler = build_eval_sampler(self.model_config, sampler_settings,
-                                               **engine_kwargs)
+                                               s.eval.kv_cache == "rollout", **engine_kwargs)
 
         scaled = self._maybe_invariant_scaling(init_params_)
         self.ref_params = self.learner.shard_params(scaled) if s.rl.kl_coef else None
