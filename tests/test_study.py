@@ -171,3 +171,29 @@ def test_run_all_takes_the_lock_per_job_and_follows_prerequisites(tmp_path):
     assert first["wall_s"] > 0 and first["command"] == jobs[0].command
     assert jobs[2].done() is None and jobs[3].done() is None
     assert run_all(jobs[:2], 1) == []  # finished jobs are not run again
+
+
+def test_summarize_run_reads_shares_cost_and_compressed_evaluations(tmp_path):
+    from qurl_jax.study.runner import DONE, summarize_run
+
+    rows = [{"step": 0, "eval/test/greedy_acc": 0.25}]
+    for step, (rollout, recompute, update) in enumerate([(5.0, 1.0, 4.0), (6.0, 1.0, 3.0),
+                                                          (2.0, 1.0, 1.0)], start=1):
+        rows.append({"step": step, "time/step_s": rollout + recompute + update + 2.0,
+                     "time/rollout_s": rollout, "time/logp_recompute_s": recompute,
+                     "time/update_s": update, "rollout/reward_mean": 0.1 * step,
+                     "rollout/kv_bytes_per_row": 4096.0, "acr/bound_frac": 0.5 * step})
+    rows.append({"step": 3, "eval/test/greedy_acc": 0.5, "eval/test/avg@4": 0.4})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / DONE).write_text(json.dumps({"wall_s": 90.0, "peak_rss_gb": 7.5}))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "step_3_rkv.json").write_text(json.dumps(
+        {"step": 3, "metrics": {"test/greedy_acc": 0.125, "test/num_examples": 64.0}}))
+    out = summarize_run(str(tmp_path), evals=("rkv", "snapkv"))
+    # Steps 2 and 3 (step 1 compiles): learner (1 + 3) / 12 and (1 + 1) / 6, ACR 1.0 and 1.5.
+    assert out["learner_share"] == pytest.approx((4 / 12 + 2 / 6) / 2)
+    assert out["acr/bound_frac"] == pytest.approx(1.25)
+    assert out["kv_kib_per_row"] == 4.0 and out["wall_min"] == 1.5 and out["peak_rss_gb"] == 7.5
+    assert out["eval/test/greedy_acc"] == 0.5 and out["eval/test/avg@4"] == 0.4
+    assert out["eval/rkv_cache/test/greedy_acc"] == 0.125  # snapkv's was never written
+    assert not any("snapkv" in k or "num_examples" in k for k in out)
