@@ -8,9 +8,10 @@ no checkpoint, the config's initial policy (`--config.model.path`, or the embedd
 start) as step 0. It is evaluated on the config's `eval.files` (or `--eval_files`) plus a synthetic
 task's own held-out set, with the full-precision sampler, the config's `eval` settings and the
 random key the trainer uses at that step, so a finished run's final evaluation row in
-metrics.jsonl is reproduced. The table is printed and written to `<workdir>/eval/step_<N>.json`;
-metrics.jsonl and the checkpoints are not touched. Bad input ends with one line and exit code 2,
-as `python -m qurl_jax.main`.
+metrics.jsonl is reproduced. The table is printed and written to `<workdir>/eval/step_<N>.json`
+(`step_<N>_<policy>.json` with `--config.eval.kv_cache=rollout`: the policy under the
+rollout's compressed KV cache, `rollout.kv_policy`); metrics.jsonl and the checkpoints are not
+touched. Bad input ends with one line and exit code 2, as `python -m qurl_jax.main`.
 """
 
 from __future__ import annotations

@@ -291,3 +291,15 @@ def test_malloc_arenas_is_validated_and_caps_the_arenas_threads_get() -> None:
     assert arenas(1) == 1
     assert arenas(2) == 2
     assert arenas(1, MALLOC_ARENA_MAX="3") == 3
+
+
+def test_an_evaluation_under_the_rollouts_cache_needs_a_compressing_policy():
+    c = load_config_file(os.path.join(REPO, TINY))
+    c.eval.kv_cache = "sparse"
+    with pytest.raises(ConfigError, match=r"config.eval.kv_cache='sparse' is not one of"):
+        validate(c)
+    c.eval.kv_cache = "rollout"
+    with pytest.raises(ConfigError, match=r"eval.kv_cache='rollout' .* rollout.kv_policy='dense'"):
+        validate(c)
+    c.rollout.kv_policy = "rkv"
+    assert RunSettings.from_config(validate(c)).eval.kv_cache == "rollout"

@@ -380,6 +380,42 @@ def test_acr_differs_from_tis_exactly_on_truncated_positive_tokens():
     assert np.all(np.asarray(acr.loss)[predicted] < np.asarray(tis.loss)[predicted])
 
 
+@pytest.mark.parametrize("mode", ["tis", "acr"])
+def test_acr_tis_gap_metrics_hand_values(mode):
+    # One sequence of four tokens, C = 2, eps_high = 0.2, token_mean over 4 kept tokens:
+    #   0: w = 4 (r = 1/2), A > 0, R = 1.5: TIS clips at 1.2, ACR's bound 2.4 does not bind.
+    #   1: w = 4, A > 0, R = 3.0: both clip (at 1.2 and 2.4): equal zero gradients.
+    #   2: w = 4, A < 0, R = 1.5: the lower side, the same in both.
+    #   3: w = 1, A > 0, R = 1.1: not truncated, the same in both.
+    w, ratio = np.array([[4.0, 4.0, 4.0, 1.0]]), np.array([[1.5, 3.0, 1.5, 1.1]])
+    adv = np.array([[1.0, 1.0, -1.0, 1.0]])
+    lprox = np.log(np.full((1, 4), 0.1))
+    args = (lprox + np.log(ratio), lprox, lprox - np.log(w), adv, np.ones((1, 4), bool))
+    cfg = ObjectiveConfig(mode=mode, cap=2.0, agg="token_mean")
+    _, m = policy_loss(*args, cfg)
+    assert float(m["acr/bound_frac"]) == pytest.approx(1 / 4)
+    # d loss / d logp = -weight * A * R / 4 where the unclipped term is taken, else 0:
+    # token 0 only in ACR (-2 * 1.5 / 4), token 2 (-2 * -1 * 1.5 / 4) and 3 (-1.1 / 4) in both.
+    g_tis = np.array([0.0, 0.0, 0.75, -0.275])
+    expected = 0.75 / np.linalg.norm(g_tis)
+    assert float(m["acr/grad_rel_diff"]) == pytest.approx(expected, rel=1e-5)
+    grads = {c: np.asarray(jax.grad(lambda x, c=c: policy_loss(x, *args[1:], ObjectiveConfig(
+        mode=c, cap=2.0, agg="token_mean"))[0])(jnp.asarray(args[0], jnp.float32)))
+        for c in ("tis", "acr")}
+    np.testing.assert_allclose(grads["tis"][0], g_tis, rtol=1e-5)
+    np.testing.assert_allclose(grads["acr"][0] - grads["tis"][0], [-0.75, 0, 0, 0], atol=1e-6)
+
+
+def test_acr_tis_gap_is_zero_at_one_optimizer_step_and_absent_elsewhere():
+    lp, lprox, lbehav, adv, mask = random_batch(seed=6, spread=1.5)
+    assert np.exp(lprox - lbehav)[mask].max() > 2.0  # truncated tokens exist
+    _, m = policy_loss(lprox, lprox, lbehav, adv, mask, ObjectiveConfig(mode="acr"))
+    assert float(m["acr/bound_frac"]) == 0.0 and float(m["acr/grad_rel_diff"]) == 0.0
+    for mode in ("naive", "on_policy", "mis", "sparse_rl"):
+        _, m = policy_loss(lp, lprox, lbehav, adv, mask, ObjectiveConfig(mode=mode))
+        assert not any(k.startswith("acr/") for k in m), mode
+
+
 # ----------------------------------------------------------------------------- gradients
 
 

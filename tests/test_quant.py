@@ -653,6 +653,34 @@ def test_update_capture_matches_numpy(fmt_name: str) -> None:
     assert float(update_capture(old, old, recipe)["code_change_fraction"]) == 0.0
 
 
+def test_update_capture_per_invariant_scaling_group() -> None:
+    # Kernels of int8 codes times a scale per output column; row 0 holds each column's largest
+    # code (127), so moving other elements by one step changes their codes and no scale.
+    rng = np.random.default_rng(5)
+    shapes = {("self_attn", "q_proj"): (32, 48), ("self_attn", "k_proj"): (32, 16),
+              ("self_attn", "v_proj"): (32, 16), ("self_attn", "o_proj"): (48, 32),
+              ("mlp", "up_proj"): (32, 64)}
+    old: dict = {"layers_0": {}}
+    scale = {}
+    for (parent, name), (rows, cols) in shapes.items():
+        codes = rng.integers(-100, 100, (rows, cols)).astype(np.float32)
+        codes[0] = 127
+        scale[name] = rng.uniform(1e-4, 1e-3, cols).astype(np.float32)
+        old["layers_0"].setdefault(parent, {})[name] = {"kernel": codes * scale[name]}
+    new = jax.tree.map(np.copy, old)
+    new["layers_0"]["self_attn"]["q_proj"]["kernel"][1:5] += scale["q_proj"]  # 4 x 48 codes + 1
+    recipe = get_recipe("int8", layers=("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"))
+    got = update_capture(old, new, recipe)
+    assert float(got["code_change_fraction_qkv"]) == pytest.approx(4 * 48 / (32 * 80))
+    assert float(got["code_change_fraction_gate_up"]) == 0.0  # up_proj alone, unchanged
+    total = sum(a * b for a, b in shapes.values())
+    assert float(got["code_change_fraction"]) == pytest.approx(4 * 48 / total)
+    # Each of the 4 x 48 changed elements moved by one step of its column.
+    steps_qkv = 32 * sum(scale[n].sum() for n in ("q_proj", "k_proj", "v_proj"))
+    assert float(got["update_to_step_ratio_qkv"]) == pytest.approx(
+        4 * scale["q_proj"].sum() / steps_qkv, rel=1e-3)
+
+
 @pytest.mark.parametrize("recipe", ["int8", "fp8", "fp8_block"])
 def test_quantization_error_matches_numpy(recipe: str) -> None:
     params = _tiny_params()

@@ -65,6 +65,9 @@ def test_factory_picks_the_rollout_sampler(tiny_model_config, refill, rows, slot
     assert sampler.engine.kv_policy.compresses
     evaluation = build_eval_sampler(cfg, settings, max_prompt_len=16, max_new_tokens=16)
     assert type(evaluation) is Sampler and not evaluation.engine.kv_policy.compresses
+    # eval.kv_cache='rollout': the policy under the rollout's compressed cache.
+    compressed = build_eval_sampler(cfg, settings, True, max_prompt_len=16, max_new_tokens=16)
+    assert type(compressed) is Sampler and compressed.engine.kv_policy == settings.kv_policy
 
 
 def test_factory_settings_reject_an_unknown_refill_mode() -> None:

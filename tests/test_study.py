@@ -73,3 +73,127 @@ def test_study_rejects_a_first_seed_for_rows_run_under_the_first_seed_only(tmp_p
     assert proc.returncode == 2
     assert "--first_seed=1: ['jetrl_fp8_block'] run under the first seed only" in proc.stderr
     assert not list(tmp_path.iterdir())  # refused before anything is written
+
+
+# ----------------------------------------------------------------------------- the papers' rows
+
+
+def test_row_sets_fit_their_configs():
+    from qurl_jax.config.base import load_config_file
+    from qurl_jax.study import runner
+
+    known = {v.name: v for v in runner.VARIANTS}
+    for name, rows in runner.ROW_SETS.items():
+        variants = [known[v] for v in rows.variants]
+        assert all(v.seeded for v in variants) and rows.seeds == 2, name
+        config = load_config_file(os.path.join(REPO, rows.config))
+        runner.check_rows(config, variants)  # what the runner checks at import and before runs
+        for v in variants:  # the compressed rows keep at most half of the longest row
+            c = runner._configured(config, v.overrides, v.name)
+            assert c.rl.num_minibatches == 4 and c.rl.num_micro_batches == 2
+            if c.rollout.kv_policy != "dense":
+                assert 2 * c.rollout.kv_budget <= c.data.max_prompt_len + c.rollout.max_new_tokens
+    sparse = runner.ROW_SETS["smollm2_sparse_rl"].variants
+    assert {p for v in sparse for p in known[v].evals} == {"rkv", "snapkv"}
+    assert known["fp_mb4"].evals == ("rkv", "snapkv")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rl.num_minibatchez": 4}, "rl.num_minibatchez=4"),
+    ({"rl.num_minibatches": "four"}, "rl.num_minibatches='four'"),
+    ({"rl.num_minibatches": 3}, "rl.num_minibatches=3 does not divide the rollout batch of 64"),
+    ({"rl.num_minibatches": 4, "rl.num_micro_batches": 3},
+     "rl.num_micro_batches=3 does not divide the minibatch of 16"),
+    ({"rollout.kv_policy": "rkv", "rollout.kv_budget": 128},
+     "rollout.kv_budget=128 keeps more than half of the longest row"),
+    ({"rollout.kv_policy": "rkv", "rollout.kv_budget": 64, "rollout.kv_window": 64},
+     "rollout.kv_window=64 must be below"),
+    ({"rollout.kv_policy": "snapkv", "rollout.kv_budget": 64, "rollout.kv_interval": 128},
+     "rollout.kv_interval=128 exceeds the response of 96 tokens"),
+])
+def test_check_rows_names_the_variant_and_the_field(overrides, message):
+    from qurl_jax.config.base import load_config_file
+    from qurl_jax.study.runner import RowError, Variant, check_rows
+
+    config = load_config_file(os.path.join(REPO, "configs/smollm2_135m_word_compare.py"))
+    with pytest.raises(RowError, match="^bad_row: .*" + message.replace("(", r"\(")):
+        check_rows(config, [Variant("bad_row", overrides, True, "bad")])
+    evaluated = Variant("ok", {}, True, "ok", evals=("rkv",))
+    check_rows(config, [evaluated])  # the evaluation's own fields are checked too
+    with pytest.raises(RowError, match="^ok evaluated under rkv: .*rollout.kv_budget=200"):
+        check_rows(config, [Variant("ok", {"rollout.kv_budget": 200}, True, "ok",
+                                    evals=("rkv",))])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rows=smollm2_nothing"], "--rows='smollm2_nothing' is not one of"),
+    (["--rows=smollm2_kv8", "--variants=fp"], "sets the config and variants"),
+    (["--rows=smollm2_kv8", "--lock=/tmp/x.lock", "--jobs=2"], "use --jobs=1, not 2"),
+])
+def test_study_rejects_bad_row_set_flags(tmp_path, args, message):
+    proc = _study(f"--out={tmp_path}", *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_same_command_ignores_only_the_evaluation_before_rl():
+    from qurl_jax.study.runner import same_command
+
+    a = ["python", "--config.seed=0", "--config.eval.before=True", "--config.rl.cap=2.0"]
+    assert same_command(a, ["python", "--config.seed=0", "--config.eval.before=False",
+                            "--config.rl.cap=2.0"])
+    assert not same_command(a, ["python", "--config.seed=1", "--config.eval.before=True",
+                                "--config.rl.cap=2.0"])
+
+
+def test_run_all_takes_the_lock_per_job_and_follows_prerequisites(tmp_path):
+    import fcntl
+    import threading
+
+    from qurl_jax.study.runner import FileLock, Job, run_all
+
+    def job(name, code, needs=None):
+        return Job(name, str(tmp_path / name.split()[0]), f"{name.split()[-1]}.json",
+                   [sys.executable, "-c", code], needs=needs)
+
+    jobs = [job("a", "import time; time.sleep(1.5)"), job("a then", "pass", needs="a"),
+            job("c", "raise SystemExit(3)"), job("c then", "pass", needs="c")]
+    lock_path = tmp_path / "machine.lock"
+    holder = open(lock_path, "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(1.0, lambda: fcntl.flock(holder, fcntl.LOCK_UN)).start()
+    failed = run_all(jobs, 1, FileLock(str(lock_path)))
+    holder.close()
+    assert failed == ["c", "c then"]
+    first, second = jobs[0].done(), jobs[1].done()
+    assert first["lock_wait_s"] >= 0.5 and second["lock_wait_s"] < 0.5  # held by the test first
+    assert 0.001 < first["peak_rss_gb"] < 1.0  # a Python process, sampled while it slept
+    assert first["wall_s"] > 0 and first["command"] == jobs[0].command
+    assert jobs[2].done() is None and jobs[3].done() is None
+    assert run_all(jobs[:2], 1) == []  # finished jobs are not run again
+
+
+def test_summarize_run_reads_shares_cost_and_compressed_evaluations(tmp_path):
+    from qurl_jax.study.runner import DONE, summarize_run
+
+    rows = [{"step": 0, "eval/test/greedy_acc": 0.25}]
+    for step, (rollout, recompute, update) in enumerate([(5.0, 1.0, 4.0), (6.0, 1.0, 3.0),
+                                                          (2.0, 1.0, 1.0)], start=1):
+        rows.append({"step": step, "time/step_s": rollout + recompute + update + 2.0,
+                     "time/rollout_s": rollout, "time/logp_recompute_s": recompute,
+                     "time/update_s": update, "rollout/reward_mean": 0.1 * step,
+                     "rollout/kv_bytes_per_row": 4096.0, "acr/bound_frac": 0.5 * step})
+    rows.append({"step": 3, "eval/test/greedy_acc": 0.5, "eval/test/avg@4": 0.4})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / DONE).write_text(json.dumps({"wall_s": 90.0, "peak_rss_gb": 7.5}))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "step_3_rkv.json").write_text(json.dumps(
+        {"step": 3, "metrics": {"test/greedy_acc": 0.125, "test/num_examples": 64.0}}))
+    out = summarize_run(str(tmp_path), evals=("rkv", "snapkv"))
+    # Steps 2 and 3 (step 1 compiles): learner (1 + 3) / 12 and (1 + 1) / 6, ACR 1.0 and 1.5.
+    assert out["learner_share"] == pytest.approx((4 / 12 + 2 / 6) / 2)
+    assert out["acr/bound_frac"] == pytest.approx(1.25)
+    assert out["kv_kib_per_row"] == 4.0 and out["wall_min"] == 1.5 and out["peak_rss_gb"] == 7.5
+    assert out["eval/test/greedy_acc"] == 0.5 and out["eval/test/avg@4"] == 0.4
+    assert out["eval/rkv_cache/test/greedy_acc"] == 0.125  # snapkv's was never written
+    assert not any("snapkv" in k or "num_examples" in k for k in out)

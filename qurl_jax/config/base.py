@@ -53,6 +53,8 @@ TASKS = ("math", "arithmetic", "chain")
 BEHAV_LOGPS = ("sampled", "untruncated")
 # Continuous batching of the rollout (see rollout.refill and `refill_enabled`).
 REFILL = ("auto", "on", "off")
+# The evaluation's KV cache (see eval.kv_cache).
+EVAL_KV_CACHES = ("dense", "rollout")
 # Metric sinks besides metrics.jsonl (see train.loggers).
 LOGGERS = ("tensorboard", "wandb")
 # What DAPO's dynamic sampling compares within a group (see rl.filter_metric).
@@ -338,6 +340,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.greedy = False
     c.eval.max_new_tokens = 1024
     c.eval.before = True  # evaluate before the first RL step too (off: after training only)
+    # The evaluation sampler's KV cache: 'dense', or 'rollout' = the rollout's compressed
+    # rollout.kv_policy (budget, interval, ...) with full-precision weights: Sparse-RL's check of
+    # a model under sparse inference (`python -m qurl_jax.evaluate` names its file by the policy).
+    c.eval.kv_cache = "dense"
 
     c.sft = ml_collections.ConfigDict()  # supervised warm start (embedded default only)
     c.sft.steps = 0
@@ -617,6 +623,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.rl.kl_estimator, KL_ESTIMATORS, "rl.kl_estimator")
     _choice(c.rollout.behav_logp, BEHAV_LOGPS, "rollout.behav_logp")
     _choice(c.rollout.refill, REFILL, "rollout.refill")
+    _choice(c.eval.kv_cache, EVAL_KV_CACHES, "eval.kv_cache")
+    if c.eval.kv_cache == "rollout" and c.rollout.kv_policy == "dense":
+        raise ConfigError("config.eval.kv_cache='rollout' evaluates with the rollout's compressed "
+                          "KV cache, but rollout.kv_policy='dense'; name a policy (rkv, snapkv, "
+                          "streaming) or set eval.kv_cache='dense'")
     from qurl_jax.parallel.rollout_layout import parse_tensor
 
     try:

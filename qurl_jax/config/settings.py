@@ -105,7 +105,8 @@ class EvalSettings:
     k: samples per problem for Avg@k / Pass@k; temperature: their sampling temperature;
     greedy: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
     max_examples: problems per set (0 = all); files: the math evaluation sets, read by the task
-    beside a synthetic task's own held-out set.
+    beside a synthetic task's own held-out set; kv_cache: 'dense', or 'rollout' (the evaluation
+    sampler takes the rollout's compressed KV policy, `build_eval_sampler(compressed=True)`).
     """
 
     k: int = 1
@@ -114,6 +115,7 @@ class EvalSettings:
     max_new_tokens: int = 1024
     max_examples: int = 0
     files: tuple[str, ...] = ()
+    kv_cache: str = "dense"
 
     def sampling(self, eos_ids: Sequence[int], greedy: bool = False) -> SamplingParams:
         """The `SamplingParams` of an evaluation call (greedy, or at `temperature`)."""
@@ -126,7 +128,7 @@ def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
     e = c.eval
     return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
                         max_new_tokens=e.max_new_tokens, max_examples=e.max_examples,
-                        files=tuple(map(paths.data_path, e.files)))
+                        files=tuple(map(paths.data_path, e.files)), kv_cache=e.kv_cache)
 
 
 def chain_config(data: ml_collections.ConfigDict) -> ChainConfig:

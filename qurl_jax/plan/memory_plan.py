@@ -500,9 +500,10 @@ def _sampler_program(setup: Setup, name: str, sampler: Any, actor: Any, rows: in
 
 
 def _eval(setup: Setup, name: str) -> Program:
-    """The evaluation sampler's program (`build_eval_sampler`: static, dense, the
-    full-precision actor in the compute dtype on the rollout's replicas, as `Trainer.evaluate`
-    samples it) at its largest chunk: `rollout.max_concurrent_rows` rows (without it,
+    """The evaluation sampler's program (`build_eval_sampler`: static, its KV cache dense or,
+    with `eval.kv_cache='rollout'`, the rollout's compressed one, the full-precision actor in
+    the compute dtype on the rollout's replicas, as `Trainer.evaluate` samples it) at its
+    largest chunk: `rollout.max_concurrent_rows` rows (without it,
     `eval.max_examples` or else `data.prompts_per_step` problems), as many of `eval.k` samples
     a problem as a call draws (`sampling.factory.samples_per_call`), responses of
     `eval.max_new_tokens`."""
@@ -512,9 +513,9 @@ def _eval(setup: Setup, name: str) -> Program:
     g = run.eval.max_new_tokens
     hook = {"dot_general": setup.dot_general} if setup.lora is not None else {}
     sampler = build_eval_sampler(
-        setup.model_config, run.rollout.sampler, prompt_buckets=(setup.prompt_len,),
-        gen_buckets=(g,), mesh=setup.rollout_mesh, platform=targets.platform_of(setup.mesh),
-        **hook)
+        setup.model_config, run.rollout.sampler, run.eval.kv_cache == "rollout",
+        prompt_buckets=(setup.prompt_len,), gen_buckets=(g,), mesh=setup.rollout_mesh,
+        platform=targets.platform_of(setup.mesh), **hook)
     k = samples_per_call(sampler, max(run.eval.k, 1))
     problems = run.eval.max_examples or run.data.prompts_per_step
     rows = sampler.rows_per_chunk(problems if not sampler.max_concurrent_rows else 1 << 30, k)

@@ -5,7 +5,9 @@ parameter sets, how many quantized codes of the rollout kernels actually changed
 mean update is relative to the mean quantization step. With lr ~ 1e-6 the update is far below one
 int8 step, so most updates are rounded away and the rollout policy barely moves. The quantization
 step of an element is its scale for int8, and its scale times the spacing of the E4M3 grid at its
-code for FP8. `quantization_error` is the relative Frobenius error of each dequantized kernel.
+code for FP8. The same figures are also given over the kernels of each invariant-scaling target
+group (`_invariant_scaling.TARGETS`: q/k/v, gate/up), where QuRL's s acts. `quantization_error`
+is the relative Frobenius error of each dequantized kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qurl_jax.quant._invariant_scaling import TARGETS
 from qurl_jax.quant._qtensor import QuantizedTensor
 from qurl_jax.quant._recipes import QuantFormat, Recipe, get_recipe
 from qurl_jax.quant._requantize import Params, quantize_params
@@ -45,6 +48,9 @@ def update_capture(old_params: Params, new_params: Params,
       mean_abs_update: mean |new - old| over those elements (float weights).
       mean_quant_step: mean quantization step of the old weights' codes.
       update_to_step_ratio: mean_abs_update / mean_quant_step.
+      code_change_fraction_<group>, update_to_step_ratio_<group>: the same over the quantized
+        kernels of each invariant-scaling target group ('qkv': q/k/v_proj, 'gate_up':
+        gate/up_proj) the parameters have.
     """
     recipe = get_recipe(recipe)
     if not recipe.quantizes:
@@ -54,18 +60,25 @@ def update_capture(old_params: Params, new_params: Params,
 
 @functools.partial(jax.jit, static_argnames=("recipe",))
 def _update_capture_impl(old: Params, new: Params, recipe: Recipe) -> dict[str, jax.Array]:
-    changed = abs_update = step = jnp.float32(0)
-    count = 0
+    groups = {name: group for group, (_, _, names) in TARGETS.items() for name in names}
+    # Per group ('' = every kernel): changed codes, |update| sum, quantization step sum, count.
+    sums: dict[str, list] = {}
     pairs = zip(quantize_params(old, recipe), quantize_params(new, recipe), strict=True)
     for (path, q_old), (_, q_new) in pairs:
         w_old, w_new = _leaf(old, path), _leaf(new, path)
-        changed += jnp.sum(q_old.qvalue.astype(jnp.float32) != q_new.qvalue.astype(jnp.float32))
-        abs_update += jnp.sum(jnp.abs(w_new.astype(jnp.float32) - w_old.astype(jnp.float32)))
-        step += jnp.sum(quantization_step(q_old))
-        count += q_old.qvalue.size
-    mean_update, mean_step = abs_update / count, step / count
-    return {"code_change_fraction": changed / count, "mean_abs_update": mean_update,
-            "mean_quant_step": mean_step, "update_to_step_ratio": mean_update / mean_step}
+        parts = (jnp.sum(q_old.qvalue.astype(jnp.float32) != q_new.qvalue.astype(jnp.float32)),
+                 jnp.sum(jnp.abs(w_new.astype(jnp.float32) - w_old.astype(jnp.float32))),
+                 jnp.sum(quantization_step(q_old)), q_old.qvalue.size)
+        group = groups.get(path[-2]) if len(path) > 1 else None
+        for key in ("",) if group is None else ("", group):
+            sums[key] = [a + b for a, b in zip(sums.get(key, (0, 0, 0, 0)), parts, strict=True)]
+    changed, abs_update, step, count = sums[""]
+    out = {"mean_abs_update": abs_update / count, "mean_quant_step": step / count}
+    for key, (changed, abs_update, step, count) in sums.items():
+        suffix = f"_{key}" if key else ""
+        out[f"code_change_fraction{suffix}"] = changed / count
+        out[f"update_to_step_ratio{suffix}"] = abs_update / step
+    return out
 
 
 def _leaf(params: Params, path: tuple[str, ...]) -> Any:

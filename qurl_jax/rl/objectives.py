@@ -549,7 +549,9 @@ def policy_loss(
       is_weight_mean/max/min and is_ess (applied weights over kept tokens; fractions are over kept
       tokens too), and the raw pre-truncation statistics of
       `mismatch_metrics` (raw_is_weight_*, raw_is_ess, raw_is_chi2, kl_behav_prox_k1/k3,
-      logp_gap_abs_mean/max) over all valid tokens.
+      logp_gap_abs_mean/max) over all valid tokens; in TIS and ACR modes also
+      acr/bound_frac and acr/grad_rel_diff (`acr_tis_gap`: where and how far the two modes'
+      gradients differ on this batch).
     """
     args = _checked(logp, logp_prox, logp_behav, advantages, mask, cfg, logp_ref, entropy)
     if cfg.kl_coef > 0.0 and logp_ref is None:
@@ -637,7 +639,50 @@ def _policy_loss(
         "is_ess": _ess(terms.weight, keep),
     }
     metrics.update(mismatch_metrics(logp_prox, logp_behav, valid, cfg.logratio_clamp))
+    if cfg.mode in (Mode.TIS, Mode.ACR):
+        metrics.update({f"acr/{k}": v for k, v in acr_tis_gap(
+            logp, logp_prox, logp_behav, advantages, mask, cfg).items()})
     return loss, {k: sg(v).astype(jnp.float32) for k, v in metrics.items()}
+
+
+def acr_tis_gap(
+    logp: Array,
+    logp_prox: Array,
+    logp_behav: Array,
+    advantages: Array,
+    mask: Array,
+    cfg: ObjectiveConfig,
+) -> dict[str, Array]:
+    """How far ACR's policy gradient is from TIS's on one batch, everything else as `cfg`.
+
+    The two objectives differ only in the upper clip bound of truncated tokens (`Mode`), so their
+    gradients with respect to the token log-probs, g = d agg(loss_t) / d logp [B, T] (the
+    coefficients the model's backward multiplies d logp / d theta by), differ only on truncated
+    tokens with A > 0 and 1 + eps_high < R <= (1 + eps_high) / r: there TIS's clip stops the
+    gradient and ACR's wider bound lets it through. With one optimizer step per RL step R = 1 and
+    the two are equal. Inputs as `policy_loss`'s (checked arrays); f32 scalars, stop-gradient:
+      bound_frac: share of the kept tokens on which g_ACR != g_TIS (ACR's bound is what decides);
+      grad_rel_diff: ||g_ACR - g_TIS|| / ||g_TIS|| over the batch's tokens (0 when g_TIS is 0).
+    """
+    lp = jax.lax.stop_gradient(logp)
+
+    def grad_of(mode: Mode) -> tuple[Array, Array]:
+        c = dataclasses.replace(cfg, mode=mode)
+
+        def pg(x: Array) -> tuple[Array, Array]:
+            terms = _token_terms(x, logp_prox, logp_behav, advantages, mask, c)
+            return aggregate(terms.loss, terms.mask, c.agg, c.agg_norm_len), terms.mask
+
+        return jax.grad(pg, has_aux=True)(lp)
+
+    (g_acr, keep), (g_tis, _) = grad_of(Mode.ACR), grad_of(Mode.TIS)
+    differ = keep & (g_acr != g_tis)
+    norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x)))  # noqa: E731
+    return {
+        "bound_frac": _safe_div(jnp.sum(differ, dtype=jnp.float32),
+                                jnp.sum(keep, dtype=jnp.float32)),
+        "grad_rel_diff": _safe_div(norm(g_acr - g_tis), norm(g_tis)),
+    }
 
 
 def sparse_rl_rejections(

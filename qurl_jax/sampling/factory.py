@@ -105,15 +105,18 @@ def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
 
 
 def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettings,
-                       dot_general: DotGeneral = jax.lax.dot_general,
+                       compressed: bool = False, dot_general: DotGeneral = jax.lax.dot_general,
                        **engine_kwargs: Any) -> Sampler:
-    """The run's evaluation sampler: full precision and dense (Sparse-RL's compression applies
-    to the rollout actor only), static, as many concurrent rows and the same decode attention
-    as the rollouts; `dot_general` the model's product hook (a LoRA run's reads its frozen
-    base and adapters)."""
+    """The run's evaluation sampler: full precision, static, as many concurrent rows and the same
+    decode attention as the rollouts; its KV cache dense (Sparse-RL's compression applies to the
+    rollout actor), or with `compressed` the rollout's `kv_policy` (`eval.kv_cache='rollout'`:
+    the model under sparse inference); `dot_general` the model's product hook (a LoRA run's reads
+    its frozen base and adapters)."""
+    kv_policy = settings.kv_policy if compressed else None
     return Sampler(model_config, dot_general,
                    max_concurrent_rows=settings.max_concurrent_rows,
-                   decode_attention=settings.decode_attention, **engine_kwargs)
+                   decode_attention=settings.decode_attention, kv_policy=kv_policy,
+                   **engine_kwargs)
 
 
 def samples_per_call(sampler: Any, n: int) -> int:

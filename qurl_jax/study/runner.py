@@ -2,6 +2,8 @@
 
     python -m qurl_jax.study --config=configs/chain_tiny.py --out=/tmp/study
     python -m qurl_jax.study --config=configs/chain_tiny.py --out=/tmp/quick --quick
+    python -m qurl_jax.study --rows=smollm2_acr_tis --out=/tmp/papers --jobs=1 \
+        --lock=/tmp/qurl_realmodel.lock
 
 Every variant runs the same config (the reasoning-chain task by default) from the same warm start,
 built once under `<out>/warm_start` and loaded by every run as `model.source=hf` (a config of a
@@ -14,14 +16,29 @@ command, with its own log, metrics and plots; the runs share one compilation cac
 (`<out>/compile_cache`), so a program compiled by one run is loaded by the next. A finished run
 is not run again: rerunning the command after a crash goes on where it stopped (an unfinished run
 resumes from its checkpoint); a finished run made with another command (other steps, config or
-variant) stops the study instead of being reused.
+variant; whether it evaluated before RL does not count) stops the study instead of being reused.
+A variant's `evals` evaluate its finished run's checkpoint again under a compressed KV cache
+(`python -m qurl_jax.evaluate --config.eval.kv_cache=rollout`, one subprocess each, in the run's
+workdir). `--lock=FILE` takes that file's lock (flock) for each subprocess and gives it back
+after it, so runs of several studies or users on one machine take turns run by run; each run's
+wall time counts from when it got the lock, and its peak resident memory is its process's
+(`peak_memory_gb`).
+
+`ROW_SETS` name the papers' comparisons on the real model (SmolLM2-135M-Instruct), each one
+command (`--rows=NAME`: config, variants, seeds and steps); their variants' config is checked at
+import (`check_rows`: fields exist, minibatches divide the batch, KV budgets at most half the
+longest row they compress). Row sets share one `--out`, so a row two sets name runs once.
 
 Written to `<out>`:
-- `study.md`: the table, mean +- std over seeds: held-out accuracy after RL (greedy and Avg@k per
-  evaluation set), training reward (mean of the last quarter of the steps), KL(behav || prox) k3,
-  clip and truncated fractions, vetoed sequences, the update-capture fraction of the quantized
-  actor, step and rollout seconds (steps after the first, which compiles);
-- `study.json`: the same per run and per variant;
+- `study.md` (`study_<rows>.md` for a row set): the table, mean +- std over seeds: held-out
+  accuracy after RL (greedy and Avg@k per evaluation set, and under each compressed cache of
+  `evals`), training reward (mean of the last quarter of the steps), KL(behav || prox) k3, clip
+  and truncated fractions, vetoed sequences and the share of sequences vetoed per step, ACR's
+  bound share and its gradient's distance from TIS's, the update-capture fraction of the
+  quantized actor (all kernels and q/k/v), KV bytes per rollout row, step and rollout seconds
+  and the rollout's and learner's shares of a step (steps after the first, which compiles), and
+  each run's wall time and peak memory; then one line per run;
+- `study.json` (`study_<rows>.json`): the same per run and per variant;
 - `plots/*.png`: reward, rollout accuracy and mismatch against step, one figure per comparison.
 
 `--quick` runs two variants, one seed and two steps of a shrunk run (its test is
@@ -32,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -41,12 +59,26 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_collections
 import numpy as np
 
-from qurl_jax.config.base import load_config_file, validate
-from qurl_jax.runtime import report
+from qurl_jax.config.base import base_config, load_config_file, validate
+from qurl_jax.runtime import paths, report
 
-RKV = {"rollout.kv_policy": "rkv", "rollout.kv_budget": 64, "rollout.kv_interval": 16}
+# The compressed caches' size: 64 tokens kept, recompressed every 16 decode steps (a cache of 80
+# slots per row). On the word problems (prompts of 55-65 tokens with the chat template, up to 96
+# new tokens) that is at most half the longest row (161 tokens), Sparse-RL's 35-53% saving.
+KV_BUDGET = {"rollout.kv_budget": 64, "rollout.kv_interval": 16}
+RKV = {"rollout.kv_policy": "rkv", **KV_BUDGET}
+SNAPKV = {"rollout.kv_policy": "snapkv", **KV_BUDGET}
+# Several optimizer steps per RL step, as QuRL's PPO (FlashRL's GSM8K recipe) and Sparse-RL's
+# slime runs take (4 minibatches per rollout batch): only there do ACR and TIS differ. 2
+# micro-batches keep the update's 8 rows at a time of the single-minibatch config. The learner
+# rematerialises its layers in a scan and glibc keeps 2 malloc arenas (configs/
+# smollm2_135m_step.py: the 135M step's peak 8 GB instead of 14, no slower): the same objective in
+# less memory, for a machine that other jobs share (a run of 9.3 GB was killed for memory).
+MB4 = {"rl.num_minibatches": 4, "rl.num_micro_batches": 2, "train.remat": "full",
+       "train.scan_layers": True, "train.malloc_arenas": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +89,15 @@ class Variant:
     overrides: Mapping[str, Any]
     seeded: bool  # * rows: run under every seed
     label: str
+    # KV policies ('rkv', 'snapkv', ...) to evaluate the finished run's policy under (with the
+    # run's own budget, else `KV_BUDGET`), besides its dense evaluation: Sparse-RL's robustness
+    # check.
+    evals: tuple[str, ...] = ()
+
+    def eval_overrides(self, policy: str) -> dict[str, Any]:
+        """The run's fields plus those of its evaluation under the compressed cache `policy`."""
+        return {**KV_BUDGET, **self.overrides, "rollout.kv_policy": policy,
+                "eval.kv_cache": "rollout"}
 
 
 VARIANTS = (
@@ -105,7 +146,59 @@ VARIANTS = (
     Variant("int8_rkv_acr_sparse_rl", {**RKV, "rollout.precision": "int8",
                                        "rl.loss_mode": "sparse_rl", "rl.sparse_base": "acr"},
             False, "int8 + rkv rollout, Sparse-RL with ACR"),
+    # The papers' settings on the real model (`ROW_SETS`): 4 minibatches per RL step.
+    Variant("fp_mb4", {"rollout.precision": "fp", **MB4}, True,
+            "fp rollout, 4 minibatches (reference)", evals=("rkv", "snapkv")),
+    Variant("int8_naive_mb4", {"rollout.precision": "int8", "rl.loss_mode": "naive", **MB4},
+            True, "int8 rollout, naive, 4 minibatches"),
+    Variant("int8_tis_mb4", {"rollout.precision": "int8", "rl.loss_mode": "tis", **MB4}, True,
+            "int8 rollout, TIS, 4 minibatches"),
+    Variant("int8_acr_mb4", {"rollout.precision": "int8", "rl.loss_mode": "acr", **MB4}, True,
+            "int8 rollout, ACR, 4 minibatches"),
+    Variant("int8_acr_mb4_s1.5", {"rollout.precision": "int8", "rl.loss_mode": "acr",
+                                  "rollout.invariant_scaling": 1.5, **MB4}, True,
+            "int8 rollout, ACR, invariant scaling s = 1.5, 4 minibatches"),
+    Variant("int8_kv8_acr_mb4", {"rollout.precision": "int8", "rollout.kv_precision": "int8",
+                                 "rl.loss_mode": "acr", **MB4}, True,
+            "int8 rollout + int8 KV cache, ACR, 4 minibatches"),
+    Variant("rkv_naive_mb4", {"rollout.precision": "fp", **RKV, "rl.loss_mode": "naive", **MB4},
+            True, "rkv rollout, naive, 4 minibatches", evals=("rkv",)),
+    Variant("rkv_sparse_rl_mb4", {"rollout.precision": "fp", **RKV, "rl.loss_mode": "sparse_rl",
+                                  **MB4}, True,
+            "rkv rollout, Sparse-RL correction, 4 minibatches", evals=("rkv",)),
+    Variant("snapkv_naive_mb4", {"rollout.precision": "fp", **SNAPKV, "rl.loss_mode": "naive",
+                                 **MB4}, True,
+            "snapkv rollout, naive, 4 minibatches", evals=("snapkv",)),
+    Variant("snapkv_sparse_rl_mb4", {"rollout.precision": "fp", **SNAPKV,
+                                     "rl.loss_mode": "sparse_rl", **MB4}, True,
+            "snapkv rollout, Sparse-RL correction, 4 minibatches", evals=("snapkv",)),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSet:
+    """One comparison of the papers on the real model: `--rows=NAME` runs these variants of this
+    config (a path in the repository) under `seeds` seeds for `steps` RL steps."""
+
+    config: str
+    variants: tuple[str, ...]
+    seeds: int = 2
+    steps: int = 8
+
+
+_WORD = "configs/smollm2_135m_word_compare.py"
+ROW_SETS = {
+    # QuRL: ACR against TIS (and naive) where they differ, several optimizer steps per RL step.
+    "smollm2_acr_tis": RowSet(_WORD, ("int8_naive_mb4", "int8_tis_mb4", "int8_acr_mb4")),
+    # QuRL's invariant scaling (UAQ) at the paper's s = 1.5, with and without.
+    "smollm2_invariant_scaling": RowSet(_WORD, ("int8_acr_mb4", "int8_acr_mb4_s1.5")),
+    # Sparse-RL: R-KV and SnapKV rollouts, naive and corrected, against the dense fp rollout;
+    # each trained policy evaluated under its compressed cache, the dense one under both.
+    "smollm2_sparse_rl": RowSet(_WORD, ("fp_mb4", "rkv_naive_mb4", "rkv_sparse_rl_mb4",
+                                        "snapkv_naive_mb4", "snapkv_sparse_rl_mb4")),
+    # The 8-bit KV cache in training: int8 weights + int8 KV against int8 weights alone.
+    "smollm2_kv8": RowSet(_WORD, ("int8_acr_mb4", "int8_kv8_acr_mb4")),
+}
 QUICK_VARIANTS = ("fp", "int8_acr")
 # The figures: file -> (title, variants, metrics).
 FIGURES = {
@@ -127,19 +220,46 @@ FIGURES = {
     "sparse_rl.png": ("Sparse-RL: rkv rollout (budget 64), uncorrected vs corrected", (
         "fp", "rkv_tis", "rkv_sparse_rl", "int8_rkv_acr_sparse_rl"),
         ("rollout/reward_mean", "kl_behav_prox_k3", "vetoed_seq_frac")),
+    "smollm2_acr_tis.png": ("int8 rollout, 4 minibatches per RL step: naive, TIS, ACR", (
+        "int8_naive_mb4", "int8_tis_mb4", "int8_acr_mb4"),
+        ("rollout/reward_mean", "rollout/response_len", "acr/bound_frac", "acr/grad_rel_diff")),
+    "smollm2_invariant_scaling.png": ("int8 + ACR with and without invariant scaling (s = 1.5)", (
+        "int8_acr_mb4", "int8_acr_mb4_s1.5"),
+        ("rollout/reward_mean", "quant/code_change_fraction", "quant/code_change_fraction_qkv",
+         "kl_behav_prox_k3")),
+    "smollm2_sparse_rl.png": ("Sparse-RL: R-KV and SnapKV rollouts (budget 64), naive vs "
+                              "corrected", (
+        "fp_mb4", "rkv_naive_mb4", "rkv_sparse_rl_mb4", "snapkv_naive_mb4",
+        "snapkv_sparse_rl_mb4"),
+        ("rollout/reward_mean", "rollout/response_len", "kl_behav_prox_k3", "vetoed_seq_frac")),
+    "smollm2_kv8.png": ("int8 weights with and without an int8 KV cache, ACR", (
+        "int8_acr_mb4", "int8_kv8_acr_mb4"), ("rollout/reward_mean", "kl_behav_prox_k3")),
 }
 # Metrics averaged over the steps after the first (which compiles) for the table.
 STEP_MEANS = ("kl_behav_prox_k3", "clipfrac", "truncated_frac", "vetoed_seq_frac",
-              "quant/code_change_fraction", "time/step_s", "time/rollout_s")
-COLUMNS = (  # table column -> (summary key, format)
+              "acr/bound_frac", "acr/grad_rel_diff", "quant/code_change_fraction",
+              "quant/code_change_fraction_qkv", "rollout/kv_bytes_per_row", "time/step_s",
+              "time/rollout_s", "time/rollout_share")
+# The learner's phases of a step (`Trainer.step`): its share is their seconds over the step's.
+LEARNER_PHASES = ("time/logp_recompute_s", "time/update_s")
+COLUMNS = (  # table column -> (summary key, format); a column no row fills is left out
     ("reward", "reward_last_quarter", ".3f"),
     ("KL k3", "kl_behav_prox_k3", ".1e"),
     ("clipfrac", "clipfrac", ".1e"),
-    ("truncated", "truncated_frac", ".1e"),
+    ("w truncated", "truncated_frac", ".1e"),
     ("vetoed seqs", "vetoed_sequences", ".0f"),
+    ("vetoed / step", "vetoed_seq_frac", ".3f"),
+    ("ACR bound", "acr/bound_frac", ".1e"),
+    ("ACR-TIS grad", "acr/grad_rel_diff", ".1e"),
     ("capture", "quant/code_change_fraction", ".3f"),
+    ("capture qkv", "quant/code_change_fraction_qkv", ".3f"),
+    ("KV KiB/row", "kv_kib_per_row", ".0f"),
     ("step s", "time/step_s", ".2f"),
     ("rollout s", "time/rollout_s", ".2f"),
+    ("rollout share", "time/rollout_share", ".2f"),
+    ("learner share", "learner_share", ".2f"),
+    ("run min", "wall_min", ".1f"),
+    ("peak GB", "peak_rss_gb", ".1f"),
 )
 DONE = "study_done.json"
 
@@ -173,6 +293,84 @@ def build_warm_start(config_path: str, out: str, base: Mapping[str, Any]) -> str
     return os.path.join(workdir, "sft_model")
 
 
+class RowError(ValueError):
+    """A variant's fields do not fit the config they run on (`check_rows`)."""
+
+
+def _configured(config: ml_collections.ConfigDict, overrides: Mapping[str, Any], what: str
+                ) -> ml_collections.ConfigDict:
+    """A copy of `config` with `overrides` set; RowError naming `what` and the field when one
+    does not exist or does not take the value's type."""
+    c = config.copy_and_resolve_references()
+    for field, value in overrides.items():
+        try:
+            c.update_from_flattened_dict({field: value})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise RowError(f"{what}: config field {field}={value!r}: "
+                           f"{str(e).splitlines()[0][:200]}") from None
+    return c
+
+
+def check_rows(config: ml_collections.ConfigDict, variants: Sequence[Variant]) -> None:
+    """Each variant's fields (and those of its compressed evaluations) on `config`: they exist
+    and take their values, its minibatches divide the rollout batch and its micro-batches the
+    minibatch, and a compressed KV cache keeps at most half of the longest row the config allows
+    (data.max_prompt_len + the response limit), with its window and interval inside the budget
+    and the response. RowError naming the variant and the field; reads no file."""
+    for variant in variants:
+        settings = [(variant.name, variant.overrides)] + [
+            (f"{variant.name} evaluated under {p}", variant.eval_overrides(p))
+            for p in variant.evals]
+        for what, overrides in settings:
+            c = _configured(config, overrides, what)
+            batch = c.data.prompts_per_step * c.rollout.n
+            if batch % c.rl.num_minibatches:
+                raise RowError(f"{what}: rl.num_minibatches={c.rl.num_minibatches} does not "
+                               f"divide the rollout batch of {batch} rows")
+            minibatch = batch // c.rl.num_minibatches
+            if minibatch % c.rl.num_micro_batches:
+                raise RowError(f"{what}: rl.num_micro_batches={c.rl.num_micro_batches} does not "
+                               f"divide the minibatch of {minibatch} rows")
+            if c.rollout.kv_policy == "dense":
+                continue
+            longest = c.data.max_prompt_len + c.rollout.max_new_tokens
+            if 2 * c.rollout.kv_budget > longest:
+                raise RowError(f"{what}: rollout.kv_budget={c.rollout.kv_budget} keeps more than "
+                               f"half of the longest row (data.max_prompt_len + "
+                               f"rollout.max_new_tokens = {longest} tokens)")
+            if not c.rollout.kv_window < c.rollout.kv_budget:
+                raise RowError(f"{what}: rollout.kv_window={c.rollout.kv_window} must be below "
+                               f"rollout.kv_budget={c.rollout.kv_budget}")
+            if c.rollout.kv_interval > c.rollout.max_new_tokens:
+                raise RowError(f"{what}: rollout.kv_interval={c.rollout.kv_interval} exceeds "
+                               f"the response of {c.rollout.max_new_tokens} tokens: it would "
+                               "never compress")
+
+
+def _check_fields(variants: Sequence[Variant]) -> None:
+    """Every variant's fields exist in `base_config()` and take their values (at import)."""
+    base = base_config()
+    for variant in variants:
+        _configured(base, variant.overrides, variant.name)
+        for policy in variant.evals:
+            _configured(base, variant.eval_overrides(policy), f"{variant.name} under {policy}")
+
+
+def _check_row_sets() -> None:
+    """Every row set names known variants, and its variants fit its config (`check_rows`)."""
+    known = {v.name: v for v in VARIANTS}
+    for name, rows in ROW_SETS.items():
+        if unknown := [v for v in rows.variants if v not in known]:
+            raise RowError(f"ROW_SETS[{name!r}]: unknown variants {unknown}")
+        path = os.path.join(paths.REPO_ROOT, rows.config)
+        if os.path.isfile(path):  # an installed package has no configs/: main() says so
+            check_rows(load_config_file(path), [known[v] for v in rows.variants])
+
+
+_check_fields(VARIANTS)
+_check_row_sets()
+
+
 @dataclasses.dataclass
 class Run:
     variant: Variant
@@ -184,57 +382,166 @@ class Run:
         return f"{self.variant.name}_s{self.seed}"
 
     def done(self) -> dict[str, Any] | None:
-        path = os.path.join(self.workdir, DONE)
-        if not os.path.isfile(path):
-            return None
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return _read_json(os.path.join(self.workdir, DONE))
+
+
+@dataclasses.dataclass
+class Job:
+    """One subprocess of the study: a run, or an evaluation of a finished run's checkpoint (in
+    the run's workdir), which starts once the job named `needs` has finished."""
+
+    name: str
+    workdir: str
+    marker: str  # file in `workdir` written when the job exits 0
+    command: list[str]
+    needs: str | None = None
+
+    def done(self) -> dict[str, Any] | None:
+        return _read_json(os.path.join(self.workdir, self.marker))
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _flag(field: str, value: Any) -> str:
     return f"--config.{field}={value}"
 
 
-def command(config_path: str, run: Run, overrides: Mapping[str, Any]) -> list[str]:
-    return [sys.executable, "-m", "qurl_jax.main", f"--config={config_path}",
+def command(config_path: str, run: Run, overrides: Mapping[str, Any],
+            module: str = "qurl_jax.main") -> list[str]:
+    return [sys.executable, "-m", module, f"--config={config_path}",
             f"--workdir={run.workdir}", *(_flag(k, v) for k, v in overrides.items())]
 
 
-def run_all(runs: Sequence[Run], commands: Mapping[str, list[str]], jobs: int) -> None:
-    """Runs the commands of the unfinished runs, `jobs` at a time, and marks each finished one."""
-    waiting = [r for r in runs if r.done() is None]
-    active: list[tuple[Run, subprocess.Popen, float, Any]] = []
+def eval_marker(policy: str) -> str:
+    """The file a finished evaluation of a run under the compressed cache `policy` leaves."""
+    return f"study_eval_{policy}.json"
+
+
+def same_command(a: Sequence[str], b: Sequence[str]) -> bool:
+    """Whether two runs' commands make the same run: equal but for `eval.before` (the first run
+    of each invocation evaluates before RL, so a run another row set made is reused)."""
+    def strip(c: Sequence[str]) -> list[str]:
+        return [x for x in c if not x.startswith("--config.eval.before=")]
+
+    return strip(a) == strip(b)
+
+
+class FileLock:
+    """The exclusive lock (flock) of the file `path`, held from `acquire` to `release`: the
+    machine-wide turn of one run when several studies or users share a machine."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: Any = None
+
+    def acquire(self, name: str) -> float:
+        """Blocks until the lock is held (saying so when it must wait); returns the seconds it
+        waited."""
+        start = time.monotonic()
+        self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[study] {name}: waiting for the lock {self.path}", flush=True)
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+        return time.monotonic() - start
+
+    def release(self) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+        self._file = None
+
+
+def peak_memory_gb(pid: int) -> float | None:
+    """The peak resident memory (GB) of process `pid` so far (Linux's VmHWM: the high-water
+    mark of its own address space since it started its program), or None when it cannot be read
+    (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9  # kB
+    except OSError:
+        return None
+    return None
+
+
+def run_all(jobs: Sequence[Job], parallel: int, lock: FileLock | None = None) -> list[str]:
+    """Runs the unfinished jobs, `parallel` at a time (1 with a `lock`, taken for each job), each
+    once the job it needs has finished; writes each finished job's marker (its wall time from
+    when it started, lock wait, peak memory, command). The peak is its process's VmHWM, read
+    every half second while it runs, up to the last read before it exits (None where /proc
+    has none); the verifier's worker processes are not in it. Returns the jobs that failed or
+    whose prerequisite did."""
+    if lock is not None and parallel != 1:
+        raise ValueError(f"a lock is taken per job: run one at a time, not {parallel}")
+    waiting = [j for j in jobs if j.done() is None]
+    failed: list[str] = []
+    active: list[tuple[Job, subprocess.Popen, float, Any, float]] = []
+    peaks: dict[str, float] = {}  # job -> its process's peak memory, sampled while it runs
     total, finished = len(waiting), 0
     while waiting or active:
-        while waiting and len(active) < jobs:
-            run = waiting.pop(0)
-            os.makedirs(run.workdir, exist_ok=True)
-            log = open(os.path.join(run.workdir, "log.txt"), "a", encoding="utf-8")
-            print(f"[study] start {run.name}", flush=True)
-            proc = subprocess.Popen(commands[run.name], stdout=log, stderr=subprocess.STDOUT)
-            active.append((run, proc, time.monotonic(), log))
+        while len(active) < parallel:
+            for job in [j for j in waiting if j.needs in failed]:
+                waiting.remove(job)
+                failed.append(job.name)
+            pending = {j.name for j in waiting} | {a[0].name for a in active}
+            ready = [j for j in waiting if j.needs not in pending]
+            if not ready:
+                break
+            job = ready[0]
+            waiting.remove(job)
+            waited = lock.acquire(job.name) if lock is not None else 0.0
+            os.makedirs(job.workdir, exist_ok=True)
+            log_name = f"log_{job.marker.removesuffix('.json')}.txt" if job.needs else "log.txt"
+            log = open(os.path.join(job.workdir, log_name), "a", encoding="utf-8")
+            print(f"[study] start {job.name}", flush=True)
+            proc = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT)
+            active.append((job, proc, time.monotonic(), log, waited))
         time.sleep(0.5)
         for item in list(active):
-            run, proc, start, log = item
+            job, proc, start, log, waited = item
+            peak = peak_memory_gb(proc.pid)  # before poll() reaps it: /proc then still has it
+            if peak is not None:
+                peaks[job.name] = max(peaks.get(job.name, 0.0), peak)
             if proc.poll() is None:
                 continue
+            peak = peaks.get(job.name)
+            wall = time.monotonic() - start
             active.remove(item)
             log.close()
+            if lock is not None:
+                lock.release()
             finished += 1
-            wall = time.monotonic() - start
-            print(f"[study] {finished}/{total} {run.name}: exit {proc.returncode}, "
-                  f"{wall:.0f} s", flush=True)
+            print(f"[study] {finished}/{total} {job.name}: exit {proc.returncode}, "
+                  f"{wall:.0f} s" + ("" if peak is None else f", peak {peak:.1f} GB"), flush=True)
             if proc.returncode == 0:
-                with open(os.path.join(run.workdir, DONE), "w", encoding="utf-8") as f:
-                    json.dump({"wall_s": wall, "command": commands[run.name]}, f, indent=1)
+                with open(os.path.join(job.workdir, job.marker), "w", encoding="utf-8") as f:
+                    json.dump({"wall_s": wall, "lock_wait_s": waited, "peak_rss_gb": peak,
+                               "command": job.command}, f, indent=1)
+            else:
+                failed.append(job.name)
+    return failed
 
 
-def summarize_run(workdir: str) -> dict[str, float]:
-    """The table's numbers of one finished run, from its metrics.jsonl."""
+def _series_mean(values: np.ndarray, steps: np.ndarray) -> float:
+    """Mean over the steps after the first (which compiles), or over all of them if only one."""
+    return float(np.nanmean(values[steps > 1] if (steps > 1).any() else values))
+
+
+def summarize_run(workdir: str, evals: Sequence[str] = ()) -> dict[str, float]:
+    """The table's numbers of one finished run, from its metrics.jsonl, its study marker and its
+    evaluations under the compressed caches `evals` (`eval/step_<N>_<policy>.json`)."""
     data = report.read_series(workdir)
     out: dict[str, float] = {}
     for key, s in data.items():
-        if key.startswith("eval/") and (key.endswith("/greedy_acc") or "/avg@" in key):
+        if key.startswith("eval/") and (key.endswith(("/greedy_acc", "/greedy_truncated"))
+                                        or "/avg@" in key):
             out[key] = float(s.values[-1])  # the evaluation after RL
     reward = data.get("rollout/reward_mean")
     if reward is not None:
@@ -243,11 +550,30 @@ def summarize_run(workdir: str) -> dict[str, float]:
     for key in STEP_MEANS:
         s = data.get(key)
         if s is not None:
-            values = s.values[s.steps > 1] if (s.steps > 1).any() else s.values
-            out[key] = float(np.nanmean(values))
+            out[key] = _series_mean(s.values, s.steps)
+    step = data.get("time/step_s")
+    if step is not None and all(k in data for k in LEARNER_PHASES):
+        learner = sum(data[k].values for k in LEARNER_PHASES)
+        out["learner_share"] = _series_mean(learner / step.values, step.steps)
+    elif step is not None and "time/update_s" in data:  # no separate log-prob pass
+        out["learner_share"] = _series_mean(data["time/update_s"].values / step.values,
+                                            step.steps)
+    if "rollout/kv_bytes_per_row" in out:
+        out["kv_kib_per_row"] = out["rollout/kv_bytes_per_row"] / 1024
     vetoed = data.get("sparse/vetoed_sequences")
     if vetoed is not None:
         out["vetoed_sequences"] = float(np.nansum(vetoed.values))
+    done = _read_json(os.path.join(workdir, DONE)) or {}
+    if "wall_s" in done:
+        out["wall_min"] = done["wall_s"] / 60
+    if done.get("peak_rss_gb") is not None:
+        out["peak_rss_gb"] = done["peak_rss_gb"]
+    last = int(data["rollout/reward_mean"].steps[-1]) if reward is not None else 0
+    for policy in evals:
+        record = _read_json(os.path.join(workdir, "eval", f"step_{last}_{policy}.json"))
+        for key, value in ((record or {}).get("metrics") or {}).items():
+            if key.endswith(("/greedy_acc", "/greedy_truncated")) or "/avg@" in key:
+                out[f"eval/{policy}_cache/{key}"] = float(value)
     return out
 
 
@@ -263,7 +589,7 @@ def aggregate(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
         if run.done() is None:
             continue
         entry = out.setdefault(run.variant.name, {"label": run.variant.label, "runs": {}})
-        entry["runs"][run.name] = summarize_run(run.workdir)
+        entry["runs"][run.name] = summarize_run(run.workdir, run.variant.evals)
     for entry in out.values():
         keys = sorted({k for s in entry["runs"].values() for k in s})
         entry["mean_std"] = {k: _mean_std([s[k] for s in entry["runs"].values() if k in s])
@@ -278,17 +604,24 @@ def _cell(stats: tuple[float, float] | None, fmt: str, seeds: int) -> str:
     return f"{mean:{fmt}}" + (f" ± {std:{fmt}}" if seeds > 1 else "")
 
 
+def _eval_order(key: str) -> tuple[int, int, str]:
+    """Table order of the evaluation columns: dense before compressed caches, carry-10 last."""
+    return ("_cache/" in key, key.count("carry"), key)
+
+
 def table(results: Mapping[str, dict[str, Any]], before: Mapping[str, float]) -> str:
-    """The markdown table: one row per variant, the warm start's evaluation first."""
+    """The markdown table: one row per variant, the warm start's evaluation first; columns no
+    row fills are left out."""
     eval_keys = sorted({k for r in results.values() for k in r["mean_std"]
-                        if k.startswith("eval/")}, key=lambda k: (k.count("carry"), k))
+                        if k.startswith("eval/")}, key=_eval_order)
+    columns = [c for c in COLUMNS if any(c[1] in r["mean_std"] for r in results.values())]
     head = ["variant", "seeds", *(k.removeprefix("eval/").replace("/", " ") for k in eval_keys),
-            *(c for c, _, _ in COLUMNS)]
+            *(c for c, _, _ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if before:
         lines.append("| " + " | ".join(["warm start (before RL)", "", *(
             f"{before[k]:.3f}" if k in before else "-" for k in eval_keys),
-            *("" for _ in COLUMNS)]) + " |")
+            *("" for _ in columns)]) + " |")
     for variant in VARIANTS:
         r = results.get(variant.name)
         if r is None:
@@ -297,8 +630,22 @@ def table(results: Mapping[str, dict[str, Any]], before: Mapping[str, float]) ->
         stats = r["mean_std"]
         cells = [f"{variant.label}{' *' if variant.seeded else ''}", str(seeds),
                  *(_cell(stats.get(k), ".3f", seeds) for k in eval_keys),
-                 *(_cell(stats.get(key), fmt, seeds) for _, key, fmt in COLUMNS)]
+                 *(_cell(stats.get(key), fmt, seeds) for _, key, fmt in columns)]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def job_lines(jobs: Sequence[Job]) -> str:
+    """One line per finished job: wall time (from when it started), lock wait, peak memory."""
+    lines = []
+    for job in jobs:
+        done = job.done()
+        if done is not None:
+            peak = done.get("peak_rss_gb")
+            lines.append(f"- {job.name}: {done['wall_s'] / 60:.1f} min"
+                         + (f" (after {done['lock_wait_s'] / 60:.1f} min waiting for the lock)"
+                            if done.get("lock_wait_s", 0) >= 60 else "")
+                         + ("" if peak is None else f", peak {peak:.1f} GB"))
     return "\n".join(lines)
 
 
@@ -323,10 +670,12 @@ def write_figures(runs: Sequence[Run], out: str) -> list[str]:
     return written
 
 
-def _before(runs: Sequence[Run]) -> dict[str, float]:
-    """The warm start's evaluation, logged at step 0 by the run that evaluates before RL."""
-    for run in runs:
-        data = report.read_series(run.workdir)
+def _before(out: str) -> dict[str, float]:
+    """The start's evaluation, logged at step 0 by the study's run that evaluated before RL (in
+    this invocation or, for a row set, in another that shares `out`)."""
+    runs = os.path.join(out, "runs")
+    for name in sorted(os.listdir(runs)) if os.path.isdir(runs) else ():
+        data = report.read_series(os.path.join(runs, name))
         values = {k: float(s.values[0]) for k, s in data.items()
                   if k.startswith("eval/") and s.steps[0] == 0}
         if values:
@@ -337,19 +686,38 @@ def _before(runs: Sequence[Run]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qurl_jax.study",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/chain_tiny.py", help="base config file")
+    parser.add_argument("--config", default="", help="base config file (default: "
+                        "configs/chain_tiny.py, or the row set's)")
     parser.add_argument("--out", required=True, help="study directory")
-    parser.add_argument("--steps", type=int, default=30, help="RL steps per run")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds of the * rows (0, 1, ...)")
+    parser.add_argument("--steps", type=int, default=0, help="RL steps per run (default 30, or "
+                        "the row set's)")
+    parser.add_argument("--seeds", type=int, default=0, help="seeds of the * rows (0, 1, ...; "
+                        "default 3, or the row set's)")
     parser.add_argument("--first_seed", type=int, default=0,
                         help="seed offset of this invocation's runs (runs <variant>_s<N> for N "
                              "in first_seed..first_seed + seeds - 1): adds seeds to a study "
                              "whose earlier seeds ran elsewhere")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--variants", default="", help="comma-separated subset of the variants")
+    parser.add_argument("--rows", default="", help=f"a row set: its config, variants, seeds and "
+                        f"steps (one of {list(ROW_SETS)}); its table is study_<rows>.md")
+    parser.add_argument("--lock", default="", help="a lock file taken (flock) for each run and "
+                        "evaluation and given back after it; needs --jobs=1")
     parser.add_argument("--quick", action="store_true",
                         help="two variants, one seed, two steps of a shrunk run (a smoke test)")
     args = parser.parse_args(argv)
+    rows = ROW_SETS.get(args.rows)
+    if args.rows and rows is None:
+        parser.error(f"--rows={args.rows!r} is not one of {list(ROW_SETS)}")
+    if rows is not None:
+        if args.variants or args.config or args.quick:
+            parser.error(f"--rows={args.rows} sets the config and variants: leave out "
+                         "--config, --variants and --quick")
+        args.config = os.path.join(paths.REPO_ROOT, rows.config)
+        args.variants = ",".join(rows.variants)
+        args.seeds, args.steps = args.seeds or rows.seeds, args.steps or rows.steps
+    args.config = args.config or "configs/chain_tiny.py"
+    args.seeds, args.steps = args.seeds or 3, args.steps or 30
     if not os.path.isfile(args.config):
         parser.error(f"--config={args.config!r} does not exist")
     for name in ("steps", "seeds", "jobs"):
@@ -357,6 +725,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
     if args.first_seed < 0:
         parser.error(f"--first_seed={args.first_seed} must be >= 0")
+    if args.lock and args.jobs != 1:
+        parser.error(f"--lock is taken for one run at a time: use --jobs=1, not {args.jobs}")
     known = {v.name: v for v in VARIANTS}
     names = [n for n in args.variants.split(",") if n] or (
         list(QUICK_VARIANTS) if args.quick else list(known))
@@ -369,6 +739,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = 1 if args.quick else args.seeds
     base = load_config_file(args.config)
     shared = {"train.num_steps": args.steps, **(quick_overrides() if args.quick else {})}
+    try:
+        check_rows(_configured(base, shared, "the study's settings"),
+                   [known[n] for n in names])
+    except RowError as e:
+        parser.error(str(e))
 
     start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
@@ -380,48 +755,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train.progress": False, "train.checkpoint_every": shared["train.num_steps"],
         # One persistent compilation cache for all runs: most programs are the same in every run.
         "train.compilation_cache_dir": os.path.join(os.path.abspath(args.out), "compile_cache")})
-    runs, commands = [], {}
+    runs, jobs = [], []
     for seed in range(first, first + seeds):  # every variant's first seed before any second one
         for name in names:
             variant = known[name]
             if seed and not variant.seeded:
                 continue
             run = Run(variant, base.seed + seed, os.path.join(args.out, "runs", f"{name}_s{seed}"))
-            overrides = {**shared, "seed": run.seed, "eval.before": not runs,
-                         **variant.overrides}
+            overrides = {**shared, "seed": run.seed, "eval.before": not runs}
+            jobs.append(Job(run.name, run.workdir, DONE,
+                            command(args.config, run, {**overrides, **variant.overrides})))
+            jobs.extend(Job(f"{run.name} under {policy}", run.workdir, eval_marker(policy),
+                            command(args.config, run, {**overrides,
+                                                       **variant.eval_overrides(policy)},
+                                    module="qurl_jax.evaluate"), needs=run.name)
+                        for policy in variant.evals)
             runs.append(run)
-            commands[run.name] = command(args.config, run, overrides)
-    stale = [r.name for r in runs if (done := r.done()) and done["command"] != commands[r.name]]
+    stale = [j.name for j in jobs
+             if (done := j.done()) and not same_command(done["command"], j.command)]
     if stale:
         sys.exit(f"python -m qurl_jax.study: {args.out} holds finished runs made with other "
                  f"settings ({', '.join(stale)}); use another --out")
-    print(f"[study] {len(runs)} runs of {shared['train.num_steps']} steps, {args.jobs} at a "
-          f"time, in {args.out}", flush=True)
-    run_all(runs, commands, args.jobs)
+    print(f"[study] {len(runs)} runs of {shared['train.num_steps']} steps and "
+          f"{len(jobs) - len(runs)} evaluations, {args.jobs} at a time, in {args.out}",
+          flush=True)
+    run_all(jobs, args.jobs, FileLock(args.lock) if args.lock else None)
 
     results = aggregate(runs)
-    before = _before(runs)
-    failed = [r.name for r in runs if r.done() is None]
+    before = _before(args.out)
+    failed = [j.name for j in jobs if j.done() is None]
     wall = time.monotonic() - start
-    run_wall = sum(done["wall_s"] for r in runs if (done := r.done()) is not None)
+    run_wall = sum(done["wall_s"] for j in jobs if (done := j.done()) is not None)
     text = "\n".join([
-        f"# Rollout-precision study ({args.config})", "",
-        f"{len(runs) - len(failed)} of {len(runs)} runs finished, {shared['train.num_steps']} RL "
-        f"steps each, seeds {base.seed + first}..{base.seed + first + seeds - 1} for the * rows. "
-        f"The runs took {run_wall / 60:.1f} min of wall time summed over runs; this invocation "
+        f"# Rollout-precision study ({args.rows or args.config})", "",
+        f"{len(jobs) - len(failed)} of {len(jobs)} runs and evaluations finished, "
+        f"{shared['train.num_steps']} RL steps each, seeds "
+        f"{base.seed + first}..{base.seed + first + seeds - 1} for the * rows. They took "
+        f"{run_wall / 60:.1f} min of wall time summed over runs; this invocation "
         f"{wall / 60:.1f} min with {args.jobs} runs at a time (runs finished before it are not "
         "run again).",
-        "Accuracy: the full-precision policy after RL; reward: mean of the last quarter of the "
-        "steps; other columns: mean over steps 2.. (step 1 compiles); vetoed seqs: total over "
-        "the run; mean ± std over seeds.", "", table(results, before), ""]
+        "Accuracy: the full-precision policy after RL (`<policy>_cache`: under that compressed "
+        "KV cache); reward: mean of the last quarter of the steps; other columns: mean over "
+        "steps 2.. (step 1 compiles); vetoed seqs: total over the run; run min and peak GB: the "
+        "whole run (evaluations included); mean ± std over seeds.", "",
+        table(results, before), "", "Per run and evaluation:", "", job_lines(jobs), ""]
         + ([QUICK_NOTE, ""] if args.quick else [])
-        + ([f"Failed (see their log.txt): {', '.join(failed)}", ""] if failed else []))
-    with open(os.path.join(args.out, "study.md"), "w", encoding="utf-8") as f:
+        + ([f"Failed (see their log*.txt): {', '.join(failed)}", ""] if failed else []))
+    stem = f"study_{args.rows}" if args.rows else "study"
+    with open(os.path.join(args.out, f"{stem}.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    with open(os.path.join(args.out, "study.json"), "w", encoding="utf-8") as f:
-        json.dump({"config": args.config, "steps": shared["train.num_steps"], "before": before,
-                   "variants": results, "failed": failed, "wall_s": wall,
-                   "run_wall_s": run_wall}, f, indent=1)
+    with open(os.path.join(args.out, f"{stem}.json"), "w", encoding="utf-8") as f:
+        json.dump({"config": args.config, "rows": args.rows, "steps": shared["train.num_steps"],
+                   "before": before, "variants": results, "failed": failed, "wall_s": wall,
+                   "run_wall_s": run_wall, "jobs": {j.name: j.done() for j in jobs}}, f,
+                  indent=1)
     plots = write_figures(runs, args.out)
     print(text)
     print("\n".join(plots))

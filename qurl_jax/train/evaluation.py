@@ -138,7 +138,7 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
         sampler = build_eval_sampler(
             model_config, settings.rollout.sampler, max_prompt_len=c.data.max_prompt_len,
             max_new_tokens=max(c.rollout.max_new_tokens, c.eval.max_new_tokens),
-            pad_id=task.pad_id, mesh=mesh, **hook)
+            pad_id=task.pad_id, mesh=mesh, compressed=c.eval.kv_cache == "rollout", **hook)
         metrics = task.evaluate(sampler, params, settings.eval,
                                 stream_key(c.seed, Stream.EVAL, step))
     finally:
@@ -147,12 +147,28 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
     os.makedirs(out_dir, exist_ok=True)
     record = {"step": step, "eval_files": list(settings.eval.files),
               "model": settings.model.path if settings.model.source != "tiny" else "tiny",
-              "metrics": metrics}
-    path = os.path.join(out_dir, f"step_{step}.json")
+              "kv_cache": _kv_cache(c), "metrics": metrics}
+    path = os.path.join(out_dir, eval_file_name(step, c))
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     logging.info("wrote %s", path)
     return step, metrics
+
+
+def _kv_cache(c: Any) -> dict[str, Any]:
+    """The evaluation's KV cache: {'policy': 'dense'} or the rollout's compressed policy."""
+    if c.eval.kv_cache == "dense":
+        return {"policy": "dense"}
+    r = c.rollout
+    return {"policy": r.kv_policy, "budget": r.kv_budget, "interval": r.kv_interval,
+            "window": r.kv_window}
+
+
+def eval_file_name(step: int, config: Any) -> str:
+    """`step_<N>.json`, or `step_<N>_<policy>.json` under a compressed cache (`eval.kv_cache`)."""
+    if config.eval.kv_cache == "dense":
+        return f"step_{step}.json"
+    return f"step_{step}_{config.rollout.kv_policy}.json"
 
 
 def format_table(step: int, metrics: dict[str, float]) -> str:

@@ -200,7 +200,7 @@ class Trainer:
                      pool, kv.value,
                      f" (a scale per {sampler_settings.kv_scale.value})" if kv.quantizes else "")
         self.eval_sampler = build_eval_sampler(
-            self.model_config, sampler_settings, **engine_kwargs,
+            self.model_config, sampler_settings, s.eval.kv_cache == "rollout", **engine_kwargs,
             **({"dot_general": lora.dot_general(quant.rollout_dot_general)} if self.lora else {}))
 
         self.base = None
