@@ -62,7 +62,6 @@ def get_config():
     c.train.checkpoint_every = 5
     c.train.keep_checkpoints = 1
     c.eval.files = (os.path.join(_DATA, "test.jsonl"),)
-    c.eval.greedy = False  # greedy accuracy and Avg@4 (True: greedy only)
     c.eval.k = 4
     c.eval.temperature = 0.7  # Avg@4 at the rollout's temperature
     c.eval.max_new_tokens = 128

@@ -42,6 +42,8 @@ KV_PRECISIONS = tuple(p.value for p in KVPrecision)  # rollout.kv_precision
 KV_SCALES = tuple(g.value for g in KVScale)  # rollout.kv_scale
 # Training precisions: the recipes the learner can run (`Learner(precision=...)`).
 TRAIN_PRECISIONS = ("fp", "fp8_block")
+# Other names `validate` accepts for a precision field's value, and what it replaces them with.
+PRECISION_ALIASES = {"fp32": "fp"}
 LOSS_MODES = tuple(m.value for m in Mode)
 AGGREGATIONS = tuple(a.value for a in Aggregation)
 KL_ESTIMATORS = tuple(k.value for k in KLEstimator)
@@ -110,7 +112,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.prompt_suffix = PROMPT_SUFFIX
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.precision = "int8"  # a quant.RECIPES name (fp | int8 | fp8 | fp8_block | ...)
+    c.rollout.precision = "int8"  # a quant.RECIPES name (fp = fp32 | int8 | fp8 | fp8_block | ...)
     c.rollout.n = 8  # samples per prompt (GRPO group size)
     c.rollout.max_new_tokens = 1024
     c.rollout.temperature = 1.0
@@ -315,7 +317,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.max_examples = 0  # per set; 0 = all
     c.eval.k = 1  # samples per problem for Avg@k / Pass@k
     c.eval.temperature = 0.6
-    c.eval.greedy = False
+    # True: greedy accuracy only; False: also Avg@k / Pass@k of eval.k samples at eval.temperature
+    # (greedy accuracy is always reported)
+    c.eval.greedy_only = False
     c.eval.max_new_tokens = 1024
     c.eval.before = True  # evaluate before the first RL step too (off: after training only)
 
@@ -522,6 +526,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks values; raises `ConfigError` (a ValueError) naming the first bad field. Returns `c`.
 
     Reads no data and touches no device: the numbers' ranges, the choices, the files' existence.
+    A precision named by another accepted name (`PRECISION_ALIASES`: 'fp32') is replaced by the
+    canonical one, so runs and their saved configs agree.
     """
     _choice(c.model.source, MODEL_SOURCES, "model.source")
     if c.model.source == "hf":
@@ -564,6 +570,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.model.decode_attention, DECODE_ATTENTION, "model.decode_attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.train.cpu_dots, CPU_DOTS, "train.cpu_dots")
+    for section in (c.rollout, c.train):  # 'fp32' is 'fp' (full precision)
+        section.precision = PRECISION_ALIASES.get(section.precision, section.precision)
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
     _choice(c.rollout.kv_precision, KV_PRECISIONS, "rollout.kv_precision")
     _choice(c.rollout.kv_scale, KV_SCALES, "rollout.kv_scale")

@@ -102,14 +102,14 @@ class EvalSettings:
     `Task.evaluate` needs.
 
     k: samples per problem for Avg@k / Pass@k; temperature: their sampling temperature;
-    greedy: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
+    greedy_only: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
     max_examples: problems per set (0 = all); files: the math evaluation sets, read by the task
     beside a synthetic task's own held-out set.
     """
 
     k: int = 1
     temperature: float = 0.6
-    greedy: bool = False
+    greedy_only: bool = False
     max_new_tokens: int = 1024
     max_examples: int = 0
     files: tuple[str, ...] = ()
@@ -123,7 +123,7 @@ class EvalSettings:
 def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
     """The run's `EvalSettings` (`config.eval`)."""
     e = c.eval
-    return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
+    return EvalSettings(k=e.k, temperature=e.temperature, greedy_only=e.greedy_only,
                         max_new_tokens=e.max_new_tokens, max_examples=e.max_examples,
                         files=tuple(map(paths.data_path, e.files)))
 

@@ -105,13 +105,17 @@ def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
 
 
 def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettings,
-                       **engine_kwargs: Any) -> Sampler:
-    """The run's evaluation sampler: full precision and dense (Sparse-RL's compression applies
-    to the rollout actor only), static, as many concurrent rows and the same decode attention
-    as the rollouts."""
-    return Sampler(model_config, jax.lax.dot_general,
-                   max_concurrent_rows=settings.max_concurrent_rows,
-                   decode_attention=settings.decode_attention, **engine_kwargs)
+                       **engine_kwargs: Any) -> Sampler | RefillSampler:
+    """The run's evaluation sampler: full precision and dense (Sparse-RL's compression and an
+    8-bit cache apply to the rollout actor only), as many concurrent rows and the same decode
+    attention as the rollouts. With `max_concurrent_rows` set, an evaluation's rows (every
+    problem's samples) wait for slots, so they are refilled (`RefillSampler`: the static
+    sampler's tokens, without a chunk decoding until its longest row ends); otherwise every row
+    is decoded at once by the static `Sampler`."""
+    kind = RefillSampler if settings.max_concurrent_rows else Sampler
+    return kind(model_config, jax.lax.dot_general,
+                max_concurrent_rows=settings.max_concurrent_rows,
+                decode_attention=settings.decode_attention, **engine_kwargs)
 
 
 def samples_per_call(sampler: Any, n: int) -> int:
