@@ -276,6 +276,13 @@ def base_config() -> ml_collections.ConfigDict:
     # padding; fewer compile fewer programs, for models whose compile costs more than the
     # padding (configs/arith_tiny.py: 2).
     c.train.pack_buckets = 8
+    # The learner runs each group's prompt once, its rollout.n responses attending to it
+    # (`learner.packing.pack_budget`), instead of once per sample: the same log-probs and
+    # gradients up to float rounding. Needs packing, one minibatch, train.precision 'fp' and
+    # packed rows of <= 1024 tokens (dense attention); micro-batches then hold whole groups, and
+    # a train.pack_length that fits a prompt and several responses pays most. 'auto': where
+    # those hold (the run's log says which), 'on': an error where they do not, 'off'.
+    c.train.share_prompts = "off"
     # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.

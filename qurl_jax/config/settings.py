@@ -22,6 +22,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from qurl_jax import quant
+from qurl_jax.config import checks
 from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
@@ -321,6 +322,7 @@ class TrainSettings:
     tokens_per_micro_batch: int = 0
     pack_buckets: int = PER_DOUBLING
     cpu_dots: str = "auto"
+    share_prompts: int = 1  # sequences per shared prompt in the learner (`train.share_prompts`)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
@@ -331,7 +333,8 @@ class TrainSettings:
                    logprob_chunk=c.train.logprob_chunk, precision=c.train.precision,
                    packing=c.train.packing, pack_length=c.train.pack_length,
                    tokens_per_micro_batch=c.train.tokens_per_micro_batch,
-                   pack_buckets=c.train.pack_buckets, cpu_dots=c.train.cpu_dots)
+                   pack_buckets=c.train.pack_buckets, cpu_dots=c.train.cpu_dots,
+                   share_prompts=c.rollout.n if checks.shares_prompts(c) else 1)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
@@ -350,7 +353,7 @@ class TrainSettings:
                        pack_length=self.pack_length,
                        tokens_per_micro_batch=self.tokens_per_micro_batch,
                        pack_buckets=self.pack_buckets, update_capture=update_capture,
-                       cpu_dots=self.cpu_dots)
+                       cpu_dots=self.cpu_dots, share_prompts=self.share_prompts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,6 +138,9 @@ class Trainer:
         # pi_prox: a separate log-prob pass, or the update's own forward (`learner.prox`).
         self.prox = self.settings.prox
         logging.info("%s", self.prox.describe())
+        if s.train.share_prompts > 1:
+            logging.info("learner: each prompt runs once for its %d samples, their responses "
+                         "attending to it (train.share_prompts)", s.train.share_prompts)
         if targets.platform_of(self.mesh) == "cpu":
             logging.info("%s", xla_cpu.describe(s.train.cpu_dots))
             logging.info("CPU kernels (%s=%s): int8 products %s, decode attention %s",
