@@ -321,7 +321,7 @@ class RefillSampler:
         while self.shrink and sizes[-1] > 1:
             sizes.append(sizes[-1] // 2)
         live = np.zeros((slots,), np.bool_)
-        admitted = tokens = 0  # rows admitted and tokens generated so far (`progress`)
+        admitted = generated = 0  # rows admitted and tokens made so far (`progress`)
         while True:
             if pages is not None:  # free slots and pages
                 admit = pages.admit()
@@ -361,9 +361,9 @@ class RefillSampler:
             live, steps = _replicated_to_host(live_dev), int(_replicated_to_host(steps))
             # Each admitted row's first token comes from its insert, the others from decode calls.
             admitted += len(admit)
-            tokens += len(admit) + int(_replicated_to_host(made))
+            generated += len(admit) + int(_replicated_to_host(made))
             if progress is not None:
-                progress(admitted - int(live.sum()), tokens)
+                progress(admitted - int(live.sum()), generated)
             if pages is not None:
                 pages.advance(live, steps)
             run.decode_calls += 1
