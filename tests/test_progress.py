@@ -71,9 +71,9 @@ def test_result_line_has_every_figure_of_an_evaluation():
 
 def test_a_run_off_a_terminal_prints_the_evaluations_progress_and_results(tmp_path):
     """The CLI's captured output (a pipe, not a terminal) holds each evaluation's progress, from
-    0 problems to all, with tokens/s, its one-line results, and a step line with its seconds and
-    the run's time left. Evaluation rows wait for 4 slots: the refilling sampler reports as rows
-    finish."""
+    0 problems to all with tokens/s, its one-line results, and the step's line with its seconds
+    and the run's time left. The evaluation's rows wait for 4 slots: the refilling sampler
+    reports as rows finish."""
     from tests.test_trainer import _main
 
     proc = _main(str(tmp_path), "--config.train.num_steps=1",

@@ -104,5 +104,12 @@ def load(source: str, isa: str, targets: tuple[tuple[str, tuple[tuple[str, str],
         logging.warning("qurl_jax: the CPU kernel %s is unavailable (%s); using XLA's ops "
                         "instead", source, e)
         return ""
-    return max((p for p in runs if _LEVELS[p] <= _LEVELS.get(cap, 2)), key=_LEVELS.get,
+    return choose(level, cap)
+
+
+def choose(level: int, cap: str) -> str:
+    """The path to use on a CPU whose library says `level` (2: AVX512 and AVX2 paths run, 1: the
+    AVX2 one, 0: none) under `QURL_JAX_CPU_ISA`'s `cap`: the best at most the cap ('' none)."""
+    runs = [path for path, need in _LEVELS.items() if need <= level]
+    return max((p for p in runs if _LEVELS[p] <= _LEVELS.get(cap, 0)), key=_LEVELS.get,
                default="")
