@@ -142,6 +142,8 @@ def check_packing(c: ml_collections.ConfigDict) -> None:
     `train.tokens_per_micro_batch` when it is less than one packed row, or `train.pack_buckets`
     when it is not a power of two; only with `train.packing`; `train.share_prompts='on'` where
     `share_prompts_blockers` names a reason it cannot."""
+    from qurl_jax.config.settings import SHARE_PROMPTS, share_prompts_blockers
+
     if c.train.share_prompts not in SHARE_PROMPTS:
         raise ConfigError(f"config.train.share_prompts={c.train.share_prompts!r} is not one of "
                           f"{SHARE_PROMPTS}")
@@ -160,34 +162,3 @@ def check_packing(c: ml_collections.ConfigDict) -> None:
     except ValueError as e:
         raise ConfigError(f"config.{e}") from None
 
-
-SHARE_PROMPTS = ("auto", "on", "off")  # train.share_prompts
-
-
-def share_prompts_blockers(c: ml_collections.ConfigDict) -> list[str]:
-    """Why the learner cannot share each group's prompt (`train.share_prompts`): the settings it
-    needs, as they would have to be; empty when it can."""
-    from qurl_jax.learner import packed_plan
-    from qurl_jax.models.attention import AUTO_BLOCKWISE_MIN_KEYS
-
-    out = [f"config.{field}={wanted!r} (it is {value!r})" for field, value, wanted in (
-        ("train.packing", c.train.packing, True), ("rl.num_minibatches", c.rl.num_minibatches, 1),
-        ("train.precision", c.train.precision, "fp")) if value != wanted]
-    if c.rollout.n < 2:
-        out.append(f"config.rollout.n > 1 (it is {c.rollout.n}: no prompt to share)")
-    try:
-        length = packed_plan.pack_length(c.train.pack_length,
-                                         c.data.max_prompt_len + c.rollout.max_new_tokens)
-    except ValueError:
-        length = 0  # check_packing names it
-    if length > AUTO_BLOCKWISE_MIN_KEYS:
-        out.append(f"packed rows (config.train.pack_length) of at most "
-                   f"{AUTO_BLOCKWISE_MIN_KEYS} tokens for dense attention (they are {length})")
-    return out
-
-
-def shares_prompts(c: ml_collections.ConfigDict) -> bool:
-    """Whether the learner shares each group's prompt: `train.share_prompts` 'on', or 'auto'
-    with nothing in the way (`share_prompts_blockers`)."""
-    return c.train.share_prompts == "on" or (c.train.share_prompts == "auto"
-                                             and not share_prompts_blockers(c))

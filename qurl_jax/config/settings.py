@@ -22,7 +22,6 @@ import ml_collections
 from jax.sharding import Mesh
 
 from qurl_jax import quant
-from qurl_jax.config import checks
 from qurl_jax.data.arithmetic import ArithmeticConfig
 from qurl_jax.data.chains import ChainConfig
 from qurl_jax.data.datasets import PROMPT_SUFFIX
@@ -303,6 +302,38 @@ class RolloutSettings:
                    invariant_scaling_targets=tuple(r.invariant_scaling_targets))
 
 
+SHARE_PROMPTS = ("auto", "on", "off")  # train.share_prompts
+
+
+def share_prompts_blockers(c: ml_collections.ConfigDict) -> list[str]:
+    """Why the learner cannot share each group's prompt (`train.share_prompts`): the settings it
+    needs, as they would have to be; empty when it can."""
+    from qurl_jax.learner import packed_plan
+    from qurl_jax.models.attention import AUTO_BLOCKWISE_MIN_KEYS
+
+    out = [f"config.{field}={wanted!r} (it is {value!r})" for field, value, wanted in (
+        ("train.packing", c.train.packing, True), ("rl.num_minibatches", c.rl.num_minibatches, 1),
+        ("train.precision", c.train.precision, "fp")) if value != wanted]
+    if c.rollout.n < 2:
+        out.append(f"config.rollout.n > 1 (it is {c.rollout.n}: no prompt to share)")
+    try:
+        length = packed_plan.pack_length(c.train.pack_length,
+                                         c.data.max_prompt_len + c.rollout.max_new_tokens)
+    except ValueError:
+        length = 0  # check_packing names it
+    if length > AUTO_BLOCKWISE_MIN_KEYS:
+        out.append(f"packed rows (config.train.pack_length) of at most "
+                   f"{AUTO_BLOCKWISE_MIN_KEYS} tokens for dense attention (they are {length})")
+    return out
+
+
+def shares_prompts(c: ml_collections.ConfigDict) -> bool:
+    """Whether the learner shares each group's prompt: `train.share_prompts` 'on', or 'auto'
+    with nothing in the way (`share_prompts_blockers`)."""
+    return c.train.share_prompts == "on" or (c.train.share_prompts == "auto"
+                                             and not share_prompts_blockers(c))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """The learner: its `objective` and `optim`, the rollout batch cut into `num_minibatches`
@@ -334,7 +365,7 @@ class TrainSettings:
                    packing=c.train.packing, pack_length=c.train.pack_length,
                    tokens_per_micro_batch=c.train.tokens_per_micro_batch,
                    pack_buckets=c.train.pack_buckets, cpu_dots=c.train.cpu_dots,
-                   share_prompts=c.rollout.n if checks.shares_prompts(c) else 1)
+                   share_prompts=c.rollout.n if shares_prompts(c) else 1)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
