@@ -395,6 +395,8 @@ def build_model_and_task(s: RunSettings, workdir: str,
     `s.seed`."""
     train, eval_sets, template = task_examples(s)
     data, model = s.data, s.model
+    if model.source != "tiny":
+        logging.info("loading the model's weights and tokenizer from %s", model.path)
     if model.source == "hf":
         model_config, params = load_hf(model.path)
         model_config = model_config.replace(dtype=model.dtype)
