@@ -529,7 +529,7 @@ def test_step_lines_carry_their_seconds_and_the_runs_time_left(caplog):
     assert lines[0].startswith("step 1/10: 100.0 s, reward")
     assert lines[0].endswith("; about 16:00 left in the run")  # 9 x 100 s + 60 s
     assert lines[-1].startswith("step 7/10: 70.0 s, reward")
-    assert lines[-1].endswith("; about 2:30 left in the run")  # 3 x mean(30..70 s) + 60 s
+    assert lines[-1].endswith("; about 3:30 left in the run")  # 3 x mean(30..70 s) + 60 s
     unknown = _Progress(total=2, start=0, bar=False, final_eval=math.nan)
     unknown.update(1, {}, seconds=5.0)
     assert unknown.left() == "about 0:05 left in the run, and the evaluation after RL"
