@@ -53,7 +53,7 @@ namespace {
 
 constexpr int kTile = 64;      // columns per tile
 constexpr int kMaxRows = 6;    // rows of x per block (4 accumulators each, 32 zmm registers)
-constexpr int kMaxRows2 = 3;   // the same for AVX2 (4 accumulators each, 16 ymm registers)
+constexpr int kMaxRows2 = 2;   // the same for AVX2 (4 accumulators each, 16 ymm registers)
 
 // Which instructions a handler runs: AVX512-VNNI or AVX2 (the same results).
 enum class Isa { kAvx512Vnni, kAvx2 };
@@ -245,8 +245,7 @@ void DoTileAvx2(const Problem& p, int64_t tile, std::vector<int8_t>* scratch) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kMaxRows2) {
       switch (std::min<int64_t>(kMaxRows2, p.m - m0)) {
         case 1: RowBlockAvx2<1>(p, m0, n0, cols, j, packed); break;
-        case 2: RowBlockAvx2<2>(p, m0, n0, cols, j, packed); break;
-        default: RowBlockAvx2<3>(p, m0, n0, cols, j, packed); break;
+        default: RowBlockAvx2<2>(p, m0, n0, cols, j, packed); break;
       }
     }
   }
