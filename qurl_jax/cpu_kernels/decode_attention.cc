@@ -85,6 +85,9 @@ struct V {
   QURL_TARGET static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
   QURL_TARGET static F Fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   QURL_TARGET static float Sum(F x) { return _mm512_reduce_add_ps(x); }
+  QURL_TARGET static void Sum4(const F* x, float* out) {
+    for (int i = 0; i < 4; ++i) out[i] = _mm512_reduce_add_ps(x[i]);
+  }
   QURL_TARGET static F Round(F x) {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
@@ -130,6 +133,11 @@ struct V {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  // The four sums in one tree of horizontal adds.
+  QURL_TARGET static void Sum4(const F* x, float* out) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
   }
   QURL_TARGET static F Round(F x) {
     return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

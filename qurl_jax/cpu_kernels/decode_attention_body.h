@@ -3,8 +3,26 @@
 //   QURL_TARGET   the function attribute that enables its instructions, and
 //   struct V      its float vector: kLanes lanes, kMaxAcc accumulators for the value pass, and
 //                 Zero, Set1, Load (f32, or int8 codes widened), Store, Add, Sub, Mul, Fmadd,
-//                 Sum (of the lanes), Exp (x <= 0) and KeepFinite (e where x != -inf, else 0).
+//                 Sum (of the lanes), Sum4 (each of four vectors' lanes, into float[4]), Exp
+//                 (x <= 0) and KeepFinite (e where x != -inf, else 0).
 // No include guard: each inclusion defines the kernel anew in its own namespace.
+
+// One head's weighted sum of the values over the live slots [0, len), its D = DV vectors in
+// registers: out = inv * sum_s p[s] * v_scale[s] * v[s].
+template <int DV, typename KV>
+QURL_TARGET void WeightedValues(int64_t len, const KV* v, int64_t d_n, const float* p,
+                                const float* v_scale, const bool* mask, float inv, float* out) {
+  typename V::F acc[DV];
+  for (int c = 0; c < DV; ++c) acc[c] = V::Zero();
+  for (int64_t s = 0; s < len; ++s) {
+    if (!mask[s]) continue;
+    const typename V::F w = V::Set1(p[s] * (v_scale ? v_scale[s] : 1.0f));
+    const KV* vs = v + s * d_n;
+    for (int c = 0; c < DV; ++c) acc[c] = V::Fmadd(w, V::Load(vs + V::kLanes * c), acc[c]);
+  }
+  const typename V::F scale = V::Set1(inv);
+  for (int c = 0; c < DV; ++c) V::Store(out + V::kLanes * c, V::Mul(acc[c], scale));
+}
 
 // k_scale, v_scale: per-slot scales of an int8 cache (nullptr for f32).
 template <typename KV>
@@ -25,24 +43,44 @@ QURL_TARGET void AttendOne(const Shapes& sh, const float* q, const KV* k, const 
   for (int64_t g = 0; g < g_n; ++g) {
     std::fill(scores + g * stride + len, scores + (g + 1) * stride, neg_inf);
   }
+  // Scores four slots at a time: four independent chains of products, whose lanes are summed
+  // together (V::Sum4).
   bool any = false;
-  for (int64_t s = 0; s < len; ++s) {
-    if (!mask[s]) {
-      for (int64_t g = 0; g < g_n; ++g) scores[g * stride + s] = neg_inf;
+  for (int64_t s0 = 0; s0 < len; s0 += 4) {
+    const int64_t n4 = std::min<int64_t>(4, len - s0);
+    bool live = false;
+    for (int64_t i = 0; i < n4; ++i) live |= mask[s0 + i];
+    if (!live) {
+      for (int64_t g = 0; g < g_n; ++g) std::fill_n(scores + g * stride + s0, n4, neg_inf);
       continue;
     }
     any = true;
-    const KV* ks = k + s * d_n;
-    const float slot_scale = k_scale ? sh.scale * k_scale[s] : sh.scale;
+    const KV* k0 = k + s0 * d_n;  // slots past `len` repeat the last one (never stored)
+    const KV* k1 = k + (s0 + std::min<int64_t>(1, n4 - 1)) * d_n;
+    const KV* k2 = k + (s0 + std::min<int64_t>(2, n4 - 1)) * d_n;
+    const KV* k3 = k + (s0 + n4 - 1) * d_n;
     for (int64_t g = 0; g < g_n; ++g) {
       const float* qg = q + g * d_n;
-      typename V::F acc = V::Mul(V::Load(qg), V::Load(ks));
+      typename V::F qc = V::Load(qg);
+      typename V::F a[4] = {V::Mul(qc, V::Load(k0)), V::Mul(qc, V::Load(k1)),
+                            V::Mul(qc, V::Load(k2)), V::Mul(qc, V::Load(k3))};
       for (int64_t c = 1; c < dv; ++c) {
-        acc = V::Fmadd(V::Load(qg + V::kLanes * c), V::Load(ks + V::kLanes * c), acc);
+        const int64_t o = V::kLanes * c;
+        qc = V::Load(qg + o);
+        a[0] = V::Fmadd(qc, V::Load(k0 + o), a[0]);
+        a[1] = V::Fmadd(qc, V::Load(k1 + o), a[1]);
+        a[2] = V::Fmadd(qc, V::Load(k2 + o), a[2]);
+        a[3] = V::Fmadd(qc, V::Load(k3 + o), a[3]);
       }
-      const float score = V::Sum(acc) * slot_scale;
-      scores[g * stride + s] = score;
-      row_max[g] = std::max(row_max[g], score);
+      float sum[4];
+      V::Sum4(a, sum);
+      for (int64_t i = 0; i < n4; ++i) {
+        const int64_t slot = s0 + i;
+        const float slot_scale = k_scale ? sh.scale * k_scale[slot] : sh.scale;
+        const float score = mask[slot] ? sum[i] * slot_scale : neg_inf;
+        scores[g * stride + slot] = score;
+        row_max[g] = std::max(row_max[g], score);
+      }
     }
   }
   if (!any) {
@@ -62,8 +100,16 @@ QURL_TARGET void AttendOne(const Shapes& sh, const float* q, const KV* k, const 
     }
     row_sum[g] = V::Sum(total);
   }
-  // Weighted sums of the values, G heads and D / kLanes vectors at a time within the register
-  // budget.
+  // Weighted sums of the values: per head with D in registers for the usual head sizes (a
+  // compile-time loop), else G heads and D / kLanes vectors at a time within the register budget.
+  if (dv == 2 || dv == 4 || dv == 8) {
+    for (int64_t g = 0; g < g_n; ++g) {
+      auto pass = dv == 2 ? WeightedValues<2, KV> : dv == 4 ? WeightedValues<4, KV>
+                                                            : WeightedValues<8, KV>;
+      pass(len, v, d_n, scores + g * stride, v_scale, mask, 1.0f / row_sum[g], out + g * d_n);
+    }
+    return;
+  }
   const int64_t c_chunk = std::min<int64_t>(dv, V::kMaxAcc);
   const int64_t g_chunk = V::kMaxAcc / c_chunk;
   for (int64_t g0 = 0; g0 < g_n; g0 += g_chunk) {
