@@ -272,7 +272,7 @@ def _train(config, guard) -> None:
                              jax.process_count(), jax.process_index())
     if stall:
         guard.listeners.append(lambda signum: stall.note_sigterm())
-    # A line whenever the log has been silent for a minute (a long update or compile).
+    # A line whenever the log has been silent for 50 s (a long update or compile).
     beat = Heartbeat().start() if distributed.is_primary() else None
     if beat:
         beat.doing("setting up (model, data, verifier)")

@@ -8,9 +8,9 @@ total, tokens/s when tokens are counted, and the time left at the rate so far:
 
     eval test, 4 samples at T=0.7: 120/256 problems, 1,432 tokens/s, 1:20 so far, about 1:31 left
 
-`Heartbeat`: a daemon thread that logs what the run is doing ("step 3/40: update, 1:05 so far")
-when the process has logged no line for `every_s` seconds (60), e.g. in a long update on a slow
-CPU or while a program compiles, so a log never goes silent for more than a minute. It watches
+`Heartbeat`: a daemon thread that logs what the run is doing ("step 3: update: 1:05 so far")
+when the process has logged no line for `every_s` seconds (50), e.g. in a long update on a slow
+CPU or while a program compiles, so a log never goes silent for a minute. It watches
 every log record of the process (a handler on Python's root logger, which absl's lines pass
 through); `doing(text)` names the current activity.
 """
@@ -137,7 +137,7 @@ class Heartbeat:
     every heartbeat line, e.g. the run's time left. `start()` runs the thread, `stop()` ends it.
     """
 
-    def __init__(self, every_s: float = 60.0, status: Callable[[], str] | None = None,
+    def __init__(self, every_s: float = 50.0, status: Callable[[], str] | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         self.every_s = every_s
         self.status = status

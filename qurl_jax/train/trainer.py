@@ -218,7 +218,7 @@ class Trainer:
         self.watchdog: Any = None
         self.program_check: Any = None
         # Set by `python -m qurl_jax.main` on process 0 (`qurl_jax.runtime.progress.Heartbeat`):
-        # told what the run is doing, it logs a line when nothing else was logged for a minute.
+        # told what the run is doing, it logs a line when nothing else was logged for 50 s.
         self.heartbeat: Any = None
         self._evaluations: list[float] = []  # seconds of this process's evaluations
         self.last_metrics: dict[str, float] = {}
