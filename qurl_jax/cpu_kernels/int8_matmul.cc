@@ -126,18 +126,22 @@ void RowBlock(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const int8
   }
 }
 
+// Tile `tile` in the packed layout: the weights themselves when packed, else row-major ones
+// packed into `scratch` by `Pack` (the instruction set's PackTile).
+template <void (*Pack)(const Problem&, int64_t, int64_t, int8_t*)>
+const int8_t* PackedTile(const Problem& p, int64_t tile, int64_t cols,
+                         std::vector<int8_t>* scratch) {
+  if (p.packed) return p.w + tile * p.k4 * kTile;
+  scratch->resize(p.k4 * kTile);
+  Pack(p, tile * kTile, cols, scratch->data());
+  return scratch->data();
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void DoTile(const Problem& p, int64_t tile, std::vector<int8_t>* scratch) {
   const int64_t n0 = tile * kTile;
   const int64_t cols = std::min<int64_t>(kTile, p.n - n0);
-  const int8_t* packed;
-  if (p.packed) {
-    packed = p.w + tile * p.k4 * kTile;
-  } else {
-    scratch->resize(p.k4 * kTile);
-    PackTile(p, n0, cols, scratch->data());
-    packed = scratch->data();
-  }
+  const int8_t* packed = PackedTile<PackTile>(p, tile, cols, scratch);
   for (int64_t m0 = 0; m0 < p.m; m0 += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, p.m - m0)) {
       case 1: RowBlock<1>(p, m0, n0, cols, packed); break;
@@ -231,14 +235,7 @@ __attribute__((target("avx2")))
 void DoTileAvx2(const Problem& p, int64_t tile, std::vector<int8_t>* scratch) {
   const int64_t n0 = tile * kTile;
   const int64_t cols = std::min<int64_t>(kTile, p.n - n0);
-  const int8_t* packed;
-  if (p.packed) {
-    packed = p.w + tile * p.k4 * kTile;
-  } else {
-    scratch->resize(p.k4 * kTile);
-    PackTileAvx2(p, n0, cols, scratch->data());
-    packed = scratch->data();
-  }
+  const int8_t* packed = PackedTile<PackTileAvx2>(p, tile, cols, scratch);
   // A quarter of the tile (vector j of every row group) stays in L1 while every row block reads
   // it.
   for (int j = 0; j < 4; ++j) {
