@@ -81,9 +81,9 @@ def test_a_run_off_a_terminal_prints_the_evaluations_progress_and_results(tmp_pa
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     for when in ("before RL", "after RL"):
-        assert re.search(rf"evaluation {when} \(\d+:\d\d\): arith: greedy \d+\.\d%, avg@4 "
-                         r"\d+\.\d%, pass@4 \d+\.\d%, greedy cut off \d+\.\d%, 4 problems", out), \
-            out[-3000:]
+        assert re.search(rf"evaluation {when} \(\d+:\d\d(, \d+ s of it compiling \d+ "
+                         r"programs)?\): arith: greedy \d+\.\d%, avg@4 \d+\.\d%, pass@4 \d+\.\d%, "
+                         r"greedy cut off \d+\.\d%, 4 problems", out), out[-3000:]
     assert "eval arith, 4 samples at T=1: 0/4 problems" in out
     assert re.search(r"eval arith, 4 samples at T=1: 4/4 problems, [\d,]+ tokens/s", out)
     assert re.search(r"eval arith, greedy: 4/4 problems, [\d,]+ tokens/s", out)

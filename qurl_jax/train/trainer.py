@@ -553,15 +553,17 @@ class Trainer:
                          " (the first call of each kind compiles its programs)")
             if self.heartbeat is not None:
                 self.heartbeat.doing(f"evaluation {when}")
-        start = time.monotonic()
+        start, compiled = time.monotonic(), compilation.compile_stats()
         with self._watch("eval"):
             params = self._on_rollout_layout(self.params if params is None else params)
             metrics = self.task.evaluate(self.eval_sampler, params, e, self.key(Stream.EVAL),
                                          bar=self.settings.loop.progress)
         self._evaluations.append(time.monotonic() - start)
         if when:
-            logging.info("evaluation %s (%s): %s", when, clock(self._evaluations[-1]),
-                         result_line(metrics))
+            new = compilation.compile_stats().since(compiled)
+            logging.info("evaluation %s (%s%s): %s", when, clock(self._evaluations[-1]),
+                         f", {new.seconds:.0f} s of it compiling {new.programs} programs"
+                         if new.programs else "", result_line(metrics))
         return metrics
 
     def _watch(self, phase: str) -> Any:
