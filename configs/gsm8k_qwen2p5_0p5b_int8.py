@@ -47,6 +47,6 @@ def get_config():
     c.train.checkpoint_every = 20
     c.train.eval_every = 20
     c.eval.files = ("data/gsm8k/test.parquet",)
-    c.eval.greedy = True
+    c.eval.greedy_only = True
     c.eval.max_new_tokens = 1024
     return c

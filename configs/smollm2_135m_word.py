@@ -52,7 +52,11 @@ def get_config():
     c.rl.agg = "seq_mean_token_mean"
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 1
-    c.rl.num_micro_batches = 8  # 8 rows of 224 tokens: the update fits a few GB of host memory
+    # The learner runs each prompt once for its 8 samples (train.share_prompts), in rows of 512
+    # tokens that hold a prompt and several responses; 4 micro-batches of 2 groups each.
+    c.train.share_prompts = "auto"
+    c.train.pack_length = 512
+    c.rl.num_micro_batches = 4
     c.train.logprob_chunk = 128
     c.optim.learning_rate = 2e-5
     c.optim.warmup_steps = 0
@@ -62,7 +66,6 @@ def get_config():
     c.train.checkpoint_every = 5
     c.train.keep_checkpoints = 1
     c.eval.files = (os.path.join(_DATA, "test.jsonl"),)
-    c.eval.greedy = False  # greedy accuracy and Avg@4 (True: greedy only)
     c.eval.k = 4
     c.eval.temperature = 0.7  # Avg@4 at the rollout's temperature
     c.eval.max_new_tokens = 128

@@ -120,20 +120,30 @@ def _config_path(argv: list[str]) -> str | None:
     return None
 
 
-def _check_workdir(path: str) -> None:
+def _check_workdir(path: str, create: bool = True) -> None:
     """Creates the workdir and checks that files can be written in it (`WorkdirError` otherwise).
-    A URL is created through fsspec and not probed."""
+    With `create` False nothing is made: an existing workdir, or a missing one's nearest
+    existing parent, is probed with a file written and removed. A URL is created through fsspec
+    and not probed (nothing is done for it without `create`)."""
     from qurl_jax.runtime import paths
     from qurl_jax.runtime.errors import WorkdirError
 
     if paths.is_url(path):
-        paths.makedirs(path)
+        if create:
+            paths.makedirs(path)
         return
     if os.path.exists(path) and not os.path.isdir(path):
         raise WorkdirError(f"--workdir={path} is a file, not a directory")
+    where = path  # the directory whose writability is probed
+    if not create:
+        while not os.path.exists(where):  # the nearest existing parent
+            where = os.path.dirname(os.path.abspath(where))
+        if not os.path.isdir(where):
+            raise WorkdirError(f"--workdir={path} cannot be created: {where} is a file")
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".qurl_jax_write_probe_{uuid.uuid4().hex}")
+        if create:
+            os.makedirs(path, exist_ok=True)
+        probe = os.path.join(where, f".qurl_jax_write_probe_{uuid.uuid4().hex}")
         with open(probe, "w"):
             pass
         os.remove(probe)
@@ -221,6 +231,7 @@ def _main(argv: list[str]) -> None:
     from qurl_jax.train import preemption
 
     check_mesh_fits(config.mesh)  # before the workdir or anything in it is written
+    _check_workdir(_WORKDIR.value, create=False)  # at once, not after reading the data
     from qurl_jax.config.settings import RunSettings
     from qurl_jax.train.tasks import check_task_data
 
@@ -250,6 +261,7 @@ def _train(config, guard) -> None:
     from qurl_jax.parallel import distributed, program_check
     from qurl_jax.runtime import watchdog
     from qurl_jax.runtime.metrics import format_summary
+    from qurl_jax.runtime.progress import Heartbeat
     from qurl_jax.train.preemption import Stopped
     from qurl_jax.train.trainer import Trainer
 
@@ -260,15 +272,23 @@ def _train(config, guard) -> None:
                              jax.process_count(), jax.process_index())
     if stall:
         guard.listeners.append(lambda signum: stall.note_sigterm())
-    trainer = Trainer(config, _WORKDIR.value)
-    trainer.watchdog, trainer.program_check = stall, check
+    # A line whenever the log has been silent for 50 s (a long update or compile).
+    beat = Heartbeat().start() if distributed.is_primary() else None
+    if beat:
+        beat.doing("setting up (model, data, verifier)")
     try:
-        summary = trainer.train(preemption=guard)
-    except Stopped:
-        guard.caught()  # the listener thread leaves the ending to this handler
-        trainer.checkpointer.close()  # a checkpoint still being written is finished, not lost
-        trainer.task.close()  # the verifier processes
-        raise
+        trainer = Trainer(config, _WORKDIR.value)
+        trainer.watchdog, trainer.program_check, trainer.heartbeat = stall, check, beat
+        try:
+            summary = trainer.train(preemption=guard)
+        except Stopped:
+            guard.caught()  # the listener thread leaves the ending to this handler
+            trainer.checkpointer.close()  # a checkpoint still being written is finished
+            trainer.task.close()  # the verifier processes
+            raise
+    finally:
+        if beat:
+            beat.stop()
     if stall:
         stall.stop()
     if summary.get("stopped") == "preempted":

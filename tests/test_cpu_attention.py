@@ -1,8 +1,10 @@
-"""The CPU decode attention kernel (qurl_jax.cpu_kernels.decode_attention): against a jnp
-reference on masks, lengths and head sizes; inside the model's decode step; inside the sampler."""
+"""The CPU decode attention kernel (qurl_jax.cpu_kernels.decode_attention), on each of its paths
+(AVX512 and AVX2; an AVX512 CPU runs both): against a jnp reference on masks, lengths and head
+sizes; inside the model's decode step; inside the sampler."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,8 +18,10 @@ from qurl_jax.sampling import Sampler, SamplingParams
 
 requires_kernel = pytest.mark.skipif(
     not cpu_attention.available(),
-    reason="the kernel needs an x86 CPU with AVX512F and a C++ compiler",
+    reason="the kernel needs an x86 CPU with AVX2 and FMA and a C++ compiler",
 )
+# The kernel's paths this CPU runs, best first.
+PATHS = ["avx512", "avx2"][["avx512", "avx2", ""].index(cpu_attention.kernel_isa()):2]
 
 
 def _reference(q, k, v, mask, length):
@@ -30,36 +34,45 @@ def _reference(q, k, v, mask, length):
 
 
 @requires_kernel
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize(
     "b,h,g,s,d,length",
     [(1, 1, 1, 1, 16, 1), (3, 2, 3, 37, 32, 25), (2, 2, 6, 513, 64, 513), (2, 1, 4, 40, 128, 17),
      (4, 4, 1, 70, 64, 70), (2, 2, 2, 20, 16, 33),  # length past the cache is clipped
-     (16, 2, 6, 513, 64, 500)],  # large enough to be shared with the thread pool
+     (16, 2, 6, 513, 64, 500),  # large enough to be shared with the thread pool
+     (2, 1, 3, 30, 512, 30)],  # more accumulators than registers: D in chunks
 )
-def test_kernel_matches_reference(b, h, g, s, d, length) -> None:
+def test_kernel_matches_reference(b, h, g, s, d, length, isa) -> None:
     rng = np.random.default_rng(b * 100 + s)
     q, k, v = (jnp.asarray(rng.normal(size=shape) * 2, jnp.float32)
                for shape in [(b, h, g, d), (b, h, s, d), (b, h, s, d)])
     mask = jnp.asarray(rng.random((b, s)) < 0.8).at[:, 0].set(True)
-    got = jax.jit(cpu_attention.decode_attention)(q, k, v, mask, length)
+    got = jax.jit(functools.partial(cpu_attention.decode_attention, isa=isa))(q, k, v, mask,
+                                                                             length)
     np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(q, k, v, mask, length)),
                                atol=1e-5, rtol=1e-5)  # scores up to ~40: f32 rounding
+    # An int8 cache: codes and a scale per slot, dequantized in registers.
+    kc, vc = (jnp.asarray(rng.integers(-127, 128, (b, h, s, d)), jnp.int8) for _ in range(2))
+    ks, vs = (jnp.asarray(rng.random((b, h, s)) * 0.05, jnp.float32) for _ in range(2))
+    got = cpu_attention.decode_attention(q, kc, vc, mask, length, ks, vs, isa=isa)
+    want = _reference(q, kc * ks[..., None], vc * vs[..., None], mask, length)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4)
 
 
 @requires_kernel
-def test_kernel_rows_without_valid_slots_are_zero_and_length_limits_reads() -> None:
+@pytest.mark.parametrize("isa", PATHS)
+def test_kernel_rows_without_valid_slots_are_zero_and_length_limits_reads(isa) -> None:
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
                for shape in [(2, 1, 2, 16), (2, 1, 8, 16), (2, 1, 8, 16)])
     mask = jnp.array([[False] * 8, [True] * 8])
-    out = np.asarray(cpu_attention.decode_attention(q, k, v, mask, 8))
+    attend = functools.partial(cpu_attention.decode_attention, isa=isa)
+    out = np.asarray(attend(q, k, v, mask, 8))
     assert (out[0] == 0).all() and np.isfinite(out).all()
     # Slots at and past `length` are never read: NaN there changes nothing.
     poisoned = (k.at[:, :, 5:].set(jnp.nan), v.at[:, :, 5:].set(jnp.nan))
-    np.testing.assert_array_equal(
-        np.asarray(cpu_attention.decode_attention(q, *poisoned, mask, 5)),
-        np.asarray(cpu_attention.decode_attention(q, k, v, mask, 5)),
-    )
+    np.testing.assert_array_equal(np.asarray(attend(q, *poisoned, mask, 5)),
+                                  np.asarray(attend(q, k, v, mask, 5)))
 
 
 def test_kernel_rejects_bad_shapes() -> None:
@@ -96,9 +109,11 @@ def test_model_decode_step_with_kernel_matches_xla() -> None:
 
 
 @requires_kernel
-def test_sampler_with_kernel_matches_xla_attention(monkeypatch) -> None:
+@pytest.mark.parametrize("isa", PATHS)
+def test_sampler_with_kernel_matches_xla_attention(monkeypatch, isa) -> None:
     params = init_params(CONFIG, jax.random.key(0))
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    monkeypatch.setattr(cpu_attention, "kernel_isa", lambda: isa)
 
     def sample():
         sampler = Sampler(CONFIG, max_prompt_len=8, max_new_tokens=10)

@@ -1,8 +1,14 @@
-"""The AVX512-VNNI int8 matmul kernel (qurl_jax.quant._cpu_kernel): exact integer results on every
-tile/tail shape, dispatch rules, and that the int8 rollout model gives the same logits with and
-without it."""
+"""The int8 matmul kernel (qurl_jax.quant._cpu_kernel): exact integer results on every tile/tail
+shape on each of its paths (AVX512-VNNI and AVX2; the AVX2 one runs on an AVX512 CPU too), which
+path a process takes (`QURL_JAX_CPU_ISA`), dispatch rules, and that the int8 rollout model gives
+the same logits and tokens with and without it."""
 
 from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +23,10 @@ LINEAR = (((1,), (0,)), ((), ()))
 
 requires_kernel = pytest.mark.skipif(
     not _cpu_kernel.kernel_available(),
-    reason="the VNNI kernel needs an x86 CPU with AVX512-VNNI and a C++ compiler",
+    reason="the int8 kernel needs an x86 CPU with AVX2 and a C++ compiler",
 )
+# The kernel's paths this CPU runs (an AVX512-VNNI CPU runs both), best first.
+PATHS = ["avx512", "avx2"][["avx512", "avx2", ""].index(_cpu_kernel.kernel_isa()):2]
 
 
 def _int8(rng: np.random.Generator, shape: tuple[int, ...]) -> jax.Array:
@@ -30,36 +38,41 @@ def _reference(x: jax.Array, w: jax.Array) -> np.ndarray:
 
 
 @requires_kernel
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize(
     "m,k,n",
     [(1, 4, 1), (1, 5, 3), (2, 768, 2048), (3, 7, 65), (6, 130, 200), (7, 64, 64), (8, 768, 128),
      (13, 2048, 70), (16, 1, 129), (64, 300, 191),
      (16, 768, 2048)],  # the last is large enough to be shared with the thread pool
 )
-def test_kernel_matches_integer_reference(m: int, k: int, n: int) -> None:
+def test_kernel_matches_integer_reference(m: int, k: int, n: int, isa: str) -> None:
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = _int8(rng, (m, k)), _int8(rng, (k, n))
-    got = jax.jit(_cpu_kernel._kernel_product)(x, w)
+    got = jax.jit(functools.partial(_cpu_kernel._kernel_product, isa=isa))(x, w)
     assert got.dtype == jnp.int32 and got.shape == (m, n)
     np.testing.assert_array_equal(np.asarray(got), _reference(x, w))
 
 
 @requires_kernel
-def test_kernel_extreme_codes() -> None:
-    # -128 and 127 everywhere: the largest magnitudes of the u8 shift and of the column sums.
+@pytest.mark.parametrize("isa", PATHS)
+def test_kernel_extreme_codes(isa: str) -> None:
+    # -128 and 127 everywhere: the largest magnitudes of the u8 shift and of the column sums
+    # (and on AVX2 of the 16-bit pair sums, 2 x 255 x 128, which vpmaddubsw would saturate).
+    product = jax.jit(functools.partial(_cpu_kernel._kernel_product, isa=isa))
     for xv, wv in [(-128, -128), (-128, 127), (127, -128), (127, 127)]:
         x = jnp.full((5, 1000), xv, jnp.int8)
         w = jnp.full((1000, 77), wv, jnp.int8)
-        np.testing.assert_array_equal(np.asarray(jax.jit(_cpu_kernel._kernel_product)(x, w)),
-                                      _reference(x, w))
+        np.testing.assert_array_equal(np.asarray(product(x, w)), _reference(x, w))
 
 
 @requires_kernel
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("k,n", [(4, 64), (768, 2048), (132, 192), (2048, 128), (2048, 2048)])
-def test_pack_matches_reference_layout_and_packed_product_is_exact(k: int, n: int) -> None:
+def test_pack_matches_reference_layout_and_packed_product_is_exact(k: int, n: int,
+                                                                   isa: str) -> None:
     rng = np.random.default_rng(k + n)
     w = _int8(rng, (k, n))
-    packed = jax.jit(_cpu_kernel.pack_int8)(w)
+    packed = jax.jit(functools.partial(_cpu_kernel.pack_int8, isa=isa))(w)
     np.testing.assert_array_equal(np.asarray(packed),
                                   np.asarray(jax.jit(_cpu_kernel.pack_int8_reference)(w)))
     # The layout's definition, element by element for a few entries.
@@ -71,8 +84,46 @@ def test_pack_matches_reference_layout_and_packed_product_is_exact(k: int, n: in
     for m in (1, 8, 70):  # any number of rows, including more than MAX_ROWS
         x = _int8(rng, (m, k))
         got = jax.jit(lambda x, p: _cpu_kernel.packed_int8_dot_general(
-            x, p, LINEAR, preferred_element_type=jnp.int32))(x, packed)
+            x, p, LINEAR, preferred_element_type=jnp.int32))(x, packed) if isa == PATHS[0] else \
+            jax.jit(functools.partial(_cpu_kernel._kernel_product, packed=True, isa=isa))(x,
+                                                                                     packed)
         np.testing.assert_array_equal(np.asarray(got), _reference(x, w))
+
+
+def test_the_path_is_the_best_the_cpu_runs_under_the_cap() -> None:
+    from qurl_jax.cpu_kernels import choose
+
+    # level: what the library says this CPU runs (2 AVX512, 1 AVX2 only, 0 neither).
+    assert [choose(level, "avx512") for level in (2, 1, 0)] == ["avx512", "avx2", ""]
+    assert [choose(level, "avx2") for level in (2, 1, 0)] == ["avx2", "avx2", ""]
+    assert [choose(level, "none") for level in (2, 1, 0)] == ["", "", ""]
+
+
+@pytest.mark.skipif("avx2" not in PATHS, reason="the CPU has no AVX2")
+def test_qurl_jax_cpu_isa_avx2_takes_every_avx2_choice() -> None:
+    """`QURL_JAX_CPU_ISA=avx2` (a fresh process: the choice is made once) runs the AVX2 paths of
+    both kernels, in the compiled decode product too, and `train.cpu_dots='auto'` takes the
+    AVX2 CPUs' choice; 'none' turns the kernels off; another value is refused by name."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "from qurl_jax.quant import _cpu_kernel as k\n"
+            "from qurl_jax.cpu_kernels import decode_attention as a\n"
+            "from qurl_jax.runtime import xla_cpu\n"
+            "f = jax.jit(lambda x, w: k.int8_dot_general(x, w, (((1,), (0,)), ((), ())), "
+            "preferred_element_type=jnp.int32))\n"
+            "text = f.lower(jnp.ones((8, 256), jnp.int8), jnp.ones((256, 256), jnp.int8))"
+            ".as_text()\n"
+            "print(k.kernel_isa() or '-', a.kernel_isa() or '-', xla_cpu.resolve('auto'), "
+            "'qurl_int8_matmul_avx2' in text)")
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", QURL_JAX_CPU_ISA=value)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    assert run("avx2").stdout.split() == ["avx2", "avx2", "learner", "True"]
+    assert run("none").stdout.split() == ["-", "-", "learner", "False"]
+    bad = run("avx3")
+    assert bad.returncode != 0 and "QURL_JAX_CPU_ISA='avx3' must be one of" in bad.stderr
 
 
 def test_packed_product_rejects_other_patterns() -> None:
@@ -179,6 +230,33 @@ def test_int8_sampler_tokens_identical_with_and_without_kernel(monkeypatch) -> N
     tokens_xla, logp_xla = sample()
     np.testing.assert_array_equal(tokens, tokens_xla)
     np.testing.assert_array_equal(logp, logp_xla)
+
+
+@pytest.mark.skipif(len(PATHS) < 2, reason="needs a CPU that runs both paths")
+def test_int8_sampler_tokens_identical_on_both_paths(monkeypatch) -> None:
+    """The sampler's decode loop on the AVX2 path (packed by the AVX2 pack) samples the tokens
+    and log-probs of the AVX512 path: the same integers."""
+    params = requantize(init_params(CONFIG, jax.random.key(0)), "int8")
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+
+    def sample() -> tuple[np.ndarray, np.ndarray]:
+        sampler = Sampler(CONFIG, rollout_dot_general, max_prompt_len=8, max_new_tokens=12)
+        program = sampler.lower_programs(jax.eval_shape(lambda: params), 2, 8, 16,
+                                         n=2)["decode"].as_text()
+        suffix = "_avx2" if _cpu_kernel.kernel_isa() == "avx2" else ""
+        assert f"qurl_int8_matmul_packed{suffix}" in program
+        assert ("_avx2" in program) == bool(suffix)
+        packing = jax.jit(lambda p: pack_for_decode(p)).lower(params).as_text()  # per call
+        assert f"qurl_int8_pack{suffix}" in packing and ("_avx2" in packing) == bool(suffix)
+        out = sampler.sample(params, prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
+                             key=jax.random.key(3), n=2)
+        return np.asarray(out.tokens), np.asarray(out.logp)
+
+    tokens, logp = sample()
+    monkeypatch.setattr(_cpu_kernel, "kernel_isa", lambda: "avx2")
+    tokens_avx2, logp_avx2 = sample()
+    np.testing.assert_array_equal(tokens, tokens_avx2)
+    np.testing.assert_array_equal(logp, logp_avx2)
 
 
 @requires_kernel

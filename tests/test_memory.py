@@ -140,8 +140,9 @@ def test_evaluation_programs_plan_the_full_precision_replica(tmp_path):
                                CFG.replace(vocab_size=512, dtype="bfloat16"))
     assert {x.dtype for x in jax.tree.leaves(setup.eval_actor)} == {jnp.dtype(jnp.bfloat16)}
     ev, ro = memory.eval_decode(setup), memory.rollout_decode(setup)
-    # A chunk of the 8 concurrent rows: 4 samples of a problem per shard, 2 shards.
-    assert ev.estimate.symbols["G"] == 64 and ev.estimate.symbols["rows per chunk"] == 8
+    # The refilling sampler's 8 concurrent rows (slots) for a call of 8 problems x 4 samples.
+    assert ev.estimate.symbols["G"] == 64 and ev.estimate.symbols["slots"] == 8
+    assert ev.estimate.symbols["rows per call"] == 32
     ev_mem, ro_mem = (memory.compiled_memory(p.lowered.compile()) for p in (ev, ro))
     actor = {name: p.estimate.parts[0] for name, p in (("eval", ev), ("rollout", ro))}
     assert actor["eval"][0] == actor["rollout"][0] == "actor parameters"

@@ -506,3 +506,72 @@ def test_bf16_packed_differs_from_padded_by_bf16_rounding():
     # bf16 did run: it is not float32. (The two layouts may agree bit for bit in some of the
     # three: with Eigen's products, the default on AVX2 CPUs, their log-probs and loss do.)
     assert np.all(rounding > 0), rounding
+
+
+# ------------------------------------------------------------------------------- shared prompts
+def _grouped(groups: int, n: int, seed: int) -> dict[str, np.ndarray]:
+    """A padded batch of `groups` prompts x `n` samples (prompt-major) that share each prompt."""
+    rng = np.random.default_rng(seed)
+    batch = _padded(rng.integers(1, P + 1, groups).repeat(n), rng.integers(1, G + 1, groups * n),
+                    seed=seed)
+    tokens = batch["tokens"].reshape(groups, n, P + G)
+    tokens[:, :, :P] = tokens[:, :1, :P]
+    batch["tokens"] = tokens.reshape(groups * n, P + G)
+    return batch
+
+
+def test_shared_prompts_pack_each_prompt_once_per_unit():
+    """group=4: a unit is the prompt once, then as many of its responses as fit the row (16),
+    each a segment whose positions continue the prompt's and whose prefix is the prompt's; each
+    response slot is read at the position before it (the prompt's last for the first token)
+    with its own token as the target."""
+    batch = _grouped(3, 4, seed=1)
+    mask, tokens = batch["attn_mask"], batch["tokens"]
+    m = 2
+    rows = 1 + int(packing.budget_assignment(mask, 16, m, group=4, response_len=G)[1].max())
+    out = packing.pack_budget(tokens, mask, G, 16, num_micro=m, rows_per_micro=rows,
+                              seqs_per_micro=12, resp_mask=batch["resp_mask"], group=4).arrays
+    prompts = mask[:, :P].sum(1)
+    responses = mask[:, P:].sum(1)
+    units, sizes = packing._units(mask, 16, 4, G)
+    assert sum(len(u) for u in units) == 12 and all(len({s // 4 for s in u}) == 1 for u in units)
+    assert out["attn_mask"].sum() == sum(prompts[u[0]] for u in units) + responses.sum() \
+        == sizes.sum() < mask.sum()
+    for slot, seq in enumerate(out["seq_index"]):
+        if seq < 0:
+            continue
+        k = slot % m  # slot s * m + k is micro-batch k's; resp_index is into its rows j * m + k
+        flat = {key: out[key][k::m].reshape(-1)
+                for key in ("tokens", "positions", "segment_ids", "prefix_ids")}
+        real = mask[seq, P:]
+        at = out["resp_index"][slot][real]  # the positions that predict the response tokens
+        np.testing.assert_array_equal(out["resp_target"][slot][real], tokens[seq, P:][real])
+        assert flat["positions"][at[0]] == prompts[seq] - 1  # the prompt's last token
+        np.testing.assert_array_equal(flat["positions"][at[1:]],
+                                      prompts[seq] + np.arange(real.sum() - 1))
+        own = flat["segment_ids"][at[1:]]
+        assert (own == own[0]).all() if len(own) else True
+        assert (flat["prefix_ids"][at] == flat["segment_ids"][at[0]]).all()
+    with pytest.raises(ValueError, match="do not share their prompt"):
+        bad = tokens.copy()
+        bad[1, P - 1] = (bad[1, P - 1] + 1) % CFG.vocab_size
+        packing.pack_budget(bad, mask, G, 16, num_micro=m, rows_per_micro=rows,
+                            seqs_per_micro=12, group=4)
+
+
+def test_shared_prompts_learner_matches_padded():
+    """Each prompt run once for its 4 samples (3 groups, 2 micro-batches of whole groups): the
+    padded layout's log-probs, loss and gradient norm to float32 rounding."""
+    objective = ObjectiveConfig(mode="acr", agg="seq_mean_token_mean")
+    params = init_params(CFG, jax.random.key(1))
+    batch = _grouped(3, 4, seed=7)
+    mesh = shd.make_mesh()
+    want = _run(_learner(mesh, objective), params, batch)
+    shared = Learner(CFG, objective, OptimConfig(learning_rate=1e-2), mesh, temperature=0.9,
+                     packing=True, pack_length=24, num_micro_batches=2, share_prompts=4)
+    got = _run(shared, params, batch)
+    assert shared.last_pack["learner/micro_batches"] == 2
+    real = batch["resp_mask"] > 0
+    _rel_close(got[0][real], want[0][real], "logp_prox", atol=1e-6)
+    for k in ("update/loss", "update/grad_norm", "kept_tokens"):
+        _rel_close(got[4][k], want[4][k], k, rel=1e-5)

@@ -163,9 +163,9 @@ def test_a_signal_during_the_evaluation_before_rl_stops_the_train_call(tmp_path)
     t = Trainer(tiny_config(**{"train.num_steps": 3}), str(tmp_path))
     evaluate = t.evaluate
 
-    def evaluate_then_signal():
+    def evaluate_then_signal(**kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the evaluation runs
-        return evaluate()
+        return evaluate(**kwargs)
 
     t.evaluate = evaluate_then_signal
     guard = PreemptionGuard().install()

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -524,6 +525,24 @@ def test_plain_status_lines_when_not_on_a_terminal(caplog):
     assert stream.getvalue() == ""  # no bar frames
     lines = [r.getMessage() for r in caplog.records if "reward 0.500" in r.getMessage()]
     assert len(lines) == 20 and lines[-1].startswith("step 40/40")
+
+
+def test_step_lines_carry_their_seconds_and_the_runs_time_left(caplog):
+    # The time left: the steps to go at the mean of the last five (the first, which compiles,
+    # only while it is the only one) plus the evaluation after RL.
+    progress = _Progress(total=10, start=0, bar=False, final_eval=60.0)
+    with caplog.at_level(logging.INFO):
+        progress.update(1, {"rollout/reward_mean": 0.5}, seconds=100.0)
+        for step in range(2, 8):
+            progress.update(step, {"rollout/reward_mean": 0.5}, seconds=10.0 * step)
+    lines = [r.getMessage() for r in caplog.records if "reward 0.500" in r.getMessage()]
+    assert lines[0].startswith("step 1/10: 100.0 s, reward")
+    assert lines[0].endswith("; about 16:00 left in the run")  # 9 x 100 s + 60 s
+    assert lines[-1].startswith("step 7/10: 70.0 s, reward")
+    assert lines[-1].endswith("; about 3:30 left in the run")  # 3 x mean(30..70 s) + 60 s
+    unknown = _Progress(total=2, start=0, bar=False, final_eval=math.nan)
+    unknown.update(1, {}, seconds=5.0)
+    assert unknown.left() == "about 0:05 left in the run, and the evaluation after RL"
 
 
 @pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path

@@ -43,6 +43,8 @@ KV_PRECISIONS = tuple(p.value for p in KVPrecision)  # rollout.kv_precision
 KV_SCALES = tuple(g.value for g in KVScale)  # rollout.kv_scale
 # Training precisions: the recipes the learner can run (`Learner(precision=...)`).
 TRAIN_PRECISIONS = ("fp", "fp8_block")
+# Other names `validate` accepts for a precision field's value, and what it replaces them with.
+PRECISION_ALIASES = {"fp32": "fp"}
 LOSS_MODES = tuple(m.value for m in Mode)
 AGGREGATIONS = tuple(a.value for a in Aggregation)
 KL_ESTIMATORS = tuple(k.value for k in KLEstimator)
@@ -126,7 +128,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.prompt_suffix = PROMPT_SUFFIX
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.precision = "int8"  # a quant.RECIPES name (fp | int8 | fp8 | fp8_block | ...)
+    c.rollout.precision = "int8"  # a quant.RECIPES name (fp = fp32 | int8 | fp8 | fp8_block | ...)
     c.rollout.n = 8  # samples per prompt (GRPO group size)
     c.rollout.max_new_tokens = 1024
     c.rollout.temperature = 1.0
@@ -290,6 +292,13 @@ def base_config() -> ml_collections.ConfigDict:
     # padding; fewer compile fewer programs, for models whose compile costs more than the
     # padding (configs/arith_tiny.py: 2).
     c.train.pack_buckets = 8
+    # The learner runs each group's prompt once, its rollout.n responses attending to it
+    # (`learner.packing.pack_budget`), instead of once per sample: the same log-probs and
+    # gradients up to float rounding. Needs packing, one minibatch, train.precision 'fp' and
+    # packed rows of <= 1024 tokens (dense attention); micro-batches then hold whole groups, and
+    # a train.pack_length that fits a prompt and several responses pays most. 'auto': where
+    # those hold (the run's log says which), 'on': an error where they do not, 'off'.
+    c.train.share_prompts = "off"
     # Learner matmul precision, independent of rollout.precision: 'fp' | 'fp8_block' (every linear
     # layer's forward and backward in block-scaled FP8). fp8_block with rollout.precision =
     # 'fp8_block' is Jet-RL's unified flow: pi_prox is the quantized policy the rollout sampled.
@@ -337,7 +346,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.max_examples = 0  # per set; 0 = all
     c.eval.k = 1  # samples per problem for Avg@k / Pass@k
     c.eval.temperature = 0.6
-    c.eval.greedy = False
+    # True: greedy accuracy only; False: also Avg@k / Pass@k of eval.k samples at eval.temperature
+    # (greedy accuracy is always reported)
+    c.eval.greedy_only = False
     c.eval.max_new_tokens = 1024
     c.eval.before = True  # evaluate before the first RL step too (off: after training only)
     # The evaluation sampler's KV cache: 'dense', or 'rollout' = the rollout's compressed
@@ -570,6 +581,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks values; raises `ConfigError` (a ValueError) naming the first bad field. Returns `c`.
 
     Reads no data and touches no device: the numbers' ranges, the choices, the files' existence.
+    A precision named by another accepted name (`PRECISION_ALIASES`: 'fp32') is replaced by the
+    canonical one, so runs and their saved configs agree.
     """
     _choice(c.model.source, MODEL_SOURCES, "model.source")
     if c.model.source == "hf":
@@ -612,6 +625,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _choice(c.model.decode_attention, DECODE_ATTENTION, "model.decode_attention")
     _choice(c.train.remat, tuple(r.value for r in Remat), "train.remat")
     _choice(c.train.cpu_dots, CPU_DOTS, "train.cpu_dots")
+    for section in (c.rollout, c.train):  # 'fp32' is 'fp' (full precision)
+        section.precision = PRECISION_ALIASES.get(section.precision, section.precision)
     _choice(c.rollout.precision, PRECISIONS, "rollout.precision")
     _choice(c.rollout.kv_precision, KV_PRECISIONS, "rollout.kv_precision")
     _choice(c.rollout.kv_scale, KV_SCALES, "rollout.kv_scale")

@@ -143,7 +143,15 @@ def check_packing(c: ml_collections.ConfigDict) -> None:
     """`ConfigError` naming `train.pack_length` when packed rows cannot hold the longest sequence
     the config allows (data.max_prompt_len + rollout.max_new_tokens),
     `train.tokens_per_micro_batch` when it is less than one packed row, or `train.pack_buckets`
-    when it is not a power of two; only with `train.packing`."""
+    when it is not a power of two; only with `train.packing`; `train.share_prompts='on'` where
+    `share_prompts_blockers` names a reason it cannot."""
+    from qurl_jax.config.settings import SHARE_PROMPTS, share_prompts_blockers
+
+    if c.train.share_prompts not in SHARE_PROMPTS:
+        raise ConfigError(f"config.train.share_prompts={c.train.share_prompts!r} is not one of "
+                          f"{SHARE_PROMPTS}")
+    if c.train.share_prompts == "on" and (blockers := share_prompts_blockers(c)):
+        raise ConfigError(f"config.train.share_prompts='on' needs {blockers[0]}")
     if not c.train.packing:
         return
     from qurl_jax.learner import packed_plan, packing

@@ -15,6 +15,10 @@ from collections.abc import Sequence
 
 from qurl_jax.config.base import base_config
 
+# Fields that were renamed: the old dotted name and the line that says what to write instead.
+RENAMED = {"eval.greedy": "it is eval.greedy_only now (True: greedy accuracy only; greedy "
+                          "accuracy is always reported)"}
+
 
 def tuple_fields() -> set[str]:
     """Dotted names of the tuple fields of `base_config()`."""
@@ -57,14 +61,18 @@ def expand_lists(argv: Sequence[str]) -> list[str]:
 def flag_error(argv: Sequence[str], text: str) -> str:
     """The one-line message of a flag `ml_collections` or absl refused: an unknown field named
     by its full path (`--config.rollout.presicion: no such field 'presicion' ...`, where they name
-    the leaf only), and without absl's leading "flag " (the line already says "bad flag")."""
+    the leaf only) and its suggestion as a sentence of its own ("... no such field 'presicion'.
+    Did you mean ..."), and without absl's leading "flag " (the line already says "bad flag")."""
     text = " ".join(text.split())
     if text.startswith("flag --"):
         text = text[len("flag "):]
     if text.startswith("'"):  # an unknown field: "'leaf' Did you mean ...?" or "'leaf'"
-        leaf = text[1:].split("'", 1)[0]
+        leaf, _, rest = text[1:].partition("'")
+        rest = f". {rest.strip()}" if rest.strip() else ""  # two sentences, not run together
         for arg in argv:
             name = arg.split("=", 1)[0]
             if name.startswith("--config.") and leaf in name.split(".")[1:]:
-                return f"{name}: no such field {text}"
+                renamed = RENAMED.get(name[len("--config."):])
+                rest = f". {renamed[0].upper()}{renamed[1:]}" if renamed and not rest else rest
+                return f"{name}: no such field '{leaf}'{rest}"
     return text

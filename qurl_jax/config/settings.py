@@ -103,7 +103,7 @@ class EvalSettings:
     `Task.evaluate` needs.
 
     k: samples per problem for Avg@k / Pass@k; temperature: their sampling temperature;
-    greedy: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
+    greedy_only: greedy accuracy only (no sampled Avg@k); max_new_tokens: response length limit;
     max_examples: problems per set (0 = all); files: the math evaluation sets, read by the task
     beside a synthetic task's own held-out set; kv_cache: 'dense', or 'rollout' (the evaluation
     sampler takes the rollout's compressed KV policy, `build_eval_sampler(compressed=True)`).
@@ -111,7 +111,7 @@ class EvalSettings:
 
     k: int = 1
     temperature: float = 0.6
-    greedy: bool = False
+    greedy_only: bool = False
     max_new_tokens: int = 1024
     max_examples: int = 0
     files: tuple[str, ...] = ()
@@ -126,7 +126,7 @@ class EvalSettings:
 def eval_settings(c: ml_collections.ConfigDict) -> EvalSettings:
     """The run's `EvalSettings` (`config.eval`)."""
     e = c.eval
-    return EvalSettings(k=e.k, temperature=e.temperature, greedy=e.greedy,
+    return EvalSettings(k=e.k, temperature=e.temperature, greedy_only=e.greedy_only,
                         max_new_tokens=e.max_new_tokens, max_examples=e.max_examples,
                         files=tuple(map(paths.data_path, e.files)), kv_cache=e.kv_cache)
 
@@ -318,6 +318,40 @@ class RolloutSettings:
                    invariant_scaling_targets=tuple(r.invariant_scaling_targets))
 
 
+SHARE_PROMPTS = ("auto", "on", "off")  # train.share_prompts
+
+
+def share_prompts_blockers(c: ml_collections.ConfigDict) -> list[str]:
+    """Why the learner cannot share each group's prompt (`train.share_prompts`): the settings it
+    needs, as they would have to be; empty when it can."""
+    from qurl_jax.learner import packed_plan
+    from qurl_jax.models.attention import AUTO_BLOCKWISE_MIN_KEYS
+
+    out = [f"config.{field}={wanted!r} (it is {value!r})" for field, value, wanted in (
+        ("train.packing", c.train.packing, True), ("rl.num_minibatches", c.rl.num_minibatches, 1),
+        ("train.precision", c.train.precision, "fp"),
+        # exact numerics: the learner attends as the rollout's cached decode does, whole rows
+        ("train.on_policy_numerics", c.train.on_policy_numerics, "default")) if value != wanted]
+    if c.rollout.n < 2:
+        out.append(f"config.rollout.n > 1 (it is {c.rollout.n}: no prompt to share)")
+    try:
+        length = packed_plan.pack_length(c.train.pack_length,
+                                         c.data.max_prompt_len + c.rollout.max_new_tokens)
+    except ValueError:
+        length = 0  # check_packing names it
+    if length > AUTO_BLOCKWISE_MIN_KEYS:
+        out.append(f"packed rows (config.train.pack_length) of at most "
+                   f"{AUTO_BLOCKWISE_MIN_KEYS} tokens for dense attention (they are {length})")
+    return out
+
+
+def shares_prompts(c: ml_collections.ConfigDict) -> bool:
+    """Whether the learner shares each group's prompt: `train.share_prompts` 'on', or 'auto'
+    with nothing in the way (`share_prompts_blockers`)."""
+    return c.train.share_prompts == "on" or (c.train.share_prompts == "auto"
+                                             and not share_prompts_blockers(c))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """The learner: its `objective` and `optim`, the rollout batch cut into `num_minibatches`
@@ -339,6 +373,7 @@ class TrainSettings:
     pack_buckets: int = PER_DOUBLING
     cpu_dots: str = "auto"
     on_policy_numerics: str = "default"
+    share_prompts: int = 1  # sequences per shared prompt in the learner (`train.share_prompts`)
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainSettings:
@@ -350,7 +385,8 @@ class TrainSettings:
                    packing=c.train.packing, pack_length=c.train.pack_length,
                    tokens_per_micro_batch=c.train.tokens_per_micro_batch,
                    pack_buckets=c.train.pack_buckets, cpu_dots=c.train.cpu_dots,
-                   on_policy_numerics=c.train.on_policy_numerics)
+                   on_policy_numerics=c.train.on_policy_numerics,
+                   share_prompts=c.rollout.n if shares_prompts(c) else 1)
 
     def micro_batch_rows(self, rollout_rows: int) -> int:
         """Rows of one micro-batch of a rollout batch of `rollout_rows`."""
@@ -371,7 +407,7 @@ class TrainSettings:
                        pack_length=self.pack_length,
                        tokens_per_micro_batch=self.tokens_per_micro_batch,
                        pack_buckets=self.pack_buckets, update_capture=update_capture,
-                       cpu_dots=self.cpu_dots,
+                       cpu_dots=self.cpu_dots, share_prompts=self.share_prompts,
                        lora=lora if lora is not None and lora.enabled else None)
 
 

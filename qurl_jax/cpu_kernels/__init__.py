@@ -1,19 +1,24 @@
 """Builds and registers qurl_jax's C++ XLA:CPU kernels (FFI custom calls) on first use.
 
-Two kernels in this directory speed up the rollout's decode loop on x86 CPUs with AVX512: the int8
-matmul that AQT's int8 recipe uses for its integer product (`int8_matmul.cc`, wrapped by
-`qurl_jax.quant._cpu_kernel`) and the decode attention the sampler uses (`decode_attention.cc`,
-wrapped by `decode_attention.py`). The third, `fixed_order.cc` (AVX512 or AVX2 + FMA, wrapped by
-`fixed_order.py`), computes products, RMSNorm, attention and log-probs in one documented order
-per row: exact on-policy numerics (`qurl_jax.models.exact`) and the FP8 learner's products.
-Each source is compiled with the system C++ compiler (`$CXX`,
-default `c++`) into `$QURL_JAX_CACHE_DIR` (default `~/.cache/qurl_jax`), keyed by a hash of the
-directory's sources and the jaxlib version, loaded with ctypes, and its handlers registered as FFI
-targets for the CPU platform.
+Three kernels in this directory run on x86 CPUs. Two speed up the rollout's decode loop: the
+int8 matmul that AQT's int8 recipe uses for its integer product (`int8_matmul.cc`, wrapped by
+`qurl_jax.quant._cpu_kernel`) and the decode attention the samplers use (`decode_attention.cc`,
+wrapped by `decode_attention.py`); each has an AVX512 path (VNNI for the int8 product) and an AVX2
+path for CPUs without AVX512 (most laptops). The third, `fixed_order.cc` (AVX512 or AVX2 + FMA,
+wrapped by `fixed_order.py`), computes products, RMSNorm, attention and log-probs in one
+documented order per row: exact on-policy numerics (`qurl_jax.models.exact`) and the FP8
+learner's products. Each source is compiled with the system C++ compiler (`$CXX`, default `c++`)
+into `$QURL_JAX_CACHE_DIR` (default `~/.cache/qurl_jax`), keyed by a hash of the directory's
+sources and the jaxlib version, loaded with ctypes, and its handlers registered as FFI targets
+for the CPU platform: every path this CPU can run, each under its own target name, so one process
+can run both (the tests do).
 
-Every user has an XLA fallback: `load` returns False, after logging a warning once, when the
-compiler is missing or fails, when the CPU lacks the instructions (the library's `supported`
-function says so), or when `QURL_JAX_CPU_KERNELS=0`.
+Which path the library uses (`load`'s answer): the best this CPU runs, capped by the environment
+variable `QURL_JAX_CPU_ISA` ('avx512', the default: no cap; 'avx2': the AVX2 paths even on an
+AVX512 CPU, to test and time them; 'none': no kernel; `qurl_jax.runtime.xla_cpu.isa_cap`).
+Every user has an XLA fallback: `load` returns '' (no kernel), after logging a warning once, when
+the compiler is missing or fails, when the CPU has neither instruction set (the library's `isa`
+function says so), with `QURL_JAX_CPU_ISA=none`, or when `QURL_JAX_CPU_KERNELS=0`.
 """
 
 from __future__ import annotations
@@ -66,26 +71,48 @@ def _compile(source: pathlib.Path) -> pathlib.Path:
     return out
 
 
-@functools.cache
-def load(source: str, supported: str, targets: tuple[tuple[str, str], ...]) -> bool:
-    """Compiles `source` (a file name in this directory) if needed and registers its handlers;
-    True when they can be called.
+# The library's `isa` function's answer for each path; 0: none this CPU runs.
+_LEVELS = {"avx512": 2, "avx2": 1}
 
-    supported: name of the library's `extern "C" int f()` that says whether this CPU can run it.
-    targets: (FFI target name, handler symbol) pairs to register for the CPU platform.
+
+@functools.cache
+def load(source: str, isa: str, targets: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+         ) -> str:
+    """Compiles `source` (a file name in this directory) if needed, registers the handlers of
+    every path this CPU runs and returns the one to use: 'avx512', 'avx2', or '' (none: XLA's
+    ops).
+
+    isa: name of the library's `extern "C" int f()` that says which paths this CPU runs (2: both,
+      1: AVX2 only, 0: neither).
+    targets: per path ('avx512' / 'avx2'), its (FFI target name, handler symbol) pairs.
     """
-    if os.environ.get("QURL_JAX_CPU_KERNELS", "1") == "0":
-        return False
+    from qurl_jax.runtime.xla_cpu import isa_cap
+
+    cap = isa_cap()
+    if os.environ.get("QURL_JAX_CPU_KERNELS", "1") == "0" or cap == "none":
+        return ""
     try:
         lib = ctypes.cdll.LoadLibrary(str(_compile(SOURCE_DIR / source)))
-        if not getattr(lib, supported)():
-            logging.warning("qurl_jax: this CPU cannot run %s; using XLA's ops instead", source)
-            return False
-        for target, symbol in targets:
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                        platform="cpu")
+        level = getattr(lib, isa)()
+        runs = [path for path, _ in targets if _LEVELS[path] <= level]
+        if not runs:
+            logging.warning("qurl_jax: this CPU cannot run %s (it needs AVX2); using XLA's ops "
+                            "instead", source)
+            return ""
+        for path, pairs in targets:
+            for target, symbol in pairs if path in runs else ():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                            platform="cpu")
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
         logging.warning("qurl_jax: the CPU kernel %s is unavailable (%s); using XLA's ops "
                         "instead", source, e)
-        return False
-    return True
+        return ""
+    return choose(level, cap)
+
+
+def choose(level: int, cap: str) -> str:
+    """The path to use on a CPU whose library says `level` (2: AVX512 and AVX2 paths run, 1: the
+    AVX2 one, 0: none) under `QURL_JAX_CPU_ISA`'s `cap`: the best at most the cap ('' none)."""
+    runs = [path for path, need in _LEVELS.items() if need <= level]
+    return max((p for p in runs if _LEVELS[p] <= _LEVELS.get(cap, 0)), key=_LEVELS.get,
+               default="")

@@ -1,5 +1,8 @@
 """Decode attention on the CPU kernel `decode_attention.cc`, as the model's `decode_attention` hook.
 
+The kernel has an AVX512 path and an AVX2 path (with FMA; `kernel_isa` says which this process
+uses, `QURL_JAX_CPU_ISA` caps it: `qurl_jax.cpu_kernels`).
+
 `Transformer(config, decode_attention=decode_attention)` computes the attention of a one-token
 step against its KV cache with this kernel instead of XLA's two batched products: it reads only
 the slots in use (up to the fullest row's; the cache's later slots are still empty during a
@@ -21,15 +24,23 @@ import numpy as np
 
 from qurl_jax import cpu_kernels
 
-_TARGET = "qurl_decode_attention"
-_TARGET_INT8 = "qurl_decode_attention_int8"
+# Each path's custom calls: (float cache, int8 cache).
+_TARGETS = {"avx512": ("qurl_decode_attention", "qurl_decode_attention_int8"),
+            "avx2": ("qurl_decode_attention_avx2", "qurl_decode_attention_int8_avx2")}
+_SYMBOLS = {"avx512": ("QurlDecodeAttention", "QurlDecodeAttentionInt8"),
+            "avx2": ("QurlDecodeAttentionAvx2", "QurlDecodeAttentionInt8Avx2")}
+
+
+def kernel_isa() -> str:
+    """The kernel's path this process uses: 'avx512', 'avx2' (AVX2 with FMA), or '' when it is
+    not built, registered and supported by this CPU (`qurl_jax.cpu_kernels.load`)."""
+    return cpu_kernels.load("decode_attention.cc", "qurl_decode_attention_isa", tuple(
+        (path, tuple(zip(_TARGETS[path], _SYMBOLS[path], strict=True))) for path in _TARGETS))
 
 
 def available() -> bool:
-    """True when the kernel is built, registered and this CPU has AVX512F."""
-    return cpu_kernels.load("decode_attention.cc", "qurl_cpu_supports_decode_attention",
-                            ((_TARGET, "QurlDecodeAttention"),
-                             (_TARGET_INT8, "QurlDecodeAttentionInt8")))
+    """True when the kernel is built, registered and this CPU has AVX512F or AVX2 with FMA."""
+    return bool(kernel_isa())
 
 
 def usable(compute_dtype: jnp.dtype, head_dim: int) -> bool:
@@ -41,16 +52,19 @@ def usable(compute_dtype: jnp.dtype, head_dim: int) -> bool:
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array,
                      length: jax.Array, k_scale: jax.Array | None = None,
-                     v_scale: jax.Array | None = None) -> jax.Array:
+                     v_scale: jax.Array | None = None, *, isa: str | None = None) -> jax.Array:
     """Grouped-query attention of one query position per row.
 
     q: f32[B, Hkv, G, D]; keys, values: f32[B, Hkv, S, D], or int8 codes s8[B, Hkv, S, D] with
     k_scale, v_scale f32[B, Hkv, S] (`models.kv_quant`: key = code x scale); key_mask:
     bool[B, S]; length: i32 scalar, slots [0, length) are read (the model passes the largest
     `n_used` of the batch after this step's write; a row's slots past its own are empty, so
-    masked). Returns f32[B, Hkv, G, D]. A row without any valid slot gets zeros.
+    masked). Returns f32[B, Hkv, G, D]. A row without any valid slot gets zeros. isa: the
+    kernel's path (default: `kernel_isa()`'s).
     """
     b, hkv, g, d = q.shape
+    default = kernel_isa()  # builds and registers every path this CPU runs
+    target, target_int8 = _TARGETS[isa or default]
     if k_scale is not None:
         s = keys.shape[2]
         if not (keys.dtype == values.dtype == jnp.int8 and q.dtype == jnp.float32
@@ -62,7 +76,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask:
                 f"[B, Hkv, S, D] with D % 16 == 0, scales f32[B, Hkv, S] and key_mask[B, S]; "
                 f"got q {q.dtype}{q.shape}, keys {keys.dtype}{keys.shape}, k_scale "
                 f"{k_scale.shape}, key_mask {key_mask.shape}")
-        call = jax.ffi.ffi_call(_TARGET_INT8, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        call = jax.ffi.ffi_call(target_int8, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                 vmap_method="sequential")
         return call(q, keys, values, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
                     key_mask.astype(jnp.bool_), jnp.asarray(length, jnp.int32),
@@ -77,7 +91,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask:
             f"{key_mask.shape}"
         )
     out_type = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    call = jax.ffi.ffi_call(_TARGET, out_type, vmap_method="sequential")
+    call = jax.ffi.ffi_call(target, out_type, vmap_method="sequential")
     return call(q, keys, values, key_mask.astype(jnp.bool_),
                 jnp.asarray(length, jnp.int32), scale=np.float32(1.0 / math.sqrt(d)))
 

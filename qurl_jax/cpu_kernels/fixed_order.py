@@ -64,8 +64,10 @@ def row_tiles(fn: Callable[..., jax.Array], x: jax.Array, *rest: jax.Array) -> j
 
 
 def available() -> bool:
-    """True when the kernels are built, registered and this CPU has AVX2 and FMA."""
-    return cpu_kernels.load("fixed_order.cc", "qurl_cpu_supports_fixed_order", _TARGETS)
+    """True when the kernels are built, registered and this CPU has AVX2 and FMA (one set of
+    targets: the library picks its AVX512 or AVX2 loops itself, with the same bits)."""
+    return bool(cpu_kernels.load("fixed_order.cc", "qurl_cpu_supports_fixed_order",
+                                 (("avx2", _TARGETS),)))
 
 
 def _call(target: str, shape: tuple[int, ...], *args: jax.Array, **attrs) -> jax.Array:

@@ -58,6 +58,7 @@ from qurl_jax.models import (
     lm_head_logits,
     param_logical_axes,
 )
+from qurl_jax.models.attention import PackedSegments
 from qurl_jax.parallel import distributed as dist
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.parallel.targets import platform_of
@@ -133,7 +134,8 @@ def response_logprobs(model: Transformer, params: Any, tokens: jax.Array, positi
 
 def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
                              resp_index: jax.Array, temperature: float, *, chunk: int,
-                             with_entropy: bool = False, precision: str | quant.Recipe = "fp"
+                             with_entropy: bool = False, precision: str | quant.Recipe = "fp",
+                             resp_target: jax.Array | None = None
                              ) -> tuple[jax.Array, jax.Array | None]:
     """`response_logprobs` of packed rows: f32[B, G] (and entropies) of the sequences whose
     response slots `resp_index` i32[B, G] points into rows {tokens, positions, segment_ids,
@@ -144,15 +146,29 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
     response slots (B x G) are fewer than the packed positions, on the hidden states of those
     slots gathered first. Padding slots read position 0 (a value no loss uses, as in the padded
     layout). FP8 scales see only real tokens.
+
+    Rows whose responses share their prompt (`packing.pack_budget` with `group`: rows also hold
+    `prefix_ids`) give `resp_target` i32[B, G], the token of every response slot: a response's
+    first token is predicted at its prompt's last position, whose next token in the row is
+    another response's. The head then runs on the slots' hidden states (float products only).
     """
     mask = rows["attn_mask"]
     model, params = quant.bind_train_precision(model, params, precision, token_mask=mask)
+    segments = rows["segment_ids"]
+    if "prefix_ids" in rows:
+        segments = PackedSegments(segments, rows["prefix_ids"])
     hidden, _ = model.apply({"params": params}, rows["tokens"], rows["positions"], mask,
-                            return_hidden=True, segment_ids=rows["segment_ids"])
+                            return_hidden=True, segment_ids=segments)
     head_dot = _head_dot(precision)
     head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
     exact = model.config.numerics == "exact"
     tokens = rows["tokens"]
+    if resp_target is not None:
+        if quant.get_recipe(precision).quantizes:
+            raise ValueError("shared prompts (train.share_prompts) need train.precision='fp'")
+        hidden = hidden.reshape(-1, hidden.shape[-1])[resp_index]  # [B, G, E]
+        return chunked_token_logprobs(head, hidden, resp_target, temperature, chunk=chunk,
+                                      with_entropy=with_entropy)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     if resp_index.size < targets.size and not quant.get_recipe(precision).quantizes:
         # Fewer response slots than packed positions (short responses after long prompts): the
@@ -224,6 +240,12 @@ def _accumulate_metrics(acc: dict[str, jax.Array], new: dict[str, jax.Array],
     return out
 
 
+def _packed_rows(batch: Batch) -> Batch:
+    """The packed rows' arrays of a packed batch (with shared prompts, `prefix_ids` too)."""
+    return {k: batch[k] for k in ("tokens", "positions", "segment_ids", "attn_mask",
+                                  "prefix_ids") if k in batch}
+
+
 def _gather_sequences(batch: Batch) -> Batch:
     """A token-budget packed batch with its per-sequence arrays in `seq_index`'s slots (empty
     slots: no response token in the loss, advantage 0)."""
@@ -233,7 +255,7 @@ def _gather_sequences(batch: Batch) -> Batch:
     for k, v in batch.items():
         if k == "seq_index":
             continue
-        if k in packing_lib.PACKED_KEYS:
+        if k in packing_lib.PACKED_KEYS + packing_lib.SHARED_KEYS:
             out[k] = v
             continue
         x = jnp.take(v, jnp.maximum(index, 0), axis=0)
@@ -336,6 +358,13 @@ class Learner:
     cpu_dots: on XLA:CPU, which library runs the update's and log-prob passes' float products
       (`train.cpu_dots`, `runtime.xla_cpu`: 'auto' takes Eigen's instead of YNNPACK's on a CPU
       without AVX512); other platforms ignore it.
+    share_prompts: with packing, the batch's sequences come in groups of this many that share
+      their prompt (GRPO's samples of a prompt, prompt-major; 1: no sharing), and each group's
+      prompt is packed and run once, its responses attending to it (`packing.pack_budget` with
+      `group`; `train.share_prompts`): the same log-probs and gradients up to float rounding,
+      for (group - 1) fewer prompts per group. Micro-batches then hold whole groups: token-budget
+      ones with `tokens_per_micro_batch`, else `num_micro_batches` of them. Float training
+      precision and dense attention only (packed rows of at most 1024 tokens).
     lora: a `lora.LoraConfig` to train its adapter on a frozen base instead of every parameter:
       `params` is then the adapter (replicated on the mesh) and `logprobs` / `update` take the
       base as `frozen` (read where it lies, as `lora.learner_products` says, never donated;
@@ -350,7 +379,8 @@ class Learner:
                  pack_length: int = 0, tokens_per_micro_batch: int = 0,
                  pack_buckets: int = packing_lib.PER_DOUBLING,
                  update_capture: str | quant.Recipe | None = None,
-                 cpu_dots: str = "auto", lora: lora_lib.LoraConfig | None = None) -> None:
+                 cpu_dots: str = "auto", share_prompts: int = 1,
+                 lora: lora_lib.LoraConfig | None = None) -> None:
         objective.validate()
         quant.make_train_dot_general(precision)  # ValueError: unknown or not trainable
         self.precision = quant.get_recipe(precision)
@@ -366,6 +396,10 @@ class Learner:
             raise ValueError(f"train.tokens_per_micro_batch must be >= 0, got "
                              f"{tokens_per_micro_batch}")
         packing_lib.check_per_doubling(pack_buckets)
+        if share_prompts > 1 and not packing:
+            raise ValueError("train.share_prompts needs train.packing")
+        if share_prompts > 1 and self.precision.quantizes:
+            raise ValueError("train.share_prompts needs train.precision='fp'")
         try:
             remat = Remat(remat)
         except ValueError as e:
@@ -396,6 +430,7 @@ class Learner:
         self.packing = bool(packing)
         self.pack_length = int(pack_length)
         self.tokens_per_micro_batch = int(tokens_per_micro_batch)
+        self.share_prompts = max(int(share_prompts), 1)
         self.pack_buckets = int(pack_buckets)
         self.last_pack: dict[str, float] = {}
         self.update_capture = None if update_capture is None else quant.get_recipe(update_capture)
@@ -524,12 +559,31 @@ class Learner:
                              f"than one packed row of train.pack_length={pack_length} tokens")
         return -(-rows // shards) * shards, count
 
+    @property
+    def budget_packing(self) -> bool:
+        """Whether batches are packed with `pack_budget_batch` (micro-batches named by
+        `seq_index`): token-budget micro-batches, or shared prompts."""
+        return self.packing and bool(self.tokens_per_micro_batch or self.share_prompts > 1)
+
+    def _budget_micro(self, packed_rows: int, pack_length: int) -> tuple[int, int]:
+        """(micro-batches, packed rows of each on this process) of a batch `pack_budget_batch`
+        packed into `packed_rows` rows (this process's count times processes) of
+        `pack_length`."""
+        _, count = dist.row_block(self.mesh)
+        if self.tokens_per_micro_batch:
+            rows, _ = self._budget_rows(pack_length)
+            return packed_rows // (rows * count), rows
+        return self.num_micro_batches, packed_rows // (self.num_micro_batches * count)
+
     def pack_budget_batch(self, batch: Batch) -> Batch:
-        """The padded batch packed into token-budget micro-batches (`packing.pack_budget`): the
-        packed rows, `resp_index` and `seq_index` of each micro-batch, and the per-sequence
-        arrays as they are (the update gathers them by `seq_index`). The micro-batch count and
-        the sequences per micro-batch are agreed over processes (the largest, bucketed). The
-        same batch again (the reference log-probs after pi_prox's) reuses the packing."""
+        """The padded batch packed into micro-batches of sequences of its own choosing
+        (`packing.pack_budget`): token-budget ones (`tokens_per_micro_batch`), or with shared
+        prompts `num_micro_batches` of whole groups. Returns the packed rows, `resp_index` and
+        `seq_index` of each micro-batch (and the shared prompts' `packing.SHARED_KEYS`), and the
+        per-sequence arrays as they are (the update gathers them by `seq_index`). The counts of
+        micro-batches, rows and sequences per micro-batch are agreed over processes (the
+        largest, bucketed). The same batch again (the reference log-probs after pi_prox's) reuses
+        the packing."""
         cached = self._budget_cache
         if cached is not None and cached[0] is batch["tokens"]:
             self.last_pack = cached[2]
@@ -540,18 +594,28 @@ class Learner:
         tokens = dist.local_rows(batch["tokens"])
         mask = dist.local_rows(batch["attn_mask"])
         resp_mask = dist.local_rows(batch["resp_mask"])
+        response_len = batch["resp_mask"].shape[1]
         length = self.pack_length or packing_lib.default_pack_length(tokens.shape[1])
-        rows, count = self._budget_rows(length)
-        index, _ = dist.row_block(self.mesh)
-        m = packing_lib.bucket_rows(dist.agree_max(
-            packing_lib.budget_micro_batches(mask, length, rows)), 1, self.pack_buckets)
-        most = packing_lib.budget_assignment(mask, length, m)[3]
+        index, count = dist.row_block(self.mesh)
         shards = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"]) // count
+        units = dict(group=self.share_prompts, response_len=response_len)
+        if self.tokens_per_micro_batch:
+            rows, _ = self._budget_rows(length)
+            m = packing_lib.bucket_rows(dist.agree_max(
+                packing_lib.budget_micro_batches(mask, length, rows, **units)), 1,
+                self.pack_buckets)
+        else:  # shared prompts in num_micro_batches micro-batches of whole groups
+            m = self.num_micro_batches
+            rows_in = packing_lib.budget_assignment(mask, length, m, **units)[1]
+            rows = packing_lib.bucket_rows(dist.agree_max(int(rows_in.max(initial=0)) + 1),
+                                           shards, self.pack_buckets)
+        most = packing_lib.budget_assignment(mask, length, m, **units)[3]
         seqs = packing_lib.bucket_rows(dist.agree_max(most), shards, self.pack_buckets)
-        host = packing_lib.pack_budget(tokens, mask, batch["resp_mask"].shape[1], length,
-                                       num_micro=m, rows_per_micro=rows, seqs_per_micro=seqs,
+        host = packing_lib.pack_budget(tokens, mask, response_len, length, num_micro=m,
+                                       rows_per_micro=rows, seqs_per_micro=seqs,
                                        resp_mask=resp_mask, row_offset=index * rows,
-                                       seq_offset=index * tokens.shape[0])
+                                       seq_offset=index * tokens.shape[0],
+                                       group=self.share_prompts)
         self.last_pack = {**self._pack_metrics(host, count), "learner/micro_batches": float(m)}
         packed = dist.global_batch(self.mesh, host.arrays)
         self._budget_cache = (batch["tokens"], packed, self.last_pack)
@@ -578,15 +642,16 @@ class Learner:
         LoRA the adapter, on the frozen base `frozen`)."""
         b = batch["resp_mask"].shape[0]
         lbs = self.logprob_batch_size
-        if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
-            # Token-budget slices, as the update's micro-batches: rows of the whole batch's
-            # sequences, not each slice of lbs sequences packed on its own (one sequence per
-            # device packs into one row per device: no saving).
+        if self.budget_packing and "segment_ids" not in batch:
+            # Token-budget slices (or shared prompts), as the update's micro-batches: rows of the
+            # whole batch's sequences, not each slice of lbs sequences packed on its own (one
+            # sequence per device packs into one row per device: no saving).
             batch = self.pack_budget_batch(batch)
         else:
             batch = self._maybe_pack(batch, b // lbs if lbs and lbs < b else 1)
         if "seq_index" in batch:
-            keys = packing_lib.PACKED_KEYS + ("seq_index", "resp_mask")
+            keys = packing_lib.PACKED_KEYS + ("seq_index", "resp_mask") + tuple(
+                k for k in packing_lib.SHARED_KEYS if k in batch)
         else:
             keys = packing_lib.PACKED_KEYS if "segment_ids" in batch else batch.keys()
         batch = {k: batch[k] for k in keys}
@@ -635,10 +700,10 @@ class Learner:
     def _packed_forward(self, params: Any, part: Batch) -> jax.Array:
         """Response log-probs f32[slots, G] of one slice of packed rows (`resp_index`'s slots)."""
         part = self._constrain_rows(part)
-        rows = {k: part[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
-        logp, _ = packed_response_logprobs(self.model, params, rows, part["resp_index"],
-                                           self.temperature, chunk=self.logprob_chunk,
-                                           precision=self.precision)
+        logp, _ = packed_response_logprobs(self.model, params, _packed_rows(part),
+                                           part["resp_index"], self.temperature,
+                                           chunk=self.logprob_chunk, precision=self.precision,
+                                           resp_target=part.get("resp_target"))
         return logp
 
     def _packed_logprobs(self, params: Any, batch: Batch) -> jax.Array:
@@ -656,15 +721,15 @@ class Learner:
         rows at a time (a `lax.map`), each slot's log-probs scattered back to its sequence's row
         of f32[B, G] (`seq_index`; sequences with no real token stay 0, as no loss reads them)."""
         forward = functools.partial(self._packed_forward, params)
-        rows, count = self._budget_rows(batch["tokens"].shape[1])
-        m = batch["tokens"].shape[0] // (rows * count)
+        m, _ = self._budget_micro(*batch["tokens"].shape)
         b, g = batch["resp_mask"].shape
 
         def scatter(out: jax.Array, part: Batch) -> jax.Array:
             index = part["seq_index"]
             return out.at[jnp.where(index >= 0, index, b)].set(forward(part), mode="drop")
 
-        part = {k: batch[k] for k in packing_lib.PACKED_KEYS + ("seq_index",)}
+        part = {k: batch[k] for k in packing_lib.PACKED_KEYS + packing_lib.SHARED_KEYS
+                + ("seq_index",) if k in batch}
         out = self._shard_activation(jnp.zeros((b, g), jnp.float32), ("batch", None))
         if m == 1:
             return scatter(out, part)
@@ -679,10 +744,10 @@ class Learner:
         response_len = batch["resp_mask"].shape[1]
         need_entropy = self.objective.entropy_coef != 0.0
         if "segment_ids" in batch:
-            rows = {k: batch[k] for k in ("tokens", "positions", "segment_ids", "attn_mask")}
             logp, entropy = packed_response_logprobs(
-                self.model, params, rows, batch["resp_index"], self.temperature,
-                chunk=self.logprob_chunk, with_entropy=need_entropy, precision=self.precision)
+                self.model, params, _packed_rows(batch), batch["resp_index"], self.temperature,
+                chunk=self.logprob_chunk, with_entropy=need_entropy, precision=self.precision,
+                resp_target=batch.get("resp_target"))
         else:
             logp, entropy = response_logprobs(
                 self.model, params, batch["tokens"], batch["positions"], batch["attn_mask"],
@@ -718,7 +783,7 @@ class Learner:
         Donates `params` and `opt_state`; returns the new ones and scalar metrics. With LoRA
         `params` is the adapter and `frozen` the base it is attached to (read, never donated).
         """
-        if self.packing and self.tokens_per_micro_batch and "segment_ids" not in batch:
+        if self.budget_packing and "segment_ids" not in batch:
             batch = self.pack_budget_batch(batch)
         else:
             batch = self._maybe_pack(batch, self.num_micro_batches)
@@ -743,8 +808,7 @@ class Learner:
     def _update(self, params: Any, opt_state: Any, batch: Batch, frozen: Any = None):
         n = self.num_micro_batches
         if "seq_index" in batch:  # token-budget micro-batches: their sequences, gathered
-            rows, count = self._budget_rows(batch["tokens"].shape[1])
-            n = batch["tokens"].shape[0] // (rows * count)
+            n, _ = self._budget_micro(*batch["tokens"].shape)
             batch = _gather_sequences(batch)
         b = batch["tokens"].shape[0]
         if b % n:

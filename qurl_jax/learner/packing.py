@@ -33,6 +33,9 @@ import numpy as np
 #   resp_index i32[B, G]: flat index r * L + c, within its micro-batch slice's R rows, of the
 #   position whose next-token log-prob is response token t's (0 for slots with no real token).
 PACKED_KEYS = ("tokens", "positions", "segment_ids", "attn_mask", "resp_index")
+# With shared prompts (`pack_budget(..., group=n)`) also: prefix_ids i32[n * R, L], the segment
+# each token attends to beside its own; resp_target i32[B, G], the token of each response slot.
+SHARED_KEYS = ("prefix_ids", "resp_target")
 # Segment id of padding: never equal to a real sequence's (0, 1, ... within a row).
 PAD_SEGMENT = -1
 
@@ -215,19 +218,70 @@ def pack(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pack_leng
 
 
 # ------------------------------------------------------------------ token-budget micro-batches
-def budget_micro_batches(attn_mask: np.ndarray, pack_length: int, rows_per_micro: int) -> int:
+def _prompt_lengths(attn_mask: np.ndarray, response_len: int) -> np.ndarray:
+    """i32[B] real prompt tokens of each sequence (those before the G response columns)."""
+    mask = np.asarray(attn_mask, bool)
+    return mask[:, :mask.shape[1] - response_len].sum(axis=1).astype(np.int32)
+
+
+def _units(attn_mask: np.ndarray, pack_length: int, group: int = 1, response_len: int = 0
+           ) -> tuple[list[list[int]], np.ndarray]:
+    """What token-budget packing places: (units, i32[U] their packed tokens). With `group` 1 a
+    unit is one sequence (its prompt and response). With `group` > 1, sequences k * group ..
+    (k + 1) * group - 1 share their prompt (GRPO's samples of one prompt) and a unit is that
+    prompt once followed by as many of the group's responses, in order, as fit `pack_length`
+    together (a group longer than that is cut into several units, each with the prompt). Empty
+    sequences are in no unit."""
+    lengths = sequence_lengths(attn_mask)
+    if group <= 1:
+        units = [[int(b)] for b in np.flatnonzero(lengths > 0)]
+        return units, np.array([lengths[u[0]] for u in units], np.int32)
+    prompts = _prompt_lengths(attn_mask, response_len)
+    units, sizes = [], []
+    for start in range(0, lengths.shape[0], group):
+        unit, size = [], 0
+        for b in range(start, start + group):
+            if lengths[b] == 0:
+                continue
+            need = int(lengths[b] - prompts[b]) + (0 if unit else int(prompts[b]))
+            if unit and size + need > pack_length:
+                units.append(unit)
+                sizes.append(size)
+                unit, size, need = [], 0, int(lengths[b])
+            if need > pack_length:
+                raise ValueError(f"train.pack_length={pack_length} is shorter than a sequence "
+                                 f"of {need} tokens (prompt + response); raise it or leave it 0")
+            unit.append(b)
+            size += need
+        if unit:
+            units.append(unit)
+            sizes.append(size)
+    return units, np.array(sizes, np.int32)
+
+
+def budget_micro_batches(attn_mask: np.ndarray, pack_length: int, rows_per_micro: int, *,
+                         group: int = 1, response_len: int = 0) -> int:
     """Micro-batches of `rows_per_micro` packed rows these sequences need (first-fit decreasing
-    over all of them), before the bucket."""
-    row, _ = first_fit_decreasing(sequence_lengths(attn_mask), pack_length)
+    over all of them; `group`, `response_len`: prompts shared, `_units`), before the bucket."""
+    row, _ = first_fit_decreasing(_units(attn_mask, pack_length, group, response_len)[1],
+                                  pack_length)
     return max(-(-(int(row.max(initial=-1)) + 1) // rows_per_micro), 1)
 
 
-def budget_assignment(attn_mask: np.ndarray, pack_length: int, num_micro: int
+def budget_assignment(attn_mask: np.ndarray, pack_length: int, num_micro: int, *,
+                      group: int = 1, response_len: int = 0
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(micro i32[B], row_in_micro i32[B], offset i32[B], most sequences in one micro-batch):
     first-fit decreasing row r goes to micro-batch r % num_micro as its row r // num_micro, so
-    the fullest rows spread over the micro-batches. Empty sequences get micro -1."""
-    row, offset = first_fit_decreasing(sequence_lengths(attn_mask), pack_length)
+    the fullest rows spread over the micro-batches; `offset` is where its unit starts (`_units`:
+    with shared prompts a sequence's unit holds its group's prompt). Empty sequences get micro
+    -1."""
+    units, sizes = _units(attn_mask, pack_length, group, response_len)
+    unit_row, unit_offset = first_fit_decreasing(sizes, pack_length)
+    b = np.asarray(attn_mask).shape[0]
+    row, offset = np.full(b, -1, np.int32), np.zeros(b, np.int32)
+    for unit, r, o in zip(units, unit_row, unit_offset, strict=True):
+        row[unit], offset[unit] = r, o
     micro = np.where(row >= 0, row % num_micro, -1).astype(np.int32)
     counts = np.bincount(micro[micro >= 0], minlength=num_micro)
     return micro, (row // num_micro).astype(np.int32), offset, int(counts.max(initial=0))
@@ -236,48 +290,90 @@ def budget_assignment(attn_mask: np.ndarray, pack_length: int, num_micro: int
 def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pack_length: int,
                 *, num_micro: int, rows_per_micro: int, seqs_per_micro: int,
                 resp_mask: np.ndarray | None = None, row_offset: int = 0,
-                seq_offset: int = 0) -> Packed:
+                seq_offset: int = 0, group: int = 1) -> Packed:
     """Packs the sequences into `num_micro` token-budget micro-batches of `rows_per_micro` rows
     (`budget_assignment`), laid out for `learner.split_rows(x, num_micro)` (row j of micro-batch
     k at j * num_micro + k). Beside `PACKED_KEYS`, `seq_index` i32[num_micro * seqs_per_micro]
     names the sequence (+ `seq_offset`, a process's first global sequence; -1 for an empty slot)
     at slot s * num_micro + k: the learner gathers the per-sequence arrays with it, so a
     micro-batch's loss sees exactly the sequences its rows hold, and `resp_index` is laid out the
-    same way (slot, not sequence). `row_offset`: see `pack`."""
+    same way (slot, not sequence). `row_offset`: see `pack`.
+
+    group > 1: the sequences of each group of `group` share their prompt (checked), and each
+    unit (`_units`) packs it once, then its responses, each response a segment of its own whose
+    positions continue the prompt's and which also sees the prompt's segment: `prefix_ids`
+    i32[rows, L] names, per token, the one other segment it attends to (its own for a prompt's
+    tokens; `models.attention.PackedSegments`). A response's first token is predicted at the
+    prompt's last position, shared by the unit's responses, so `resp_target` i32[slots, G] gives
+    every response slot's token (the learner reads log-probs at `resp_index` for those targets).
+    The learner's tokens shrink by (group - 1) prompts per unit.
+    """
     tokens = np.asarray(tokens)
     mask = np.asarray(attn_mask, bool)
     m = num_micro
     base = pack(tokens, mask, response_len, pack_length, resp_mask=resp_mask)  # checks the input
-    micro, row_in, offset, most = budget_assignment(mask, pack_length, m)
+    t, g = tokens.shape[1], response_len
+    if group > 1:
+        if tokens.shape[0] % group:
+            raise ValueError(f"packing: {tokens.shape[0]} sequences are not groups of {group}")
+        prompt = np.where(mask[:, :t - g], tokens[:, :t - g], -1).reshape(-1, group, t - g)
+        if np.any(prompt != prompt[:, :1]):
+            raise ValueError(f"packing: the sequences of a group of {group} (train.share_prompts)"
+                             " do not share their prompt")
+    units, _ = _units(mask, pack_length, group, response_len)
+    micro, row_in, offset, most = budget_assignment(mask, pack_length, m, group=group,
+                                                    response_len=response_len)
     if int(row_in.max(initial=-1)) + 1 > rows_per_micro or most > seqs_per_micro:
         raise ValueError(f"packing: the sequences need more than {m} micro-batches of "
                          f"{rows_per_micro} rows and {seqs_per_micro} sequences")
     length = pack_length
     lengths = sequence_lengths(mask)
     first = np.where(lengths > 0, np.argmax(mask, axis=1), 0)
+    prompts = _prompt_lengths(mask, g) if group > 1 else np.zeros_like(lengths)
     out = {k: np.zeros((m * rows_per_micro, length), np.int32)
            for k in ("tokens", "positions")}
     out["segment_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
     out["attn_mask"] = np.zeros((m * rows_per_micro, length), bool)
     out["resp_index"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
     out["seq_index"] = np.full((m * seqs_per_micro,), -1, np.int32)
+    if group > 1:
+        out["prefix_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
+        out["resp_target"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
     seg_count = np.zeros(m * rows_per_micro, np.int32)
     slot_count = np.zeros(m, np.int32)
-    t, g = tokens.shape[1], response_len
-    for seq in np.flatnonzero(lengths > 0):
-        k, j, o, n, f = int(micro[seq]), int(row_in[seq]), int(offset[seq]), int(lengths[seq]), \
-            int(first[seq])
+    s = np.arange(g)
+    for unit in units:
+        k, j, o = int(micro[unit[0]]), int(row_in[unit[0]]), int(offset[unit[0]])
         dst = j * m + k
-        out["tokens"][dst, o:o + n] = tokens[seq, f:f + n]
-        out["positions"][dst, o:o + n] = np.arange(n)
-        out["segment_ids"][dst, o:o + n] = seg_count[dst]
-        out["attn_mask"][dst, o:o + n] = True
-        seg_count[dst] += 1
-        slot = int(slot_count[k]) * m + k
-        slot_count[k] += 1
-        out["seq_index"][slot] = seq + seq_offset
-        s = np.arange(g)
-        col = o + (t - g + s - f) - 1
-        ok = (t - g + s >= f + 1) & (t - g + s < f + n)
-        out["resp_index"][slot] = np.where(ok, (row_offset + j) * length + col, 0)
-    return Packed(out, rows_used=int(row_in.max(initial=-1)) + 1, real_tokens=base.real_tokens)
+        p, f = int(prompts[unit[0]]), int(first[unit[0]])
+        prefix = int(seg_count[dst])
+        if p:  # the shared prompt, once
+            out["tokens"][dst, o:o + p] = tokens[unit[0], f:f + p]
+            out["positions"][dst, o:o + p] = np.arange(p)
+            out["segment_ids"][dst, o:o + p] = out["prefix_ids"][dst, o:o + p] = prefix
+            out["attn_mask"][dst, o:o + p] = True
+            seg_count[dst] += 1
+        col = o + p  # where the next piece (a whole sequence, or a response) starts
+        for seq in unit:
+            n, f = int(lengths[seq] - p), int(first[seq] + p)  # the piece: tokens [f, f + n)
+            out["tokens"][dst, col:col + n] = tokens[seq, f:f + n]
+            out["positions"][dst, col:col + n] = np.arange(p, p + n)
+            out["segment_ids"][dst, col:col + n] = seg_count[dst]
+            out["attn_mask"][dst, col:col + n] = True
+            seg_count[dst] += 1
+            slot = int(slot_count[k]) * m + k
+            slot_count[k] += 1
+            out["seq_index"][slot] = seq + seq_offset
+            # Response slot s sits at padded column t - g + s, at packed column
+            # col + (t - g + s - f); the position before predicts it (with a shared prompt, the
+            # prompt's last one for s = 0).
+            at = col + (t - g + s - f)
+            ok = (t - g + s >= int(first[seq]) + 1) & (t - g + s < f + n)
+            if group > 1:
+                out["prefix_ids"][dst, col:col + n] = prefix
+                at = np.where(t - g + s == f, o + p, at)
+                out["resp_target"][slot] = np.where(ok, tokens[seq, t - g:], 0)
+            out["resp_index"][slot] = np.where(ok, (row_offset + j) * length + at - 1, 0)
+            col += n
+    return Packed(out, rows_used=int(row_in.max(initial=-1)) + 1,
+                  real_tokens=int(out["attn_mask"].sum()) if group > 1 else base.real_tokens)

@@ -26,7 +26,13 @@ ids i32[B, T] to self-attention (S == T): a query sees only keys of its own segm
 
 and positions restart at 0 in every segment (RoPE sees each sequence as if it were alone). Every
 implementation takes them: dense and cuDNN in their mask, blockwise in its score blocks (and skips
-blocks whose segments do not meet), splash as its own segment ids.
+blocks whose segments do not meet), splash as its own segment ids. Packed rows whose responses
+share their prompt (`PackedSegments`: the prompt once, then each response as a segment whose
+positions continue it) add a second segment each query sees,
+
+    allowed[b, t, s] &= (seg[b, s] == seg[b, t]) | (seg[b, s] == prefix[b, t])   (seg: the ids)
+
+which the dense implementation takes (the others raise).
 
 Layouts: queries [B, T, H, D] (the projection's natural layout), keys and values [B, Hkv, S, D]
 (the KV cache's layout: per (row, kv head), slots next to head_dim). Scores and softmax are
@@ -39,6 +45,7 @@ gives zeros; neither gives NaN, in the forward or the backward.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -93,12 +100,29 @@ def ungroup_queries(out: jax.Array, t: int) -> jax.Array:
     return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedSegments:
+    """Segments of packed rows whose responses share their prompt, in place of `segment_ids`.
+
+    ids: i32[B, T] each token's segment (the prompt's, or its response's own); prefix: i32[B, T]
+    the one other segment it also attends to: the prompt's for a response's tokens, its own for
+    the prompt's (`qurl_jax.learner.packing.pack_budget` with `group`)."""
+
+    ids: jax.Array
+    prefix: jax.Array
+
+
 def allowed_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | PackedSegments | None = None) -> jax.Array:
     """bool[B, T, S]: key s is visible to query t (valid, not in the query's future and, with
-    segment ids i32[B, T] (self-attention, S == T), in the query's segment)."""
+    segment ids i32[B, T] (self-attention, S == T), in the query's segment, or with
+    `PackedSegments` also in its prefix segment)."""
     allowed = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if segment_ids is not None:
+    if isinstance(segment_ids, PackedSegments):
+        ids, prefix = segment_ids.ids, segment_ids.prefix
+        allowed &= (ids[:, None, :] == ids[:, :, None]) | (ids[:, None, :] == prefix[:, :, None])
+    elif segment_ids is not None:
         allowed &= segment_ids[:, None, :] == segment_ids[:, :, None]
     return allowed
 
@@ -460,7 +484,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     kernel: on a sharded learner XLA refuses to partition it ("Mosaic kernels cannot be
     automatically partitioned"), so it waits for a shard_map wrapper over the batch axes.
 
-    segment_ids: optional i32[B, T] of packed rows (self-attention, S == T; see the module doc).
+    segment_ids: optional i32[B, T] of packed rows (self-attention, S == T; see the module doc),
+    or `PackedSegments` of rows with shared prompts (dense only).
     """
     impl = resolve_implementation(implementation, q.shape[1], k.shape[2])
     if impl is Implementation.PALLAS_TPU and not causal_by_index:
@@ -472,6 +497,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
           Implementation.PALLAS_TPU: pallas_tpu_attention}[impl]
     if segment_ids is None:
         return fn(q, k, v, q_pos, k_pos, k_valid)
+    if isinstance(segment_ids, PackedSegments) and fn is not dot_product_attention:
+        raise ValueError(f"attention: shared prompts (train.share_prompts) take dense attention "
+                         f"only; the {impl.value} implementation was chosen for {k.shape[2]} "
+                         f"keys (dense up to {AUTO_BLOCKWISE_MIN_KEYS}: a shorter "
+                         f"train.pack_length)")
     if q.shape[1] != k.shape[2]:
         raise ValueError(f"attention: segment ids need self-attention (T == S); got T = "
                          f"{q.shape[1]} queries and S = {k.shape[2]} keys")

@@ -30,9 +30,10 @@ its per-device argument, output, temp and peak bytes:
   loop over the slots, whose state also holds every row's outputs and one held prompt prefill per
   batch shard. With `rollout.kv_pages` the slots' caches are one page pool (its share per
   device) behind a page table, so the KV bytes are the pool's, not rows x slots;
-- `eval_prefill` / `eval_decode`: the evaluation sampler's (static, dense) programs for its
-  largest chunk, on the full-precision actor in the compute dtype on the rollout's replicas (a
-  bf16 replica is twice an int8 one), responses of `eval.max_new_tokens`.
+- `eval_prefill` / `eval_decode`: the evaluation sampler's (dense; refilling its slots when
+  `rollout.max_concurrent_rows` is set) programs for a call of `eval.max_examples` problems, on
+  the full-precision actor in the compute dtype on the rollout's replicas (a bf16 replica is
+  twice an int8 one), responses of `eval.max_new_tokens`.
 
 On a mesh of more than one device, `report` also reads the collectives one iteration of the
 `rollout_decode` program's decode loop (one generated token) runs per device from its optimized
@@ -500,13 +501,14 @@ def _sampler_program(setup: Setup, name: str, sampler: Any, actor: Any, rows: in
 
 
 def _eval(setup: Setup, name: str) -> Program:
-    """The evaluation sampler's program (`build_eval_sampler`: static, its KV cache dense or,
-    with `eval.kv_cache='rollout'`, the rollout's compressed one, the full-precision actor in
-    the compute dtype on the rollout's replicas, as `Trainer.evaluate` samples it) at its
-    largest chunk: `rollout.max_concurrent_rows` rows (without it,
-    `eval.max_examples` or else `data.prompts_per_step` problems), as many of `eval.k` samples
-    a problem as a call draws (`sampling.factory.samples_per_call`), responses of
-    `eval.max_new_tokens`."""
+    """The evaluation sampler's program (`build_eval_sampler`: its KV cache dense or, with
+    `eval.kv_cache='rollout'`, the rollout's compressed one, the full-precision actor in the
+    compute dtype on the rollout's replicas, as `Trainer.evaluate` samples it) for a call of
+    `eval.max_examples` (or else `data.prompts_per_step`) problems with as many of `eval.k`
+    samples a problem as a call draws (`sampling.factory.samples_per_call`), responses of
+    `eval.max_new_tokens`: with `rollout.max_concurrent_rows`, the refilling sampler's programs
+    over that many slots (the call's rows wait for them), else the static sampler's one chunk of
+    every row."""
     from qurl_jax.sampling.factory import samples_per_call
 
     run = setup.settings
@@ -517,10 +519,10 @@ def _eval(setup: Setup, name: str) -> Program:
         prompt_buckets=(setup.prompt_len,), gen_buckets=(g,), mesh=setup.rollout_mesh,
         platform=targets.platform_of(setup.mesh), **hook)
     k = samples_per_call(sampler, max(run.eval.k, 1))
-    problems = run.eval.max_examples or run.data.prompts_per_step
-    rows = sampler.rows_per_chunk(problems if not sampler.max_concurrent_rows else 1 << 30, k)
-    return _sampler_program(setup, name, sampler, setup.eval_actor, rows, rows, k, g,
-                            refill=False)
+    rows = sampler.rows_per_chunk(run.eval.max_examples or run.data.prompts_per_step, k)
+    slots = min(sampler.max_concurrent_rows or rows, rows)
+    return _sampler_program(setup, name, sampler, setup.eval_actor, rows, slots, k, g,
+                            refill=bool(run.rollout.sampler.max_concurrent_rows))
 
 
 def eval_prefill(setup: Setup) -> Program:
@@ -838,10 +840,11 @@ KNOBS = {
     "rollout_decode": "rollout.max_concurrent_rows (smaller chunks; the KV cache is per row), "
                       "rollout.kv_pages (a smaller pool, when paged), rollout.tensor (each "
                       "replica over more devices)",
-    "eval_prefill": "rollout.max_concurrent_rows (the evaluation's chunks too), "
+    "eval_prefill": "rollout.max_concurrent_rows (the evaluation's slots too), "
                     "rollout.tensor (each replica over more devices)",
-    "eval_decode": "rollout.max_concurrent_rows (the evaluation's chunks too), "
-                   "eval.max_new_tokens (a shorter cache), rollout.tensor",
+    "eval_decode": "rollout.max_concurrent_rows (the evaluation's slots too), "
+                   "eval.max_examples (fewer rows a call), eval.max_new_tokens (a shorter "
+                   "cache), rollout.tensor",
 }
 
 

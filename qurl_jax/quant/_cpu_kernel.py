@@ -1,24 +1,26 @@
-"""An AVX512-VNNI int8 matmul kernel for XLA:CPU, used as AQT's raw int8 product at decode shapes.
+"""An int8 matmul kernel for XLA:CPU (AVX512-VNNI or AVX2): AQT's raw int8 product for decode.
 
 `int8_dot_general` has the signature of `jax.lax.dot_general` and is what the int8 recipe's AQT
-config uses for its s8 x s8 -> s32 product (`DotGeneralRaw.dot_general`). On a CPU with
-AVX512-VNNI, for a product of at most `MAX_ROWS` rows (decode: one row per sequence) of
-x[M, K] @ w[K, N], it calls the FFI custom call `qurl_int8_matmul`
-(`qurl_jax/cpu_kernels/int8_matmul.cc`); everything else, and every other platform, goes to
-`lax.dot_general`. Results are bit-identical (integer arithmetic).
+config uses for its s8 x s8 -> s32 product (`DotGeneralRaw.dot_general`). On an x86 CPU, for a
+product of at most `MAX_ROWS` rows (decode: one row per sequence) of x[M, K] @ w[K, N], it calls
+the FFI custom call `qurl_int8_matmul` (`qurl_jax/cpu_kernels/int8_matmul.cc`), or on a CPU
+without AVX512-VNNI its AVX2 path `qurl_int8_matmul_avx2` (`kernel_isa`); everything else, and
+every other platform, goes to `lax.dot_general`. Results are bit-identical on either path
+(integer arithmetic).
 
 Why: XLA:CPU's int8 GEMM is compute-bound at decode batch sizes (~60-90 GMAC/s on 2 cores), so an
 int8 decode step was only ~1.4x the float32 one although it reads a quarter of the bytes; the
-kernel streams each weight tile once through VNNI dot-products.
+kernel streams each weight tile once through VNNI dot-products (AVX2: 16-bit multiply-adds).
 
 The kernel is compiled from source on first use (`qurl_jax.cpu_kernels`). Without a compiler, on
-a CPU without AVX512-VNNI, or with `QURL_JAX_CPU_KERNELS=0`, a warning is logged once and XLA's
-own product is used.
+a CPU without AVX2, or with `QURL_JAX_CPU_KERNELS=0` (`QURL_JAX_CPU_ISA=none`), a warning is
+logged once and XLA's own product is used; `QURL_JAX_CPU_ISA=avx2` takes the AVX2 path on an
+AVX512 CPU.
 
-For the decode loop, `pack_int8` stores a kernel's codes in the kernel's tile layout once per
-rollout (the sampler does this as loop-invariant work); the product on packed codes,
-`packed_int8_dot_general`, then streams the weights contiguously with no per-call repacking
-(about 2x faster again at batch 8).
+For the decode loop, `pack_int8` stores a kernel's codes in the kernel's tile layout (the same
+for both paths) once per rollout (the sampler does this as loop-invariant work); the product on
+packed codes, `packed_int8_dot_general`, then streams the weights contiguously with no per-call
+repacking (about 2x faster again at batch 8).
 
 Limits: the custom call is not partitionable, so under a multi-device mesh XLA gathers its
 operands (correct, not fast); prefill-sized products (more than `MAX_ROWS` rows) use XLA's GEMM.
@@ -36,9 +38,12 @@ from qurl_jax import cpu_kernels
 from qurl_jax.quant._qtensor import QuantizedTensor
 from qurl_jax.quant._recipes import QuantFormat
 
-_TARGET = "qurl_int8_matmul"
-_PACKED_TARGET = "qurl_int8_matmul_packed"
-_PACK_TARGET = "qurl_int8_pack"
+# The custom calls of each path: (row-major product, packed product, pack).
+_TARGETS = {"avx512": ("qurl_int8_matmul", "qurl_int8_matmul_packed", "qurl_int8_pack"),
+            "avx2": ("qurl_int8_matmul_avx2", "qurl_int8_matmul_packed_avx2",
+                     "qurl_int8_pack_avx2")}
+_SYMBOLS = {"avx512": ("QurlInt8Matmul", "QurlInt8MatmulPacked", "QurlInt8Pack"),
+            "avx2": ("QurlInt8MatmulAvx2", "QurlInt8MatmulPackedAvx2", "QurlInt8PackAvx2")}
 MAX_ROWS = 64
 # Smaller kernels stay on XLA's int8 dot: for them the custom call's fixed cost is not repaid
 # (measured on the embedded default's 128-wide model, where the kernel made the int8 rollout
@@ -48,13 +53,16 @@ PACK_TILE = 64  # columns per packed tile
 _LINEAR_DIMS = (((1,), (0,)), ((), ()))
 
 
+def kernel_isa() -> str:
+    """The kernel's path this process uses: 'avx512' (VNNI), 'avx2', or '' when the kernel is
+    not built, loaded and supported by this CPU (`qurl_jax.cpu_kernels.load`)."""
+    return cpu_kernels.load("int8_matmul.cc", "qurl_int8_matmul_isa", tuple(
+        (path, tuple(zip(_TARGETS[path], _SYMBOLS[path], strict=True))) for path in _TARGETS))
+
+
 def kernel_available() -> bool:
-    """True when the VNNI kernel is built, loaded, registered and supported by this CPU."""
-    return cpu_kernels.load("int8_matmul.cc", "qurl_cpu_supports_int8_matmul", (
-        (_TARGET, "QurlInt8Matmul"),
-        (_PACKED_TARGET, "QurlInt8MatmulPacked"),
-        (_PACK_TARGET, "QurlInt8Pack"),
-    ))
+    """True when the kernel is built, loaded, registered and supported by this CPU."""
+    return bool(kernel_isa())
 
 
 def _is_int8_linear(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: Any,
@@ -66,7 +74,18 @@ def _is_int8_linear(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_
             and not any(dimension_numbers[1]) and not kwargs)
 
 
-def _kernel_product(lhs: jax.Array, rhs: jax.Array, target: str = _TARGET) -> jax.Array:
+def _target(which: int, isa: str | None = None) -> str:
+    """The custom call `which` (0: product, 1: packed product, 2: pack) of path `isa` (default:
+    `kernel_isa()`'s)."""
+    default = kernel_isa()  # builds and registers every path this CPU runs
+    return _TARGETS[isa or default][which]
+
+
+def _kernel_product(lhs: jax.Array, rhs: jax.Array, packed: bool = False,
+                    isa: str | None = None) -> jax.Array:
+    """s8[M, K] x s8[K, N] (row-major, or `packed`) -> s32[M, N] on the kernel's path `isa`
+    (default: the process's)."""
+    target = _target(int(packed), isa)
     out_type = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1]), jnp.int32)
     return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(lhs, rhs)
 
@@ -77,7 +96,7 @@ def can_pack(shape: tuple[int, ...]) -> bool:
 
 
 def pack_int8_reference(codes: jax.Array) -> jax.Array:
-    """Reorders int8 codes [K, N] into the VNNI kernel's tile layout, returned with the same shape.
+    """Reorders int8 codes [K, N] into the int8 kernel's tile layout, returned with the same shape.
 
     packed[t][kg][j][L][i][r] = codes[4 kg + r, 64 t + 16 L + 4 j + i] ^ 0x80
     (see qurl_jax/cpu_kernels/int8_matmul.cc): each 64-column tile becomes contiguous, each 4-row
@@ -96,21 +115,22 @@ def pack_int8_reference(codes: jax.Array) -> jax.Array:
     return jnp.bitwise_xor(packed, jnp.int8(-128))  # flips the top bit: w + 128 as a u8 pattern
 
 
-def pack_int8(codes: jax.Array) -> jax.Array:
-    """`pack_int8_reference` on the kernel library (memory-bound; ~10x faster on CPU)."""
+def pack_int8(codes: jax.Array, isa: str | None = None) -> jax.Array:
+    """`pack_int8_reference` on the kernel library (memory-bound; ~10x faster on CPU), on path
+    `isa` (default: the process's; both give the same bytes)."""
     if not can_pack(codes.shape) or codes.dtype != jnp.int8:
         raise ValueError(f"pack_int8: needs int8 [K, N] with K % 4 == 0 and N % {PACK_TILE} == 0, "
                          f"got {codes.dtype}{codes.shape}")
     if not kernel_available():
-        raise RuntimeError("pack_int8: the VNNI kernel is unavailable; do not pack")
+        raise RuntimeError("pack_int8: the int8 kernel is unavailable; do not pack")
     out_type = jax.ShapeDtypeStruct(codes.shape, jnp.int8)
-    return jax.ffi.ffi_call(_PACK_TARGET, out_type, vmap_method="sequential")(codes)
+    return jax.ffi.ffi_call(_target(2, isa), out_type, vmap_method="sequential")(codes)
 
 
 def packed_int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                             precision: Any = None, preferred_element_type: Any = None,
                             **kwargs: Any) -> jax.Array:
-    """s8[M, K] x packed s8[K, N] (`pack_int8`) -> s32[M, N] on the VNNI kernel (any M).
+    """s8[M, K] x packed s8[K, N] (`pack_int8`) -> s32[M, N] on the int8 kernel (any M).
 
     Unlike `int8_dot_general` there is no fallback: the packed codes mean nothing to another
     product, so anything but the kernel's one pattern is an error."""
@@ -124,15 +144,16 @@ def packed_int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: A
             f"{rhs.dtype}{rhs.shape}, {dimension_numbers}, preferred {preferred_element_type}"
         )
     if not kernel_available():
-        raise RuntimeError("packed_int8_dot_general: the VNNI kernel is unavailable; do not pack")
-    return _kernel_product(lhs, rhs, _PACKED_TARGET)
+        raise RuntimeError("packed_int8_dot_general: the int8 kernel is unavailable; do not "
+                           "pack")
+    return _kernel_product(lhs, rhs, packed=True)
 
 
 def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                      precision: Any = None, preferred_element_type: Any = None,
                      **kwargs: Any) -> jax.Array:
     """`lax.dot_general` whose decode-shaped s8[M, K] x s8[K, N] -> s32 products on CPU run on the
-    VNNI kernel (see module docstring)."""
+    int8 kernel (see module docstring)."""
     xla = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers,
                             precision=precision, preferred_element_type=preferred_element_type,
                             **kwargs)
@@ -157,7 +178,7 @@ def _packable(x: Any) -> bool:
 
 
 def pack_for_decode(params: Any) -> Any:
-    """Rollout parameters for a decode loop: every int8 W8A8 kernel the VNNI kernel can read is
+    """Rollout parameters for a decode loop: every int8 W8A8 kernel the int8 kernel can read is
     stored packed (`pack_int8`, `QuantizedTensor.packed`). Traceable; meant to run once per
     rollout, outside the loop. Returns `params` unchanged when the default backend is not the CPU
     or the kernel is unavailable. Callers pack only in programs for CPU devices (the sampler: when

@@ -193,25 +193,25 @@ def eval_at(rows: list[Mapping[str, Any]], step: int) -> dict[str, float]:
 class PhaseTimer:
     """Accumulates seconds per named phase: `with timer.phase('rollout'): ...`.
 
-    listener: told when each phase starts and ends (`enter(name)` / `leave(name)`), e.g. the
-    stall watchdog (`qurl_jax.runtime.watchdog.StallWatchdog`); None = nobody.
+    listeners: each told when each phase starts and ends (`enter(name)` / `leave(name)`), e.g.
+    the stall watchdog (`qurl_jax.runtime.watchdog.StallWatchdog`); None entries are skipped.
     """
 
-    def __init__(self, listener: Any = None) -> None:
+    def __init__(self, *listeners: Any) -> None:
         self.seconds: dict[str, float] = {}
-        self.listener = listener
+        self.listeners = [x for x in listeners if x is not None]
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if self.listener is not None:
-            self.listener.enter(name)
+        for listener in self.listeners:
+            listener.enter(name)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            if self.listener is not None:
-                self.listener.leave(name)
+            for listener in self.listeners:
+                listener.leave(name)
 
     def metrics(self, prefix: str = "time/") -> dict[str, float]:
         total = sum(self.seconds.values())

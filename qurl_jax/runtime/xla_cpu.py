@@ -35,16 +35,43 @@ from typing import Any
 
 CPU_DOTS = ("auto", "xla", "learner", "eigen")
 _FLAG_NAME = "xla_cpu_experimental_ynn_fusion_type"
+# The instruction sets the library's CPU choices tell apart, lowest first.
+CPU_ISAS = ("none", "avx2", "avx512")
+ISA_ENV = "QURL_JAX_CPU_ISA"
+
+
+def isa_cap() -> str:
+    """The most `QURL_JAX_CPU_ISA` lets the library use (one of `CPU_ISAS`; unset: 'avx512', no
+    cap). 'avx2' makes an AVX512 CPU take every AVX2 CPU's choices (the CPU kernels' AVX2 paths,
+    `train.cpu_dots='auto'`'s 'learner'), to test and time them; 'none' turns the kernels off.
+    XLA's own code generation has its own cap (`XLA_FLAGS=--xla_cpu_max_isa=AVX2`)."""
+    value = os.environ.get(ISA_ENV, "").strip().lower() or "avx512"
+    if value not in CPU_ISAS:
+        raise ValueError(f"{ISA_ENV}={value!r} must be one of {CPU_ISAS}")
+    return value
 
 
 @functools.cache
-def has_avx512() -> bool:
-    """Whether this host's CPU has AVX512F (Linux's /proc/cpuinfo; False where it cannot tell)."""
+def _cpu_flags() -> frozenset[str]:
+    """This host's CPU flags (Linux's /proc/cpuinfo; none where it cannot tell)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and "avx512f" in line.split() for line in f)
+            return frozenset(next((line.split() for line in f if line.startswith("flags")), ()))
     except OSError:
-        return False
+        return frozenset()
+
+
+def cpu_isa() -> str:
+    """The best of `CPU_ISAS` this host's CPU has (AVX512F; AVX2 with FMA), capped by
+    `isa_cap()`."""
+    flags = _cpu_flags()
+    best = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "none"
+    return min(best, isa_cap(), key=CPU_ISAS.index)
+
+
+def has_avx512() -> bool:
+    """Whether this host's CPU has AVX512F and `QURL_JAX_CPU_ISA` does not cap it lower."""
+    return cpu_isa() == "avx512"
 
 
 def resolve(choice: str) -> str:

@@ -3,7 +3,7 @@ on the mesh (`RowSharding`) and assembling a `SampleOutput` from a call's output
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -16,6 +16,8 @@ from qurl_jax.parallel.sharding import batch_sharding, logical_to_mesh_spec
 from qurl_jax.sampling._output import SampleOutput
 
 Params = dict[str, Any]
+# A sampler's `progress(rows finished, tokens generated)`, called as rows finish.
+ProgressFn = Callable[[int, int], None]
 
 ROW_AXES = ("batch",)  # logical axes (`qurl_jax.parallel.sharding`) of a per-row vector [R]
 

@@ -80,6 +80,7 @@ from qurl_jax.sampling._distributions import SamplingMode
 from qurl_jax.sampling._engine import DecodeState, Engine
 from qurl_jax.sampling._host import (
     Params,
+    ProgressFn,
     abstract_outputs,
     assemble,
     assemble_local,
@@ -217,10 +218,12 @@ class RefillSampler:
 
     def sample(self, params: Params, prompts: Sequence[Sequence[int]], settings: SamplingParams,
                *, key: jax.Array, n: int = 1, length_limits: Sequence[int] | None = None,
-               process_local: bool = False) -> SampleOutput:
+               process_local: bool = False, progress: ProgressFn | None = None) -> SampleOutput:
         """`Sampler.sample`, with refilled slots. `length_limits` (optional, B * n ints in [1,
         max_new_tokens], prompt-major) caps each row's response length on its own (benchmarks and
         tests use it to make long-tailed lengths); `num_steps` is the longest response.
+        `progress(rows finished, tokens generated)` is called after every decode call (the host
+        reads both with the live flags it reads anyway), the last time with all B * n rows.
 
         process_local: as `Sampler.sample`'s: `prompts` (and `length_limits`) are this process's
         block of a global batch; every process passes as many and calls together, and gets its
@@ -243,7 +246,8 @@ class RefillSampler:
 
             block, blocks = distributed.row_block(e.mesh)
             prompts, limits = _gather_blocks(prompts, limits, block, blocks)
-        out, rows = self._run(params, prompts, limits, blocks, settings, key=key, n=n)
+        out, rows = self._run(params, prompts, limits, blocks, settings, key=key, n=n,
+                              progress=progress)
         if blocks > 1:
             from qurl_jax.parallel import distributed
 
@@ -256,8 +260,8 @@ class RefillSampler:
                         jnp.max(out["lengths"][: b * n]))
 
     def _run(self, params: Params, prompts: Sequence[Sequence[int]], limits: np.ndarray,
-             blocks: int, settings: SamplingParams, *, key: jax.Array, n: int
-             ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+             blocks: int, settings: SamplingParams, *, key: jax.Array, n: int,
+             progress: ProgressFn | None = None) -> tuple[dict[str, jax.Array], dict[str, Any]]:
         """The host loop over the whole batch: `prompts` (and `limits`, B * n) are `blocks`
         equal blocks, one per process block of the mesh (1 on one process). Each block is padded
         to whole batch shards; row i of block k's prompt j draws the stream of row (k * B / blocks
@@ -317,6 +321,7 @@ class RefillSampler:
         while self.shrink and sizes[-1] > 1:
             sizes.append(sizes[-1] // 2)
         live = np.zeros((slots,), np.bool_)
+        admitted = generated = 0  # rows admitted and tokens made so far (`progress`)
         while True:
             if pages is not None:  # free slots and pages
                 admit = pages.admit()
@@ -350,10 +355,15 @@ class RefillSampler:
             at = sizes.index(per_shard) + 1
             smaller = sizes[at] if need == 0 and at < len(sizes) else -1
             decode = self._program("decode", slots, rows, cache_len, g_len, mode, num_eos)
-            state, live_dev, steps = decode(prepared, state, put(refillable),
+            state, live_dev, steps, made = decode(prepared, state, put(refillable),
                                             jnp.int32(max(need, 1)), jnp.int32(smaller),
                                             max_steps, decoding, table, keep)
             live, steps = _replicated_to_host(live_dev), int(_replicated_to_host(steps))
+            # Each admitted row's first token comes from its insert, the others from decode calls.
+            admitted += len(admit)
+            generated += len(admit) + int(_replicated_to_host(made))
+            if progress is not None:
+                progress(admitted - int(live.sum()), generated)
             if pages is not None:
                 pages.advance(live, steps)
             run.decode_calls += 1
@@ -623,10 +633,12 @@ class RefillSampler:
     def _decode_steps(self, prepared: Params, state: RefillState, refillable: jax.Array,
                       need: jax.Array, stop_live: jax.Array, max_steps: jax.Array,
                       decoding: Decoding, table: jax.Array | None, keep: jax.Array | None, *,
-                      mode: SamplingMode) -> tuple[RefillState, jax.Array, jax.Array]:
+                      mode: SamplingMode
+                      ) -> tuple[RefillState, jax.Array, jax.Array, jax.Array]:
         """Decodes every live slot (`Engine.step`) until `need` slots with refillable[s] have
         finished, every batch shard has at most `stop_live` live slots (-1: never), no slot is
-        live, or `max_steps` steps ran. Returns (state, live bool[R], steps run). `prepared`
+        live, or `max_steps` steps ran. Returns (state, live bool[R], steps run, tokens made:
+        i32, summed over the slots), every process reading the last three. `prepared`
         are `Engine.prepare`'s output. A compressed cache records every step's queries and
         compresses each slot due at its own step. A paged cache takes the host's page table
         (`table`, possibly only as wide as the pages held) for the loop and stops the slots whose
@@ -661,7 +673,8 @@ class RefillSampler:
         # too, which the compiler would otherwise give the replicated copy's sharding: the next
         # insert of a seen shape compiled again).
         live = e.sharding.replicated(slots.live)
-        return self._constrain(state.replace(slots=slots)), live, steps
+        made = jnp.sum(slots.step - state.slots.step, dtype=jnp.int32)
+        return self._constrain(state.replace(slots=slots)), live, steps, made
 
 
 def _cache_length(state: RefillState) -> int:

@@ -45,6 +45,7 @@ from qurl_jax.sampling._distributions import SamplingMode
 from qurl_jax.sampling._engine import DecodeState, Engine
 from qurl_jax.sampling._host import (
     Params,
+    ProgressFn,
     abstract_outputs,
     assemble,
     assemble_local,
@@ -80,7 +81,8 @@ class Sampler:
         return len(self._programs)
 
     def sample(self, params: Params, prompts: Sequence[Sequence[int]], settings: SamplingParams,
-               *, key: jax.Array, n: int = 1, process_local: bool = False) -> SampleOutput:
+               *, key: jax.Array, n: int = 1, process_local: bool = False,
+               progress: ProgressFn | None = None) -> SampleOutput:
         """Samples `n` responses for each prompt.
 
         Args:
@@ -97,6 +99,8 @@ class Sampler:
             with the whole batch (the prompt bucket is agreed over the processes and row i of the
             global batch keeps its key). Without a mesh spanning several processes it is a plain
             call.
+          progress: called as `progress(rows finished, tokens generated)` after each chunk has
+            finished (this process's rows), the last time with all of them.
         """
         e = self.engine
         block, blocks = 0, 1
@@ -130,6 +134,14 @@ class Sampler:
         rows = local_group * n
         prepared = self._prepare(params)
         chunks = []
+        done = [0, 0]  # rows and tokens of the chunks known to have finished (`progress`)
+
+        def finished(chunk: dict[str, jax.Array]) -> None:
+            if progress is not None:
+                done[0] = min(done[0] + rows, b * n)
+                done[1] += int(np.asarray(jnp.sum(chunk["lengths"])))
+                progress(*done)
+
         # Dispatched one chunk ahead: chunk c goes out once chunk c - 2 has finished, so one chunk
         # runs while the next is dispatched. Unbounded run-ahead hung every two-process CPU run
         # with 32 chunks (docs/scaling.md, "Failures"): XLA's CPU client admits 32 programs in
@@ -138,11 +150,14 @@ class Sampler:
         for c in range(num_chunks):
             if c >= 2:
                 jax.block_until_ready(chunks[c - 2])
+                finished(chunks[c - 2])
             prompt_rows = slice(c * local_group, (c + 1) * local_group)
             logits, cache = prefill(params, put(tokens[prompt_rows]), put(mask[prompt_rows]))
             response, _ = decode(prepared, cache, logits,
                                  put(row_ids[c * rows:(c + 1) * rows]), decoding, limit)
             chunks.append(response)
+        for chunk in chunks[max(num_chunks - 2, 0):]:
+            finished(chunk)
         if blocks > 1:
             return self._local_output(chunks, tokens[:b], mask[:b], b * n, n, settings)
         out = {name: _concat_rows([r[name] for r in chunks]) for name in SampleOutput.PER_ROW}

@@ -106,17 +106,26 @@ def build_rollout_sampler(model_config: ModelConfig, dot_general: DotGeneral,
 
 def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettings,
                        compressed: bool = False, dot_general: DotGeneral = jax.lax.dot_general,
-                       **engine_kwargs: Any) -> Sampler:
-    """The run's evaluation sampler: full precision, static, as many concurrent rows and the same
-    decode attention as the rollouts; its KV cache dense (Sparse-RL's compression applies to the
-    rollout actor), or with `compressed` the rollout's `kv_policy` (`eval.kv_cache='rollout'`:
-    the model under sparse inference); `dot_general` the model's product hook (a LoRA run's reads
-    its frozen base and adapters)."""
+                       **engine_kwargs: Any) -> Sampler | RefillSampler:
+    """The run's evaluation sampler: full precision (an 8-bit cache applies to the rollout actor
+    only), as many concurrent rows and the same decode attention as the rollouts; its KV cache
+    dense (Sparse-RL's compression applies to the rollout actor), or with `compressed` the
+    rollout's `kv_policy` (`eval.kv_cache='rollout'`: the model under sparse inference);
+    `dot_general` the model's product hook (a LoRA run's reads its frozen base and adapters).
+    With `max_concurrent_rows` set, an evaluation's rows (every problem's samples) wait for
+    slots, so they are refilled (`RefillSampler`: the static sampler's tokens, without a chunk
+    decoding until its longest row ends), without shrinking the slots at the end: a run
+    evaluates twice, and each smaller slot count adds a decode and a gather program per sampling
+    mode (a SmolLM2-135M decode program compiled in 6 s at load 12) for the few dozen steps per
+    pass its last rows run. Otherwise every row is decoded at once by the static `Sampler`."""
     kv_policy = settings.kv_policy if compressed else None
-    return Sampler(model_config, dot_general,
-                   max_concurrent_rows=settings.max_concurrent_rows,
-                   decode_attention=settings.decode_attention, kv_policy=kv_policy,
-                   **engine_kwargs)
+    if settings.max_concurrent_rows:
+        return RefillSampler(model_config, dot_general,
+                             max_concurrent_rows=settings.max_concurrent_rows, shrink=False,
+                             decode_attention=settings.decode_attention, kv_policy=kv_policy,
+                             **engine_kwargs)
+    return Sampler(model_config, dot_general, decode_attention=settings.decode_attention,
+                   kv_policy=kv_policy, **engine_kwargs)
 
 
 def samples_per_call(sampler: Any, n: int) -> int:

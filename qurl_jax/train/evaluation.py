@@ -101,7 +101,7 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
     from qurl_jax.runtime import paths
     from qurl_jax.runtime.errors import ConfigError, WorkdirError
     from qurl_jax.sampling.factory import build_eval_sampler
-    from qurl_jax.train.tasks import build_model_and_task, model_config_for
+    from qurl_jax.train.tasks import build_model_and_task, model_config_for, result_line
     from qurl_jax.train.trainer import Stream, stream_key
 
     if eval_files is not None:
@@ -141,6 +141,7 @@ def evaluate_run(config: Any, workdir: str, step: int | None = None,
             pad_id=task.pad_id, mesh=mesh, compressed=c.eval.kv_cache == "rollout", **hook)
         metrics = task.evaluate(sampler, params, settings.eval,
                                 stream_key(c.seed, Stream.EVAL, step))
+        logging.info("evaluation at step %d: %s", step, result_line(metrics))
     finally:
         task.close()
     out_dir = os.path.join(workdir, EVAL_DIR)

@@ -54,10 +54,11 @@ from qurl_jax.data.tokenizer import build_char_tokenizer
 from qurl_jax.models import ModelConfig
 from qurl_jax.models.gguf import config_from_gguf, load_gguf, load_gguf_tokenizer
 from qurl_jax.models.hf import config_from_hf, load_hf, load_tokenizer, save_hf
-from qurl_jax.parallel.distributed import to_host
+from qurl_jax.parallel.distributed import is_primary, to_host
 from qurl_jax.runtime import paths
 from qurl_jax.runtime.errors import DataError
-from qurl_jax.sampling import FinishReason, Sampler
+from qurl_jax.runtime.progress import Progress
+from qurl_jax.sampling import FinishReason, RefillSampler, Sampler
 from qurl_jax.sampling.factory import samples_per_call
 from qurl_jax.train.warm_start import tiny_model_config, tiny_policy
 
@@ -174,23 +175,34 @@ class Task:
     def has_eval(self) -> bool:
         return bool(self.eval_sets)
 
-    def evaluate(self, sampler: Sampler, params: Any, e: EvalSettings, key: jax.Array
-                 ) -> dict[str, float]:
+    def evaluate(self, sampler: Sampler | RefillSampler, params: Any, e: EvalSettings,
+                 key: jax.Array, *, bar: bool = True) -> dict[str, float]:
         """Avg@k and Pass@k (sampled at `e.temperature`) per eval set, plus greedy accuracy and
-        the share of greedy responses cut off at `e.max_new_tokens` (`greedy_truncated`)."""
+        the share of greedy responses cut off at `e.max_new_tokens` (`greedy_truncated`).
+
+        Each pass over a set (k samples per problem, then greedy) shows its progress
+        (`runtime.progress.Progress`: problems done, tokens/s, time left; a bar on a terminal
+        when `bar`, else a line at least every 30 s), on process 0 only."""
         calls = iter(range(1 << 30))
         cut = [0, 0]  # greedy responses cut off at e.max_new_tokens, greedy responses
 
-        def generate_fn(prompts: list[str], n: int, greedy: bool = False) -> list[list[str]]:
+        def generate_fn(prompts: list[str], n: int, greedy: bool = False,
+                        report: Progress | None = None) -> list[list[str]]:
             ids = [list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
             # Rounds of m samples per prompt when the sampler's chunk cannot hold n on every
             # replica (eval.k x replicas > rollout.max_concurrent_rows); one call otherwise.
             m = samples_per_call(sampler, n)
             out_texts: list[list[str]] = [[] for _ in prompts]
-            for _ in range(n // m):
+            made = 0  # tokens of the finished rounds
+            for r in range(n // m):
+                def progress(rows: int, tokens: int, r: int = r, made: int = made) -> None:
+                    report.update((r * len(prompts) * m + rows) // n, made + tokens)
+
                 out = sampler.sample(params, ids, e.sampling(self.eos_ids, greedy),
-                                     key=jax.random.fold_in(key, next(calls)), n=m)
+                                     key=jax.random.fold_in(key, next(calls)), n=m,
+                                     progress=progress if report is not None else None)
                 out = to_host(out)  # the whole batch, also from other processes' devices
+                made += int(np.asarray(out.lengths).sum())
                 texts = self.decode(out.tokens, out.mask)
                 if greedy:
                     reasons = np.asarray(out.finish_reason)
@@ -200,18 +212,26 @@ class Task:
                     out_texts[i].extend(texts[i * m:(i + 1) * m])
             return out_texts
 
+        def run(name: str, examples: list[MathExample], k: int, greedy: bool) -> dict[str, float]:
+            what = "greedy" if greedy else f"{k} samples at T={e.temperature:g}"
+            report = Progress(f"eval {name}, {what}", len(examples), "problems", bar=bar,
+                              enabled=is_primary())
+            generate = functools.partial(generate_fn, greedy=greedy, report=report)
+            try:
+                return evaluate_examples(generate, examples, self.reward, k=k,
+                                         prompt_fn=self.prompt_text, answer_fn=self.answer_of)
+            finally:
+                report.close()
+
         metrics: dict[str, float] = {}
         for name, examples in self.eval_sets.items():
             if e.max_examples:
                 examples = examples[: e.max_examples]
-            if not e.greedy:
-                sampled = evaluate_examples(generate_fn, examples, self.reward, k=e.k,
-                                            prompt_fn=self.prompt_text, answer_fn=self.answer_of)
+            if not e.greedy_only:
+                sampled = run(name, examples, e.k, greedy=False)
                 metrics.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in sampled.items()
                                 if k.startswith("all/")})
-            greedy = evaluate_examples(functools.partial(generate_fn, greedy=True), examples,
-                                       self.reward, k=1, prompt_fn=self.prompt_text,
-                                       answer_fn=self.answer_of)
+            greedy = run(name, examples, 1, greedy=True)
             metrics[f"{name}/greedy_acc"] = greedy["all/avg@1"]
             metrics[f"{name}/greedy_truncated"] = cut[0] / max(cut[1], 1)
             cut[:] = [0, 0]
@@ -223,6 +243,22 @@ class Task:
 
     def close(self) -> None:
         self.reward.close()
+
+
+def result_line(metrics: dict[str, float]) -> str:
+    """`Task.evaluate`'s metrics in one line, per evaluation set: greedy accuracy, Avg@k and
+    Pass@k (when sampled), the share of greedy answers cut off at the length limit, problems."""
+    parts = []
+    for name in dict.fromkeys(k.split("/", 1)[0] for k in metrics):
+        m = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"{name}/")}
+        fields = [f"greedy {m['greedy_acc']:.1%}"] if "greedy_acc" in m else []
+        fields += [f"{k} {v:.1%}" for k, v in m.items() if k.startswith(("avg@", "pass@"))]
+        if "greedy_truncated" in m:
+            fields.append(f"greedy cut off {m['greedy_truncated']:.1%}")
+        if "num_examples" in m:
+            fields.append(f"{m['num_examples']:.0f} problems")
+        parts.append(f"{name}: " + ", ".join(fields))
+    return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------ building
@@ -359,6 +395,8 @@ def build_model_and_task(s: RunSettings, workdir: str,
     `s.seed`."""
     train, eval_sets, template = task_examples(s)
     data, model = s.data, s.model
+    if model.source != "tiny":
+        logging.info("loading the model's weights and tokenizer from %s", model.path)
     if model.source == "hf":
         model_config, params = load_hf(model.path)
         model_config = model_config.replace(dtype=model.dtype)

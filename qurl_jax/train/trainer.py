@@ -34,6 +34,7 @@ import enum
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import jax
@@ -46,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qurl_jax import lora, quant
 from qurl_jax.config import run_config
 from qurl_jax.config.base import resolve
+from qurl_jax.cpu_kernels import decode_attention as cpu_attention
 from qurl_jax.data import reward_hook
 from qurl_jax.learner import packing
 from qurl_jax.lora import peft
@@ -69,11 +71,17 @@ from qurl_jax.runtime.metrics import (
     rollout_share,
     to_floats,
 )
+from qurl_jax.runtime.progress import clock
 from qurl_jax.sampling import SamplingParams
 from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
 from qurl_jax.train.preemption import PreemptionGuard
 from qurl_jax.train.rollout import Rollout, regenerate_groups
-from qurl_jax.train.tasks import build_model_and_task, check_task_data, model_config_for
+from qurl_jax.train.tasks import (
+    build_model_and_task,
+    check_task_data,
+    model_config_for,
+    result_line,
+)
 
 # Per-step metrics averaged over the run for the end-of-run summary.
 SUMMARY_KEYS = ("time/rollout_share", "time/step_s", "rollout/tokens_per_s", "rollout/reward_mean",
@@ -146,8 +154,15 @@ class Trainer:
         # pi_prox: a separate log-prob pass, or the update's own forward (`learner.prox`).
         self.prox = self.settings.prox
         logging.info("%s", self.prox.describe())
+        if s.train.share_prompts > 1:
+            logging.info("learner: each prompt runs once for its %d samples, their responses "
+                         "attending to it (train.share_prompts)", s.train.share_prompts)
         if targets.platform_of(self.mesh) == "cpu":
             logging.info("%s", xla_cpu.describe(s.train.cpu_dots))
+            logging.info("CPU kernels (%s=%s): int8 products %s, decode attention %s",
+                         xla_cpu.ISA_ENV, xla_cpu.isa_cap(),
+                         quant.int8_kernel_isa() or "off (XLA's)",
+                         cpu_attention.kernel_isa() or "off (XLA's)")
         check_task_data(self.settings)  # the data files and prompt lengths, before any write
         for warning in resolved.warnings:
             logging.warning("%s", warning)
@@ -197,7 +212,8 @@ class Trainer:
         kv = sampler_settings.kv_precision
         logging.info("rollout sampler: %s, %s concurrent rows%s, %s KV cache%s",
                      type(self.sampler).__name__, s.rollout.sampler.max_concurrent_rows or "all",
-                     pool, kv.value,
+                     pool, kv.value if kv.quantizes else  # 'bf16' means the compute dtype
+                     f"{jnp.dtype(self.model_config.compute_dtype).name} (the compute dtype)",
                      f" (a scale per {sampler_settings.kv_scale.value})" if kv.quantizes else "")
         self.eval_sampler = build_eval_sampler(
             self.model_config, sampler_settings, s.eval.kv_cache == "rollout", **engine_kwargs,
@@ -241,6 +257,10 @@ class Trainer:
         # `qurl_jax.parallel.program_check`).
         self.watchdog: Any = None
         self.program_check: Any = None
+        # Set by `python -m qurl_jax.main` on process 0 (`qurl_jax.runtime.progress.Heartbeat`):
+        # told what the run is doing, it logs a line when nothing else was logged for 50 s.
+        self.heartbeat: Any = None
+        self._evaluations: list[float] = []  # seconds of this process's evaluations
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -398,7 +418,7 @@ class Trainer:
     # --------------------------------------------------------------------------------------- step
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics (already written to metrics.jsonl)."""
-        timer = PhaseTimer(self.watchdog)
+        timer = PhaseTimer(self.watchdog, _StepPhases(self.heartbeat, self.step_count + 1))
         compiled_before = compilation.compile_stats()
         if self.lora:
             with timer.phase("reshard"):  # the adapter to the rollout's replicas; nothing else
@@ -592,12 +612,31 @@ class Trainer:
         return np.asarray(dist.to_host(jnp.sum(batch["attn_mask"], axis=1))), self._blocks
 
     # ---------------------------------------------------------------------------------------- run
-    def evaluate(self, params: Any | None = None) -> dict[str, float]:
-        """Eval metrics of the full-precision policy on the task's evaluation sets."""
+    def evaluate(self, params: Any | None = None, when: str = "") -> dict[str, float]:
+        """Eval metrics of the full-precision policy on the task's evaluation sets. With `when`
+        ("before RL", ...) it logs a line as it starts and one with its results
+        (`tasks.result_line`); its progress shows as it runs (`Task.evaluate`)."""
+        e = self.settings.eval
+        if when:
+            sets = ", ".join(self.task.eval_sets)
+            what = "greedy" if e.greedy_only else f"{e.k} samples at T={e.temperature:g} and greedy"
+            logging.info("evaluation %s on %s: %s, up to %d tokens%s", when, sets, what,
+                         e.max_new_tokens, "" if self._evaluations else
+                         " (the first call of each kind compiles its programs)")
+            if self.heartbeat is not None:
+                self.heartbeat.doing(f"evaluation {when}")
+        start, compiled = time.monotonic(), compilation.compile_stats()
         with self._watch("eval"):
             params = self._eval_policy(self.params if params is None else params)
-            return self.task.evaluate(self.eval_sampler, params, self.settings.eval,
-                                      self.key(Stream.EVAL))
+            metrics = self.task.evaluate(self.eval_sampler, params, e, self.key(Stream.EVAL),
+                                         bar=self.settings.loop.progress)
+        self._evaluations.append(time.monotonic() - start)
+        if when:
+            new = compilation.compile_stats().since(compiled)
+            logging.info("evaluation %s (%s%s): %s", when, clock(self._evaluations[-1]),
+                         f", {new.seconds:.0f} s of it compiling {new.programs} programs"
+                         if new.programs else "", result_line(metrics))
+        return metrics
 
     def _watch(self, phase: str) -> Any:
         """The stall watchdog's mark around a phase outside `step` (none without one)."""
@@ -658,13 +697,20 @@ class Trainer:
         total = s.loop.num_steps if num_steps is None else num_steps
         summary: dict[str, Any] = {"start_step": self.step_count}
         if self.step_count == 0 and self.task.has_eval and s.loop.eval_before:
-            summary["eval_before"] = self.evaluate()
+            summary["eval_before"] = self.evaluate(when="before RL")
             self._write_eval(summary["eval_before"])
         elif self.step_count and self.task.has_eval and dist.is_primary():  # resumed: step 0's
             summary["eval_before"] = eval_at(read_metrics(self.workdir), 0)
-        progress = _Progress(total, self.step_count, bar=s.loop.progress and dist.is_primary())
+        progress = _Progress(total, self.step_count, bar=s.loop.progress and dist.is_primary(),
+                             final_eval=self._final_eval_s())
+        if self.heartbeat is not None:
+            self.heartbeat.status = progress.left
+        if self.step_count < total:
+            logging.info("step %d/%d compiles its programs as it runs (rollout, log-probs, "
+                         "update); later steps reuse them", self.step_count + 1, total)
         stopped = None
         while self.step_count < total:
+            started = time.monotonic()
             metrics = self.step()
             if preemption is not None:  # compiled: from here a signal finishes its step
                 preemption.at_steps = True
@@ -673,7 +719,7 @@ class Trainer:
                     self.program_check.compare(self.step_count)
             if self.watchdog:
                 self.watchdog.step_done(self.step_count)
-            progress.update(self.step_count, metrics)
+            progress.update(self.step_count, metrics, time.monotonic() - started)
             # Every step, on every process: in a multi-process run this is a collective point.
             preempted = preemption is not None and preemption.reached(self.step_count)
             if self._bad_steps:
@@ -696,7 +742,7 @@ class Trainer:
                 self._save()
             if s.loop.eval_every and self.step_count % s.loop.eval_every == 0 \
                     and self.step_count < total:
-                self._write_eval(self.evaluate())
+                self._write_eval(self.evaluate(when=f"at step {self.step_count}"))
         progress.close()
         if preemption is not None:  # evaluation, speed check: a signal stops them at once
             preemption.at_steps = False
@@ -718,7 +764,7 @@ class Trainer:
             if dist.is_primary():
                 summary["eval_after"] = eval_at(read_metrics(self.workdir), self.step_count)
         elif self.task.has_eval:
-            summary["eval_after"] = self.evaluate()
+            summary["eval_after"] = self.evaluate(when="after RL")
             self._write_eval(summary["eval_after"])
         steps = [r for r in read_metrics(self.workdir) if "time/rollout_share" in r] \
             if dist.is_primary() else []
@@ -744,6 +790,13 @@ class Trainer:
             summary["plots"] = self._write_plots()
         summary["compile"] = compilation.compile_stats().since(self._compiled_before).metrics("")
         return summary
+
+    def _final_eval_s(self) -> float:
+        """Seconds the evaluation after RL is expected to take: the last evaluation's (0 without
+        evaluation sets, NaN before any has run)."""
+        if not self.task.has_eval:
+            return 0.0
+        return self._evaluations[-1] if self._evaluations else math.nan
 
     def _evaluated(self, start_step: int) -> bool:
         """Whether the run resumed at its last step and metrics.jsonl already has that step's
@@ -774,15 +827,38 @@ class Trainer:
         return paths
 
 
+class _StepPhases:
+    """Tells the heartbeat which phase of which step is running (a `PhaseTimer` listener)."""
+
+    def __init__(self, heartbeat: Any, step: int) -> None:
+        self.heartbeat, self.step = heartbeat, step
+
+    def enter(self, name: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.doing(f"step {self.step}: {name}")
+
+    def leave(self, name: str) -> None:
+        del name
+
+
 class _Progress:
     """A tqdm bar on a terminal; otherwise (a log file, a pod's log, or `bar=False`) one plain
-    status line every `every` steps and at the last step, so a redirected run's log holds
-    readable lines instead of hundreds of carriage-return bar frames."""
+    status line every `every` steps, at the last step and after any step that ends 30 s or more
+    after the last line, so a redirected run's log holds readable lines instead of hundreds of
+    carriage-return bar frames. Every line carries the step's seconds and the run's time left
+    (`left`): the steps still to run at the mean of the last five (the first step of a process,
+    which compiles, only while it is the only one) plus `final_eval` seconds for the evaluation
+    after RL (NaN: not known yet)."""
 
-    def __init__(self, total: int, start: int, bar: bool, stream: Any = None) -> None:
+    def __init__(self, total: int, start: int, bar: bool, stream: Any = None,
+                 final_eval: float = 0.0) -> None:
         stream = sys.stderr if stream is None else stream  # where tqdm draws
         self._total = total
+        self._step = start
         self._every = max(1, (total - start) // 20)
+        self._final_eval = final_eval
+        self._seconds: list[float] = []
+        self._printed = time.monotonic()
         self._bar = None
         if bar and stream.isatty():
             from tqdm import tqdm
@@ -798,12 +874,29 @@ class _Progress:
                 f"kl(b|p) {m.get('kl_behav_prox_k3', math.nan):.2e} "
                 f"rollout {m.get('time/rollout_share', math.nan):.0%}")
 
-    def update(self, step: int, m: dict[str, float]) -> None:
+    def left(self) -> str:
+        """The run's time left, as a phrase ('' before the first step has ended)."""
+        if not self._seconds:
+            return ""
+        recent = self._seconds[1:][-5:] or self._seconds
+        steps = (self._total - self._step) * sum(recent) / len(recent)
+        if math.isnan(self._final_eval):
+            return f"about {clock(steps)} left in the run, and the evaluation after RL"
+        return f"about {clock(steps + self._final_eval)} left in the run"
+
+    def update(self, step: int, m: dict[str, float], seconds: float = math.nan) -> None:
+        self._step = step
+        if math.isfinite(seconds):
+            self._seconds.append(seconds)
         if self._bar is not None:
             self._bar.set_postfix_str(self.line(m))
             self._bar.update(step - self._bar.n)
-        elif step % self._every == 0 or step == self._total:
-            logging.info("step %d/%d: %s", step, self._total, self.line(m))
+        elif step % self._every == 0 or step == self._total or \
+                time.monotonic() - self._printed >= 30:
+            self._printed = time.monotonic()
+            left = self.left()
+            logging.info("step %d/%d: %.1f s, %s%s", step, self._total, seconds, self.line(m),
+                         f"; {left}" if left else "")
 
     def close(self) -> None:
         if self._bar is not None:
