@@ -52,11 +52,10 @@ def get_config():
     c.rl.agg = "seq_mean_token_mean"
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 1
-    # The learner runs each prompt once for its 8 samples (train.share_prompts), in rows of 512
-    # tokens that hold a prompt and several responses; 4 micro-batches of 2 groups each.
-    c.train.share_prompts = "auto"
-    c.train.pack_length = 512
-    c.rl.num_micro_batches = 4
+    # 8 rows of 224 tokens: the update fits a few GB of host memory. (`train.share_prompts`, each
+    # prompt once for its 8 samples in rows of 512, was slower here, 45 against 32 s a step, and
+    # its run's responses grew to the 96-token limit: docs/performance.md.)
+    c.rl.num_micro_batches = 8
     c.train.logprob_chunk = 128
     c.optim.learning_rate = 2e-5
     c.optim.warmup_steps = 0
