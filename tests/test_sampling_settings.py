@@ -63,11 +63,13 @@ def test_factory_picks_the_rollout_sampler(tiny_model_config, refill, rows, slot
                                     max_new_tokens=16)
     assert type(sampler) is kind and sampler.max_concurrent_rows == slots
     assert sampler.engine.kv_policy.compresses
+    # The evaluation refills its rows whenever the rollout caps its concurrent rows.
+    eval_kind = RefillSampler if slots else Sampler
     evaluation = build_eval_sampler(cfg, settings, max_prompt_len=16, max_new_tokens=16)
-    assert type(evaluation) is Sampler and not evaluation.engine.kv_policy.compresses
+    assert type(evaluation) is eval_kind and not evaluation.engine.kv_policy.compresses
     # eval.kv_cache='rollout': the policy under the rollout's compressed cache.
     compressed = build_eval_sampler(cfg, settings, True, max_prompt_len=16, max_new_tokens=16)
-    assert type(compressed) is Sampler and compressed.engine.kv_policy == settings.kv_policy
+    assert type(compressed) is eval_kind and compressed.engine.kv_policy == settings.kv_policy
 
 
 def test_factory_settings_reject_an_unknown_refill_mode() -> None:
