@@ -9,7 +9,7 @@ quantization. Only the adapters (float32, 4.9M parameters) and their AdamW state
 the rollout and are checkpointed. The learning rate is LoRA's usual 10x the full fine-tune's
 (alpha / rank = 2); 30 steps instead of 40 keep the run within 40 minutes on a
 loaded 2-core CPU. The evaluation samples the adapters on the base read weight-only, greedy only
-(the goal's figure; Avg@4 doubles its time: `--config.eval.greedy=False`).
+(the goal's figure; Avg@4 doubles its time: `--config.eval.greedy_only=False`).
 
     python -m qurl_jax.main --config=configs/smollm2_135m_word_lora.py --workdir=/tmp/word_lora \
         --export_hf=/tmp/word_lora/hf   # + the PEFT adapter in /tmp/word_lora/hf/lora_adapter
@@ -29,5 +29,5 @@ def get_config():
     c.model.lora.base_precision = "int8"
     c.optim.learning_rate = 2e-4
     c.train.num_steps = 30
-    c.eval.greedy = True
+    c.eval.greedy_only = True
     return c
