@@ -118,14 +118,11 @@ def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettin
     evaluates twice, and each smaller slot count adds a decode and a gather program per sampling
     mode (a SmolLM2-135M decode program compiled in 6 s at load 12) for the few dozen steps per
     pass its last rows run. Otherwise every row is decoded at once by the static `Sampler`."""
-    kv_policy = settings.kv_policy if compressed else None
-    if settings.max_concurrent_rows:
-        return RefillSampler(model_config, dot_general,
-                             max_concurrent_rows=settings.max_concurrent_rows, shrink=False,
-                             decode_attention=settings.decode_attention, kv_policy=kv_policy,
-                             **engine_kwargs)
-    return Sampler(model_config, dot_general, decode_attention=settings.decode_attention,
-                   kv_policy=kv_policy, **engine_kwargs)
+    refills = bool(settings.max_concurrent_rows)
+    kind, extra = (RefillSampler, {"shrink": False}) if refills else (Sampler, {})
+    return kind(model_config, dot_general, max_concurrent_rows=settings.max_concurrent_rows,
+                decode_attention=settings.decode_attention,
+                kv_policy=settings.kv_policy if compressed else None, **extra, **engine_kwargs)
 
 
 def samples_per_call(sampler: Any, n: int) -> int:
