@@ -314,19 +314,20 @@ def test_each_program_compiles_once_on_a_mesh(qwen, monkeypatch) -> None:
     sharded = shard_params(params, param_logical_axes(cfg), mesh)
     refill = RefillSampler(cfg, max_prompt_len=16, max_new_tokens=16, mesh=mesh,
                            max_concurrent_rows=8, shrink=False)
-    traced = {"init": 0, "insert": 0, "decode": 0}
-    for kind, name in (("init", "_init_state"), ("insert", "_insert_rows"),
-                       ("decode", "_decode_steps")):
-        original = getattr(refill, name)
+    traced = {"init": 0, "insert": 0, "decode": 0, "finish": 0}
+    for kind, owner, name in (("init", refill, "_init_state"), ("insert", refill, "_insert_rows"),
+                              ("decode", refill, "_decode_steps"),
+                              ("finish", refill.engine, "finish")):
+        original = getattr(owner, name)
 
         def counting(*args, _fn=original, _kind=kind, **kwargs):
             traced[_kind] += 1
             return _fn(*args, **kwargs)
-        monkeypatch.setattr(refill, name, counting)
+        monkeypatch.setattr(owner, name, counting)
     refill.sample(sharded, PROMPTS6 + [[4, 4]], SamplingParams(max_new_tokens=6, greedy=True),
                   key=jax.random.key(0), n=2)
     assert refill.last_run.inserts == 2 and refill.num_insert_programs == 1
-    assert traced == {"init": 1, "insert": 1, "decode": 1}, traced
+    assert traced == {"init": 1, "insert": 1, "decode": 1, "finish": 1}, traced
 
 
 def test_bad_arguments_raise(qwen) -> None:
