@@ -119,10 +119,12 @@ def build_eval_sampler(model_config: ModelConfig, settings: RolloutSamplerSettin
     mode (a SmolLM2-135M decode program compiled in 6 s at load 12) for the few dozen steps per
     pass its last rows run. Otherwise every row is decoded at once by the static `Sampler`."""
     refills = bool(settings.max_concurrent_rows)
-    kind, extra = (RefillSampler, {"shrink": False}) if refills else (Sampler, {})
+    if refills:
+        engine_kwargs = {**engine_kwargs, "shrink": False}
+    kind = RefillSampler if refills else Sampler
     return kind(model_config, dot_general, max_concurrent_rows=settings.max_concurrent_rows,
                 decode_attention=settings.decode_attention,
-                kv_policy=settings.kv_policy if compressed else None, **extra, **engine_kwargs)
+                kv_policy=settings.kv_policy if compressed else None, **engine_kwargs)
 
 
 def samples_per_call(sampler: Any, n: int) -> int:
