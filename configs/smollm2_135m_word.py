@@ -58,12 +58,17 @@ def get_config():
     c.rl.num_micro_batches = 8
     c.train.logprob_chunk = 128
     c.optim.learning_rate = 2e-5
-    c.optim.warmup_steps = 0
+    # A linear warm-up over the first 5 RL steps (one optimizer step each): without it a first
+    # full-size AdamW step on the few groups that hold a signal sent some runs' responses to the
+    # length limit (docs/performance.md, "The real-model run on AVX2 CPUs").
+    c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
     c.train.num_steps = 40
     c.train.checkpoint_every = 5
     c.train.keep_checkpoints = 1
+    # glibc's malloc arenas capped at 2: freed update buffers are reused, not kept per thread.
+    c.train.malloc_arenas = 2
     c.eval.files = (os.path.join(_DATA, "test.jsonl"),)
     c.eval.k = 4
     c.eval.temperature = 0.7  # Avg@4 at the rollout's temperature
