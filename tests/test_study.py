@@ -136,7 +136,7 @@ def test_study_rejects_bad_row_set_flags(tmp_path, args, message):
     assert not list(tmp_path.iterdir())
 
 
-def test_same_command_ignores_only_the_evaluation_before_rl():
+def test_same_command_ignores_the_evaluation_before_rl_and_how_the_config_is_named():
     from qurl_jax.study.runner import same_command
 
     a = ["python", "--config.seed=0", "--config.eval.before=True", "--config.rl.cap=2.0"]
@@ -144,6 +144,14 @@ def test_same_command_ignores_only_the_evaluation_before_rl():
                             "--config.rl.cap=2.0"])
     assert not same_command(a, ["python", "--config.seed=1", "--config.eval.before=True",
                                 "--config.rl.cap=2.0"])
+    # The config named relative to the repository root or by its absolute path is one config.
+    from qurl_jax.runtime import paths
+    rel = ["python", "--config=configs/smollm2_135m_word_compare.py", "--config.seed=0"]
+    absolute = ["python", f"--config={paths.REPO_ROOT}/configs/smollm2_135m_word_compare.py",
+                "--config.seed=0"]
+    assert same_command(rel, absolute)
+    assert not same_command(rel, ["python", "--config=configs/smollm2_135m_word.py",
+                                  "--config.seed=0"])
 
 
 def test_run_all_takes_the_lock_per_job_and_follows_prerequisites(tmp_path):

@@ -424,9 +424,13 @@ def eval_marker(policy: str) -> str:
 
 def same_command(a: Sequence[str], b: Sequence[str]) -> bool:
     """Whether two runs' commands make the same run: equal but for `eval.before` (the first run
-    of each invocation evaluates before RL, so a run another row set made is reused)."""
+    of each invocation evaluates before RL, so a run another row set made is reused) and for how
+    the config file is named (`--rows` names it by its absolute path, `--config=` as typed; a
+    relative path is read from the repository root, where the study's commands run)."""
     def strip(c: Sequence[str]) -> list[str]:
-        return [x for x in c if not x.startswith("--config.eval.before=")]
+        return [f"--config={os.path.realpath(os.path.join(paths.REPO_ROOT, x[9:]))}"
+                if x.startswith("--config=") else x
+                for x in c if not x.startswith("--config.eval.before=")]
 
     return strip(a) == strip(b)
 
