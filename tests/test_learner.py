@@ -120,6 +120,28 @@ def test_micro_batch_accumulation_matches_full_batch_when_token_counts_differ(ag
         np.testing.assert_allclose(full[1]["clipfrac"], acc[1]["clipfrac"], atol=1e-6)
 
 
+def test_micro_batch_shares_of_valid_sequences_count_a_fully_vetoed_micro_batch():
+    # Sparse-RL vetoes every sequence of the first micro-batch (the even rows): it keeps nothing,
+    # so its loss weight is 0; the shares of valid sequences and tokens must still count it.
+    params = init_params(CFG, jax.random.key(4))
+    batch = _batch(4)
+    mesh = shd.make_mesh()
+    objective = ObjectiveConfig(mode="sparse_rl", veto_tau=0.5)
+    prox = _learner(mesh, objective=objective).logprobs(params, batch)
+    behav = np.array(prox)
+    behav[0::2] = 0.0  # w = pi_prox / pi_behav < 0.5 on every token: vetoed
+    batch["logp_behav"] = jnp.asarray(behav)
+    full = _one_update(_learner(mesh, objective=objective), params, batch)[1]
+    acc = _one_update(_learner(mesh, num_micro_batches=2, objective=objective), params, batch)[1]
+    valid = np.asarray(batch["resp_mask"])
+    assert full["vetoed_seq_frac"] == acc["vetoed_seq_frac"] == 0.5
+    assert full["valid_sequences"] == acc["valid_sequences"] == B
+    np.testing.assert_allclose(acc["masked_token_frac"], valid[0::2].sum() / valid.sum(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(full["masked_token_frac"], acc["masked_token_frac"], rtol=1e-6)
+    np.testing.assert_allclose(full["truncated_frac"], acc["truncated_frac"], atol=1e-7)
+
+
 def test_nonfinite_loss_skips_update():
     params = init_params(CFG, jax.random.key(2))
     batch = _batch(2)

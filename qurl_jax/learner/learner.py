@@ -205,14 +205,20 @@ def merge_rows(x: jax.Array) -> jax.Array:
 
 
 # How a metric of `policy_loss` combines over micro-batches: counts (and Sparse-RL's `sparse/*`
-# counts) add up, extremes are extremes,
-# everything else is a mean weighted like the loss (`objectives.loss_weight`).
-_COUNT_METRICS = ("kept_tokens", "kept_sequences", "valid_tokens")
+# counts) add up, extremes are extremes, a share of the valid tokens or sequences is weighted by
+# that count (a micro-batch whose sequences were all vetoed keeps none, so a loss-weighted mean
+# would not count its vetoes), everything else is a mean weighted like the loss
+# (`objectives.loss_weight`).
+_COUNT_METRICS = ("kept_tokens", "kept_sequences", "valid_tokens", "valid_sequences")
+_VALID_SHARES = {"vetoed_seq_frac": "valid_sequences", "truncated_frac": "valid_tokens",
+                 "masked_token_frac": "valid_tokens"}
 
 
 def _metric_reduction(name: str) -> str:
     if name in _COUNT_METRICS or name.startswith("sparse/"):
         return "sum"
+    if name in _VALID_SHARES:
+        return "share"
     if name.endswith("_max"):
         return "max"
     if name.endswith("_min"):
@@ -235,6 +241,8 @@ def _accumulate_metrics(acc: dict[str, jax.Array], new: dict[str, jax.Array],
             out[k] = jnp.minimum(acc[k], v)
         elif how == "sum":
             out[k] = acc[k] + v
+        elif how == "share":
+            out[k] = acc[k] + new[_VALID_SHARES[k]] * v
         else:
             out[k] = acc[k] + weight * v
     return out
@@ -841,6 +849,8 @@ class Learner:
             loss, grads = loss * inv, jax.tree.map(lambda g: g * inv, grads)
             metrics = {k: v * inv if _metric_reduction(k) == "mean" else v
                        for k, v in metrics.items()}
+            metrics.update({k: v / jnp.maximum(metrics[_VALID_SHARES[k]], 1.0)
+                            for k, v in metrics.items() if k in _VALID_SHARES})
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)

@@ -545,9 +545,10 @@ def policy_loss(
       kl_loss, entropy, clipfrac, clipfrac_upper (A > 0, R above the upper bound), clipfrac_lower
       (A < 0, R below the lower bound), dual_clipfrac, ratio_mean, ratio_max, upper_bound_mean,
       truncated_frac (valid tokens whose weight hit the cap), masked_token_frac (valid tokens
-      removed by rejection or veto), vetoed_seq_frac, kept_tokens, kept_sequences, valid_tokens,
-      is_weight_mean/max/min and is_ess (applied weights over kept tokens; fractions are over kept
-      tokens too), and the raw pre-truncation statistics of
+      removed by rejection or veto), vetoed_seq_frac (valid sequences vetoed), kept_tokens,
+      kept_sequences, valid_tokens, valid_sequences, is_weight_mean/max/min and is_ess (applied
+      weights over kept tokens; the clip fractions are over kept tokens too), and the raw
+      pre-truncation statistics of
       `mismatch_metrics` (raw_is_weight_*, raw_is_ess, raw_is_chi2, kl_behav_prox_k1/k3,
       logp_gap_abs_mean/max) over all valid tokens; in TIS and ACR modes also
       acr/bound_frac and acr/grad_rel_diff (`acr_tis_gap`: where and how far the two modes'
@@ -633,6 +634,7 @@ def _policy_loss(
         "kept_tokens": n_keep,
         "kept_sequences": jnp.sum(jnp.any(keep, axis=-1), dtype=jnp.float32),
         "valid_tokens": n_valid,
+        "valid_sequences": jnp.sum(seqs, dtype=jnp.float32),
         "is_weight_mean": _masked_mean(terms.weight, keep),
         "is_weight_max": _masked_max(terms.weight, keep),
         "is_weight_min": _masked_min(terms.weight, keep),
