@@ -57,6 +57,11 @@ def get_config():
     # its run's responses grew to the 96-token limit: docs/performance.md.)
     c.rl.num_micro_batches = 8
     c.train.logprob_chunk = 128
+    # Layers rematerialised in a scan: the update's compiled plan peaks at 3.86 GiB instead of
+    # 6.83 (`python -m qurl_jax.bench.memory --programs=learner_update`), the activations of 30
+    # layers no longer held for the backward.
+    c.train.remat = "full"
+    c.train.scan_layers = True
     c.optim.learning_rate = 2e-5
     # A linear warm-up over the first 5 RL steps (one optimizer step each): without it a first
     # full-size AdamW step on the few groups that hold a signal sent some runs' responses to the
