@@ -52,6 +52,10 @@ def get_config():
     c.rl.agg = "seq_mean_token_mean"
     c.rl.advantage = "grpo"
     c.rl.num_minibatches = 1
+    # DAPO's soft overlong punishment over the last 32 of the 96 tokens: responses that drift
+    # toward the limit (which sent some runs' answers to it for good) cost reward, even in the
+    # groups where every answer is wrong.
+    c.rl.overlong_buffer = 32
     # 8 rows of 224 tokens: the update fits a few GB of host memory. (`train.share_prompts`, each
     # prompt once for its 8 samples in rows of 512, was slower here, 45 against 32 s a step, and
     # its run's responses grew to the 96-token limit: docs/performance.md.)

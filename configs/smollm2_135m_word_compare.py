@@ -22,7 +22,8 @@ _BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_135m_w
 def get_config():
     c = load_config_file(_BASE)
     c.eval.max_examples = 64
-    # The comparison's rows were all run without the single run's warm-up: kept so, one variable
-    # a row (docs/study.md gives the warm-up its own probe).
+    # The comparison's rows were all run without the single run's warm-up and overlong
+    # punishment: kept so, one variable a row (docs/study.md gives the warm-up its own probe).
     c.optim.warmup_steps = 0
+    c.rl.overlong_buffer = 0
     return c
