@@ -37,6 +37,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from qurl_jax.runtime import malloc
 from qurl_jax.runtime.errors import UserError
 
 # Sub-directory of the checkpoint directory that unreadable checkpoints are moved to.
@@ -150,6 +151,7 @@ class Checkpointer:
             force=force,
         )
         self._manager.wait_until_finished()
+        malloc.trim()  # the save's freed host buffers would stay resident beside the next step
         return saved
 
     def _saved_tensors(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
