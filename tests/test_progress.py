@@ -62,6 +62,27 @@ def test_heartbeat_speaks_only_when_the_log_is_silent():
         beat.stop()
 
 
+def test_heartbeat_is_not_silenced_by_lines_the_quiet_filter_drops():
+    # orbax logs dozens of INFO records on every checkpoint save, which the CLI's filter keeps out
+    # of its output (`runtime.quiet`): they must not count as lines, or the log goes silent for
+    # longer than the heartbeat's interval (61 s seen in a SmolLM2 run).
+    from qurl_jax.runtime import quiet
+
+    quiet.quiet_libraries()
+    said = []
+    beat = progress.Heartbeat(every_s=0.3, log=said.append).start()
+    try:
+        beat.doing("saving")
+        chatter = logging.getLogger("absl")
+        for _ in range(16):  # a record from orbax's source: filtered out, not a line
+            chatter.handle(chatter.makeRecord("absl", logging.INFO, "/site-packages/orbax/x.py",
+                                              1, "Renaming ...", (), None))
+            time.sleep(0.05)
+        assert said and said[0].startswith("saving: 0:00 so far"), said
+    finally:
+        beat.stop()
+
+
 def test_result_line_has_every_figure_of_an_evaluation():
     metrics = {"test/avg@4": 0.111, "test/pass@4": 0.32, "test/num_examples": 256.0,
                "test/greedy_acc": 0.203, "test/greedy_truncated": 0.141}

@@ -38,14 +38,17 @@ def clock(seconds: float) -> str:
 
 
 class _LastLine(std_logging.Handler):
-    """Remembers when the process last logged a line (INFO or above), for `Heartbeat`."""
+    """Remembers when the process last printed a line (INFO or above), for `Heartbeat`: a record
+    absl's handler drops (`runtime.quiet`: orbax's INFO lines, dozens on every checkpoint save)
+    is not a line, or a save would restart the silence's clock with nothing printed."""
 
     def __init__(self) -> None:
         super().__init__(std_logging.INFO)
         self.at = time.monotonic()
 
     def emit(self, record: std_logging.LogRecord) -> None:
-        self.at = time.monotonic()
+        if logging.get_absl_handler().filter(record):
+            self.at = time.monotonic()
 
 
 _LAST_LINE = _LastLine()
