@@ -38,6 +38,7 @@ RESUMABLE = (
     "model.path", "train.loggers", "train.wandb_project", "train.stall_timeout_s",
     "train.check_collectives", "train.packing", "train.pack_length",
     "train.tokens_per_micro_batch", "train.pack_buckets", "train.cpu_dots", "train.malloc_arenas",
+    "train.malloc_trim_steps",
     "rollout.tensor", "rollout.reshard_bucket_mib")
 
 

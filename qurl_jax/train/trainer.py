@@ -59,7 +59,7 @@ from qurl_jax.plan import memory_plan
 from qurl_jax.plan.rollout_speed import compare_rollout_speed
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
-from qurl_jax.runtime import compilation, report, xla_cpu
+from qurl_jax.runtime import compilation, malloc, report, xla_cpu
 from qurl_jax.runtime.checkpoint import Checkpointer
 from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.runtime.metrics import (
@@ -740,6 +740,8 @@ class Trainer:
                 break
             if self.checkpointer.should_save(self.step_count):
                 self._save()
+            elif s.loop.malloc_trim_steps:  # a save trims already
+                malloc.trim()
             if s.loop.eval_every and self.step_count % s.loop.eval_every == 0 \
                     and self.step_count < total:
                 self._write_eval(self.evaluate(when=f"at step {self.step_count}"))
