@@ -57,7 +57,15 @@ def test_quick_study_runs_two_variants_and_resumes(tmp_path):
     other = _study("--config=configs/chain_tiny.py", f"--out={out}", "--quick", "--steps=5",
                    "--variants=fp")
     assert other.returncode == 0, other.stderr[-3000:]  # --quick keeps its own 2 steps
-    changed = _study(f"--config={REPO}/configs/chain_tiny.py", f"--out={out}", "--quick")
+    # The same config file named by its absolute path (as --rows names it) is the same command.
+    same = _study(f"--config={REPO}/configs/chain_tiny.py", f"--out={out}", "--quick")
+    assert same.returncode == 0 and "[study] start" not in same.stdout, same.stderr[-3000:]
+    # Another config file (here one that loads the same settings) is not.
+    other_file = tmp_path / "chain_copy.py"
+    chain = os.path.join(REPO, "configs", "chain_tiny.py")
+    other_file.write_text("from qurl_jax.config.base import load_config_file\n\n\n"
+                          f"def get_config():\n    return load_config_file({chain!r})\n")
+    changed = _study(f"--config={other_file}", f"--out={out}", "--quick")
     assert changed.returncode == 1
     assert "finished runs made with other settings (fp_s0, int8_acr_s0)" in changed.stderr
 
