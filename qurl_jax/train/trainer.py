@@ -472,6 +472,8 @@ class Trainer:
         # unless the update program reports it (`RunSettings.capture_in_update`).
         old_params = (jax.tree.map(jnp.copy, self.params) if self.recipe.quantizes
                       and not self.lora and self.learner.update_capture is None else None)
+        if self.settings.loop.malloc_trim_steps:  # what the rollout freed, out of the update's way
+            malloc.trim()
         with timer.phase("update"):
             for k, v in self._update(batch, plan, prox_rows).items():
                 metrics[k] = metrics.get(k, 0.0) + v if k.startswith("sparse/") else v
@@ -740,7 +742,7 @@ class Trainer:
                 break
             if self.checkpointer.should_save(self.step_count):
                 self._save()
-            elif s.loop.malloc_trim_steps:  # a save trims already
+            elif s.loop.malloc_trim_steps:  # a save trims already (`step` trims before the update)
                 malloc.trim()
             if s.loop.eval_every and self.step_count % s.loop.eval_every == 0 \
                     and self.step_count < total:
