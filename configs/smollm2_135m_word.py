@@ -9,7 +9,7 @@ problems, seed 0, disjoint): one addition, subtraction, multiplication or divisi
 story; the verifier reads the response's final number (`final_number_reward`). GRPO with an INT8
 rollout actor and the ACR objective. Measured 2026-11-29 on a 2-core AMD EPYC (docs/performance.md,
 "The word run as shipped"): held-out greedy 20.3% -> 59.8% in 27:34 at a 7.9 GB peak restricted
-to AVX2; AVX512_DOC unrestricted.
+to AVX2; 20.3% -> 46.1% at 7.66 GB unrestricted (AVX512).
 
     python -m qurl_jax.main --config=configs/smollm2_135m_word.py --workdir=/tmp/smollm2_word \
         --config.model.path=$(python -m qurl_jax.models.fetch)
