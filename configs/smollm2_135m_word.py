@@ -80,8 +80,8 @@ def get_config():
     c.train.keep_checkpoints = 1
     # glibc's malloc arenas capped at 2: freed update buffers are reused, not kept per thread.
     c.train.malloc_arenas = 2
-    # ... and the heap trimmed after every step, so what a step freed does not stay resident
-    # beside the next update (the run's peak crept up from 7.2 to 8.5-8.75 GB without it).
+    # ... and the heap trimmed before every update and after every step, so what was freed does
+    # not stay resident under the next update (the run's peak crept from 7.2 to 8.75 GB without).
     c.train.malloc_trim_steps = True
     c.eval.files = (os.path.join(_DATA, "test.jsonl"),)
     c.eval.k = 4

@@ -278,9 +278,9 @@ def base_config() -> ml_collections.ConfigDict:
     # 0.7-1.0 GB off a 135M model's step on CPU (`qurl_jax.runtime.malloc`). Set by
     # `python -m qurl_jax.main` before JAX starts; a user's MALLOC_ARENA_MAX wins.
     c.train.malloc_arenas = 0
-    # Hand the heap's freed pages back to the system after every step (glibc's malloc_trim; CPU
-    # hosts): what the rollout and the update freed otherwise stays resident and the next
-    # update's temporaries land beside it. Checkpoint saves trim regardless.
+    # Hand the heap's freed pages back to the system before every update and after every step
+    # (glibc's malloc_trim; CPU hosts): what the rollout and the update freed otherwise stays
+    # resident and the next update's temporaries land beside it. Checkpoint saves trim regardless.
     c.train.malloc_trim_steps = False
     # Learner batches packed: each micro-batch's sequences, without padding, into rows of
     # train.pack_length tokens (0: the longest sequence the config allows, rounded up to the

@@ -466,8 +466,8 @@ class LoopSettings:
     (`eval_before`) and every `eval_every`; metric `loggers` (and `wandb_project`); a progress
     bar; the end-of-run speed report and Hugging Face export; `max_bad_steps` non-finite updates
     in a row before stopping; `apply_updates` (False: the control run); the memory preflight
-    (`preflight`, `preflight_target`, `memory_limit_gib`); the heap trimmed after every step
-    (`malloc_trim_steps`)."""
+    (`preflight`, `preflight_target`, `memory_limit_gib`); the heap trimmed before every update
+    and after every step (`malloc_trim_steps`)."""
 
     num_steps: int = 100
     checkpoint_every: int = 10

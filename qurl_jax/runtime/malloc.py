@@ -19,6 +19,7 @@ state, growing with each save, and the learner's next update allocated beside it
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -34,9 +35,10 @@ def cap_arenas(arenas: int) -> str | None:
         return None
     if os.environ.get("MALLOC_ARENA_MAX"):
         return None  # the user's own cap, read by glibc when the process started
-    if platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return f"config.train.malloc_arenas={arenas} not applied: this C library is not glibc"
-    if ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas) != 1:
+    if libc.mallopt(_M_ARENA_MAX, arenas) != 1:
         return f"config.train.malloc_arenas={arenas} not applied: glibc's mallopt refused it"
     return None
 
@@ -45,6 +47,12 @@ def trim() -> bool:
     """Returns the free memory of the process's malloc heaps to the system (glibc's
     `malloc_trim(0)`); True when some was returned, False when none was or the C library is not
     glibc."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    return bool(ctypes.CDLL(None).malloc_trim(0))
+    libc = _glibc()
+    return False if libc is None else bool(libc.malloc_trim(0))
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library when it is glibc, else None; looked up once (`platform.libc_ver`
+    reads the interpreter's binary, and `trim` runs twice a step)."""
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None

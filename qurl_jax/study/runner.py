@@ -428,8 +428,9 @@ def same_command(a: Sequence[str], b: Sequence[str]) -> bool:
     the config file is named (`--rows` names it by its absolute path, `--config=` as typed; a
     relative path is read from the repository root, where the study's commands run)."""
     def strip(c: Sequence[str]) -> list[str]:
-        return [f"--config={os.path.realpath(os.path.join(paths.REPO_ROOT, x[9:]))}"
-                if x.startswith("--config=") else x
+        flag = "--config="
+        return [flag + os.path.realpath(os.path.join(paths.REPO_ROOT, x.removeprefix(flag)))
+                if x.startswith(flag) else x
                 for x in c if not x.startswith("--config.eval.before=")]
 
     return strip(a) == strip(b)
