@@ -197,7 +197,7 @@ def test_gpu_decode_programs_launch_no_copies_and_read_no_predicate_per_token(pa
 @pytest.mark.parametrize("page_size", [0, 16])
 def test_fused_products_launch_once_each_in_the_gpu_decode_step(page_size):
     """The samplers' GPU decode programs with the fused products (`Engine.fused_products`,
-    'auto') against XLA's ('off'): each layer's four products one Pallas launch each, its
+    'on') against XLA's ('off'): each layer's four products one Pallas launch each, its
     post-attention norm and quantization one, the attention kernel's splits combined by one
     (dense cache or paged pool); fewer launches a token (at these tiny shapes XLA splits no
     contraction: five or six a layer; 13.3 at the 1.5B config's, docs/performance.md), no
@@ -208,13 +208,13 @@ def test_fused_products_launch_once_each_in_the_gpu_decode_step(page_size):
     config = explain.shape_config("DeepSeek-R1-Distill-Qwen-1.5B", tiny=True)
     layers = config.num_layers
     tables = {}
-    for fused in ("auto", "off"):
+    for fused in ("on", "off"):
         lowered, per_call, live = explain.model_program(config, target, "int8", 16, 16, 32,
                                                         page_size=page_size,
                                                         fused_products=fused)
         reading = kernels.compile_and_read(lowered)
         tables[fused] = reading, kernels.per_token(reading, per_call, live)
-    reading, table = tables["auto"]
+    reading, table = tables["on"]
     token = [x.kernel for x in reading.launches if x.scope == "token"]
     assert sum(k.startswith("w8a8_") for k in token) == 4 * layers
     assert token.count("rms_norm_quantize") == layers

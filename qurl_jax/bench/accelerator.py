@@ -400,8 +400,10 @@ SUITE = (
 # block; 96 pages a row at 512 + 1024 tokens and 16-token pages): the step model puts most of a
 # paged step at 256 rows in that kernel (docs/performance.md).
 SUITE_TILES = ("16x2", "8x4", "4x8", "2x8", "1x8")
-# The key of the products case's reading of XLA's products, after its rollout's name.
-PRODUCTS_XLA = "|xla_products"
+# The key of a reading of the fused products ('on'), after its rollout's name; a plain name is
+# the default ('auto') program's reading, XLA's products since the H200 measured the fused
+# kernels slower (docs/performance.md).
+PRODUCTS_FUSED = "|fused_products"
 SUITE_READINGS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "targets",
                               "suite_readings.json")
 
@@ -531,32 +533,32 @@ def rl_step(precisions: tuple[str, ...] = ("fp", "int8")) -> dict[str, Any]:
 
 
 def products(model: str, rows: int, chip: Any) -> dict[str, Any]:
-    """The fused W8A8 products of a GPU decode step (`Engine.fused_products` 'auto', one Pallas
+    """The fused W8A8 products of a GPU decode step (`Engine.fused_products` 'on', one Pallas
     launch per product) against XLA's ('off'), the int8 actor's dense rollout of `rows` rows:
     both samplers compiled and warmed, their full calls timed A B B A, each less its fastest
-    1-token call; beside each, the step model's prediction (`PRODUCTS_XLA` names XLA's reading).
+    1-token call; beside each, the step model's prediction (`PRODUCTS_FUSED` names the fused one's reading).
     On a CPU both run XLA's products (the dry run)."""
     config = model_config(model)
     p_len, new = ARGS.prompt_len, ARGS.new_tokens
     params, dot_general = actor(config, "int8")
     prompts = np.random.default_rng(0).integers(1, config.vocab_size, (rows, p_len)).tolist()
     runs = {c: sampler_timer(config, params, dot_general, prompts, new, fused_products=c)
-            for c in ("auto", "off")}
+            for c in ("on", "off")}
     for run in runs.values():
         run(1)
         run(new)
     first = {c: min(run(1) for _ in range(ARGS.rounds)) for c, run in runs.items()}
     full: dict[str, list[float]] = {c: [] for c in runs}
-    for c in ("auto", "off", "off", "auto"):
+    for c in ("on", "off", "off", "on"):
         full[c].append(runs[c](new))
     step = {c: (min(full[c]) - first[c]) / (new - 1) * 1e3 for c in runs}
     name = suite_case_name(model, "int8", "bf16", 0, rows)
     predicted = {c: _predicted_step_ms(n, chip, "bf16", 0)
-                 for c, n in (("auto", name), ("off", name + PRODUCTS_XLA))}
+                 for c, n in (("on", name + PRODUCTS_FUSED), ("off", name))}
     return {"model": model, "rows": rows, "prompt_len": p_len, "new_tokens": new,
-            "order": "A B B A", "fused_step_ms": step["auto"], "xla_step_ms": step["off"],
-            "fused_speedup": step["off"] / step["auto"],
-            "fused_predicted_ms": predicted["auto"], "xla_predicted_ms": predicted["off"]}
+            "order": "A B B A", "fused_step_ms": step["on"], "xla_step_ms": step["off"],
+            "fused_speedup": step["off"] / step["on"],
+            "fused_predicted_ms": predicted["on"], "xla_predicted_ms": predicted["off"]}
 
 
 def suite(out: dict[str, Any], save: Any) -> None:

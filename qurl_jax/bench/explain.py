@@ -137,9 +137,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--command_buffer", default=None,
                    help="--model: xla_gpu_enable_command_buffer of the decode program (default: "
                         "the engine's; '' for XLA's default)")
-    p.add_argument("--fused_products", default="auto", choices=("auto", "off"),
+    p.add_argument("--fused_products", default="auto", choices=("auto", "on", "off"),
                    help="--model: the decode step's W8A8 products, one Pallas launch each "
-                        "('auto') or XLA's ('off'; Engine.fused_products)")
+                        "('on'), XLA's ('off') or the engine's default ('auto'; "
+                        "Engine.fused_products)")
     p.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
                    help="an XLA option for this compile only, e.g. --xla "
                         "xla_gpu_graph_min_graph_size=1 (repeatable; experiments)")
@@ -199,7 +200,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
 
 def suite_readings(path: str, target_name: str = "gpu:h100-1") -> None:
     """Reads every rollout of `bench.accelerator`'s device suite (`accelerator.SUITE`, and the
-    products case's rollout with XLA's products) compiled for `target_name` and writes their
+    products case's rollout with the fused products) compiled for `target_name` and writes their
     per-token tables to `path` (after each case), which the suite turns into its predictions on
     the chip it runs on."""
     from qurl_jax.bench import accelerator
@@ -208,7 +209,7 @@ def suite_readings(path: str, target_name: str = "gpu:h100-1") -> None:
     out: dict[str, Any] = {"target": target.name, "jax": jax.__version__, "cases": {}}
     cases = [c for c in accelerator.SUITE if isinstance(c, tuple)]
     rollouts = [(c, "auto", "") for c in cases if len(c) == 5] + [
-        ((c[1], "int8", "bf16", 0, c[2]), "off", accelerator.PRODUCTS_XLA)
+        ((c[1], "int8", "bf16", 0, c[2]), "on", accelerator.PRODUCTS_FUSED)
         for c in cases if c[0] == "products"]
     for case, fused, suffix in rollouts:
         model, actor, kv, page_size, rows = case
