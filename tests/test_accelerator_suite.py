@@ -14,7 +14,8 @@ from qurl_jax.bench import accelerator
 ROLLOUT_FIELDS = {
     "model", "case", "precision", "kv_precision", "page_size", "steps_per_call", "batch",
     "prompt_len", "new_tokens", "decode_tokens_per_s", "decode_step_ms",
-    "prefill_and_first_token_s", "warmup_s", "actor_weight_gib", "kv_cache_gib",
+    "prefill_and_first_token_s", "warmup_s", "actor_s", "sampler_setup_s", "timed_s",
+    "actor_weight_gib", "kv_cache_gib",
     "bytes_read_per_step_gib", "achieved_gb_per_s", "hbm_bound_ms", "fraction_of_hbm_bound",
     "achieved_fraction_of_bandwidth", "predicted_step_ms", "measured_over_predicted",
     "vs_bf16", "vs_bf16_kv", "vs_dense"}
@@ -24,11 +25,11 @@ RL_PHASES = {"requantize_s", "rollout_s", "logprobs_s", "update_s", "step_s",
 
 def test_suite_dry_run_writes_every_field(tmp_path):
     out = tmp_path / "suite.json"
-    # The first rollout (int8, dense, 64 rows), the fused products against XLA's, the whole RL
-    # step, 8-bit KV on a paged pool and one layer's attention.
-    assert accelerator.SUITE[2][0] == "products" and accelerator.SUITE[5] == "rl_step"
-    assert accelerator.SUITE[7][0] == "attention"
-    accelerator.main(["--suite", "--tiny", "--suite_only=0,2,5,6,7", "--prompt_len=16",
+    # The first rollout (bf16, paged, 256 rows), 8-bit KV on a paged pool, the whole RL step,
+    # one layer's attention and the fused products against XLA's.
+    assert accelerator.SUITE[2] == "rl_step" and accelerator.SUITE[6][0] == "attention"
+    assert accelerator.SUITE[7][0] == "products"
+    accelerator.main(["--suite", "--tiny", "--suite_only=0,3,2,6,7", "--prompt_len=16",
                       "--new_tokens=8", "--rounds=1", "--rl_prompts=2", "--rl_n=2",
                       f"--json={out}"])
     figures = json.loads(out.read_text())
@@ -36,7 +37,7 @@ def test_suite_dry_run_writes_every_field(tmp_path):
     assert {"chip", "chip_bandwidth_gb_per_s", "budget_s", "device"} <= set(figures)
     rows = figures["rollout"]
     assert [r["case"] for r in rows] == [accelerator.suite_case_name(*accelerator.SUITE[i])
-                                         for i in (0, 6)]
+                                         for i in (0, 3)]
     for r in rows:
         assert set(r) == ROLLOUT_FIELDS, set(r) ^ ROLLOUT_FIELDS
         # tokens/s of the decode steps (all but the first token) = rows / step time.
