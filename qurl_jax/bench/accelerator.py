@@ -544,8 +544,8 @@ def products(model: str, rows: int, chip: Any) -> dict[str, Any]:
     """The fused W8A8 products of a GPU decode step (`Engine.fused_products` 'on', one Pallas
     launch per product) against XLA's ('off'), the int8 actor's dense rollout of `rows` rows:
     both samplers compiled and warmed, their full calls timed A B B A, each less its fastest
-    1-token call; beside each, the step model's prediction (`PRODUCTS_FUSED` names the fused one's reading).
-    On a CPU both run XLA's products (the dry run)."""
+    1-token call; beside each, the step model's prediction (`PRODUCTS_FUSED` names the fused
+    program's reading). On a CPU both run XLA's products (the dry run)."""
     config = model_config(model)
     p_len, new = ARGS.prompt_len, ARGS.new_tokens
     params, dot_general = actor(config, "int8")
