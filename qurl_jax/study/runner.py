@@ -131,13 +131,13 @@ VARIANTS = (
                                            "rl.loss_mode": "naive"}, False,
             "fp train + fp8_block rollout, naive"),
     Variant("jetrl_fp8_block", {"rollout.precision": "fp8_block", "train.precision": "fp8_block",
-                                "rollout.quantize_vocab": False, "rl.loss_mode": "naive"}, False,
+                                "rollout.quantize_vocab": False, "rl.loss_mode": "naive"}, True,
             "fp8_block train + rollout (Jet-RL), naive"),
     # The same with exact on-policy numerics: pi_behav == pi_prox bit for bit (models.exact).
     Variant("jetrl_fp8_block_exact", {"rollout.precision": "fp8_block",
                                       "train.precision": "fp8_block",
                                       "rollout.quantize_vocab": False, "rl.loss_mode": "naive",
-                                      "train.on_policy_numerics": "exact"}, False,
+                                      "train.on_policy_numerics": "exact"}, True,
             "fp8_block train + rollout (Jet-RL), exact numerics, naive"),
     Variant("rkv_tis", {**RKV, "rl.loss_mode": "tis"}, False,
             "rkv rollout, uncorrected (TIS on the sparse log-probs)"),
@@ -198,6 +198,9 @@ ROW_SETS = {
                                         "snapkv_naive_mb4", "snapkv_sparse_rl_mb4")),
     # The 8-bit KV cache in training: int8 weights + int8 KV against int8 weights alone.
     "smollm2_kv8": RowSet(_WORD, ("int8_acr_mb4", "int8_kv8_acr_mb4")),
+    # Jet-RL: the unified fp8_block flow (learner and rollout), default against exact on-policy
+    # numerics; one minibatch a step like the config's other single-step rows.
+    "smollm2_jetrl": RowSet(_WORD, ("jetrl_fp8_block", "jetrl_fp8_block_exact")),
 }
 QUICK_VARIANTS = ("fp", "int8_acr")
 # The figures: file -> (title, variants, metrics).
