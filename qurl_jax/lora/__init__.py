@@ -33,6 +33,7 @@ from qurl_jax.lora._learner import (
     for_learner,
     is_w8a8_linear,
     learner_base,
+    learner_policy,
     learner_products,
     w8a8_linear,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "init_adapter",
     "is_w8a8_linear",
     "learner_base",
+    "learner_policy",
     "learner_products",
     "merge",
     "quantize_base",

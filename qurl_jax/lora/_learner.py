@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qurl_jax.lora._adapter import LEARNER_PRODUCTS, weight_only
+from qurl_jax.lora._adapter import LEARNER_PRODUCTS, LoraConfig, attach, weight_only
 from qurl_jax.quant import QuantFormat, QuantizedTensor, rollout_dot_general
 from qurl_jax.quant._qtensor import quantize_row_groups
 
@@ -98,6 +98,12 @@ def learner_base(base: Params, products: str) -> Params:
         raise ValueError(f"lora.learner_base: products={products!r} is not one of "
                          f"{LEARNER_PRODUCTS}")
     return weight_only(base) if products == "weight_only" else base
+
+
+def learner_policy(base: Params, adapter: Params, cfg: LoraConfig) -> Params:
+    """The learner's policy as a sampler samples it (the evaluation): `adapter` attached to the
+    frozen `base` read as `cfg.learner_products` read it (`learner_base`)."""
+    return attach(learner_base(base, cfg.learner_products), adapter, cfg.scale)
 
 
 def for_learner(base: Params, products: str, widen: Any = None) -> Params:

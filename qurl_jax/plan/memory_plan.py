@@ -187,8 +187,7 @@ class Setup:
         with LoRA the frozen base read as the learner reads it (`lora.learner_base`) with the
         adapter."""
         if self.lora is not None:
-            return lora.attach(lora.learner_base(self.frozen, self.lora.learner_products),
-                               self.rollout_adapter, self.lora.scale)
+            return lora.learner_policy(self.frozen, self.rollout_adapter, self.lora)
         dtype = self.model_config.compute_dtype
         return self.reshard.abstract(jax.eval_shape(
             lambda p: quant.requantize(p, "fp", compute_dtype=dtype), self.params))

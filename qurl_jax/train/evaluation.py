@@ -59,8 +59,7 @@ def _lora_policy(settings: Any, learner: Any, model_config: Any, init: Any, work
         adapter = state["adapter"]
     base = lora.quantize_base(init, cfg, settings.rollout.recipe, model_config.compute_dtype)
     base = jax.device_put(base, NamedSharding(learner.mesh, PartitionSpec()))
-    return lora.attach(lora.learner_base(base, cfg.learner_products), learner.shard_params(adapter),
-                       cfg.scale)
+    return lora.learner_policy(base, learner.shard_params(adapter), cfg)
 
 
 def _policy(learner: Any, model_config: Any, init: Any, workdir: str,

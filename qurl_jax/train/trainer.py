@@ -672,8 +672,7 @@ class Trainer:
         replicas, or with LoRA the adapter `params` on the frozen base, read as the learner
         reads it (`lora.learner_base`: the learner's policy; no float copy of the base)."""
         if self.lora:
-            return lora.attach(lora.learner_base(self.base, self.lora.learner_products),
-                               self._adapter_on_rollout(params), self.lora.scale)
+            return lora.learner_policy(self.base, self._adapter_on_rollout(params), self.lora)
         return self._on_rollout_layout(params)
 
     def _on_rollout_layout(self, params: Any) -> Any:
