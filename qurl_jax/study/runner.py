@@ -199,8 +199,8 @@ ROW_SETS = {
     # The 8-bit KV cache in training: int8 weights + int8 KV against int8 weights alone.
     "smollm2_kv8": RowSet(_WORD, ("int8_acr_mb4", "int8_kv8_acr_mb4")),
     # Jet-RL: the unified fp8_block flow (learner and rollout), default against exact on-policy
-    # numerics; one minibatch a step like the config's other single-step rows.
-    "smollm2_jetrl": RowSet(_WORD, ("jetrl_fp8_block", "jetrl_fp8_block_exact")),
+    # numerics, beside the fp32 reference; one minibatch a step like the config's other rows.
+    "smollm2_jetrl": RowSet(_WORD, ("fp", "jetrl_fp8_block", "jetrl_fp8_block_exact")),
 }
 QUICK_VARIANTS = ("fp", "int8_acr")
 # The figures: file -> (title, variants, metrics).
