@@ -33,7 +33,6 @@ def get_config():
     c.rollout.max_new_tokens = 112  # 2 x the KV budget of 64 <= 16 prompt + 112 response tokens
     c.reward.function = os.path.join(_HERE, "reward.py") + ":digit_share"
     c.eval.max_examples = 2
-    c.eval.greedy = True
     c.eval.max_new_tokens = 112
     c.optim.warmup_steps = 0
     c.train.loggers = ()
@@ -58,7 +57,7 @@ def _fraction(m, key):
     return 0.0 <= m[key] <= 1.0
 
 
-@pytest.mark.slow  # ~10 min on 2 loaded cores: 10 one-step runs and 6 evaluations, 2 at a time
+@pytest.mark.slow  # ~12 min on 2 loaded cores: 13 one-step runs and 6 evaluations, 2 at a time
 def test_papers_rows_run_one_step_with_their_metrics(tmp_path):
     from qurl_jax.study import runner
 
@@ -87,16 +86,21 @@ def test_papers_rows_run_one_step_with_their_metrics(tmp_path):
             assert _fraction(m[name], "acr/bound_frac")
             assert math.isfinite(m[name]["acr/grad_rel_diff"]) and m[name][
                 "acr/grad_rel_diff"] >= 0
-        # The captured-code share, over all kernels and over q/k/v, for the int8 actors.
-        int8 = variants[name].overrides["rollout.precision"] == "int8"
-        assert ("quant/code_change_fraction_qkv" in m[name]) == int8, name
-        if int8:
+        # The captured-code share, over all kernels and over q/k/v, for the quantized actors
+        # (int8, and the unified flow's fp8_block).
+        quantized = variants[name].overrides["rollout.precision"] != "fp"
+        assert ("quant/code_change_fraction_qkv" in m[name]) == quantized, name
+        if quantized:
             assert 0 < m[name]["quant/code_change_fraction"] <= 1
             assert 0 < m[name]["quant/code_change_fraction_qkv"] <= 1
         # The Sparse-RL rejection rate, counted by the corrected runs.
         assert ("sparse/vetoed_sequences" in m[name]) == (loss_mode == "sparse_rl"), name
         if loss_mode == "sparse_rl":
             assert _fraction(m[name], "vetoed_seq_frac")
+    # The unified fp8_block flow with exact numerics: the rollout's log-probs are the learner's.
+    exact = m["jetrl_fp8_block_exact"]
+    assert exact["kl_behav_prox_k3"] == 0 and exact["logp_gap_abs_max"] == 0
+    assert exact["raw_is_weight_min"] == exact["raw_is_weight_max"] == 1
     # The fp rollout is on-policy: nothing truncated, ACR's gradient is TIS's exactly.
     assert m["fp_mb4"]["acr/bound_frac"] == 0 and m["fp_mb4"]["acr/grad_rel_diff"] == 0
     # s = 1.5 shrinks the q/k/v kernels' quantization step: more of their codes move.
