@@ -100,7 +100,7 @@ def test_row_sets_fit_their_configs():
         runner.check_rows(config, variants)  # what the runner checks at import and before runs
         for v in variants:  # the compressed rows keep at most half of the longest row
             c = runner._configured(config, v.overrides, v.name)
-            if "_mb4" in v.name:
+            if runner.MB4.items() <= v.overrides.items():  # the several-minibatch rows
                 assert c.rl.num_minibatches == 4 and c.rl.num_micro_batches == 2
             if c.rollout.kv_policy != "dense":
                 assert 2 * c.rollout.kv_budget <= c.data.max_prompt_len + c.rollout.max_new_tokens
