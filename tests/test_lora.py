@@ -5,6 +5,7 @@ each other, the config's checks, and the PEFT export against `peft` (slow: needs
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,37 @@ def test_w8a8_learner_is_the_rollouts_product_with_an_int8_input_gradient():
     err = np.abs(np.asarray(dx) - exact).max(axis=1) / np.abs(exact).max(axis=1).clip(1e-30)
     assert 0 < err.max() < 0.02  # int8 rounding of dy diag(s), per token
     assert not np.any(np.asarray(dkernel.scale))
+
+
+def test_projections_remat_keeps_the_w8a8_products_out_of_the_recomputation():
+    """remat 'projections' keeps each projection's output by name, so a W8A8 learner's backward
+    runs every int8 base product twice (forward, input gradient), as with no remat, where 'dots'
+    and 'full' run the forward's again (DOTS' rule does not see a product behind a custom VJP);
+    the gradient is remat 'none''s."""
+    _, base, adapter = _base_and_adapter(b_scale=0.1)
+    dot = lora.dot_general(lora.learner_products(jax.lax.dot_general))
+    tokens = jnp.arange(14).reshape(2, 7) % CFG.vocab_size
+    positions = jnp.tile(jnp.arange(7), (2, 1))
+    grads, int8_products = {}, {}
+    for remat in ("none", "projections", "dots", "full"):
+        model = Transformer(CFG, dot, remat=remat, scan_layers=True)
+
+        def loss(a, model=model):
+            logits = model.apply({"params": lora.attach(base, a, LORA.scale)}, tokens,
+                                 positions)[0]
+            return jnp.sum(jax.nn.log_softmax(logits)[..., 3])
+
+        grad = jax.jit(jax.grad(loss))
+        hlo = grad.lower(adapter).compile().as_text()
+        int8_products[remat] = len(re.findall(r"= s32\[[^\]]*\]\{[^}]*\} dot\(", hlo))
+        grads[remat] = grad(adapter)
+    per_layer = 7  # q, k, v, o, gate, up, down: one scanned layer body
+    assert int8_products["none"] == int8_products["projections"] == 2 * per_layer
+    # The forward's products again, all but down_proj's (its output feeds only the residual).
+    assert int8_products["dots"] == int8_products["full"] == 3 * per_layer - 1
+    for a, b in zip(jax.tree.leaves(grads["projections"]), jax.tree.leaves(grads["none"]),
+                    strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6)
 
 
 def test_attach_keeps_the_base_arrays_and_the_adapter_adds_its_product():

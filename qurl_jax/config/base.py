@@ -266,7 +266,8 @@ def base_config() -> ml_collections.ConfigDict:
     # discarded, as with learning rate 0, so an evaluation gain cannot come from the updates.
     c.train.apply_updates = True
     c.train.report_speed = False  # end of run: time the quantized vs fp32 rollout on one batch
-    c.train.remat = "none"  # learner: per-layer rematerialisation, none | dots | full
+    # learner: per-layer rematerialisation, none | dots | projections | full (`models.Remat`)
+    c.train.remat = "none"
     c.train.scan_layers = False  # learner: layers as one lax.scan (large models; pair with remat)
     c.train.logprob_chunk = 512  # learner: response positions per LM-head / log-softmax chunk
     # XLA:CPU's float matrix products (`qurl_jax.runtime.xla_cpu`): 'xla' (its choice: YNNPACK

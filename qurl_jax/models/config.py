@@ -32,11 +32,22 @@ class Remat(enum.StrEnum):
     (per token: the q/k/v/o, gate/up and down projections, H*D + 2*Hkv*D + 2*E + 2*M values) and
     recomputes the rest (norms, RoPE, attention, activations); FULL keeps only the layer's input
     (E values per token) and recomputes the whole layer.
+
+    PROJECTIONS keeps the same values as DOTS, found by name instead of by primitive: the output of
+    every `Linear` (`PROJECTION`), whatever product made it. DOTS' rule sees only `dot_general`
+    primitives, so it misses products behind a custom VJP or a custom call (a LoRA learner's W8A8
+    base products, `lora.learner_products='w8a8'`: the forward ran again in the backward) and keeps
+    the adapter's own [T, out] product instead, which buys nothing.
     """
 
     NONE = "none"
     DOTS = "dots"  # jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    PROJECTIONS = "projections"  # jax.checkpoint_policies.save_only_these_names(PROJECTION)
     FULL = "full"  # jax.checkpoint_policies.nothing_saveable
+
+
+# The name (`jax.ad_checkpoint.checkpoint_name`) of every projection's output, `Remat.PROJECTIONS`.
+PROJECTION = "projection"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,10 +39,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from qurl_jax.models import attention as attn_lib
 from qurl_jax.models import exact as exact_lib
-from qurl_jax.models.config import ModelConfig, Remat
+from qurl_jax.models.config import PROJECTION, ModelConfig, Remat
 from qurl_jax.models.kv_quant import (
     KVPrecision,
     dequantize_kv,
@@ -440,7 +441,7 @@ class Linear(nn.Module):
                 (self.features,), self.param_dtype,
             )
             y = y + bias.astype(self.dtype)
-        return y.astype(self.dtype)
+        return checkpoint_name(y.astype(self.dtype), PROJECTION)
 
 
 class Attention(nn.Module):
@@ -639,6 +640,7 @@ class DecoderLayer(nn.Module):
 
 
 _REMAT_POLICIES = {Remat.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                   Remat.PROJECTIONS: jax.checkpoint_policies.save_only_these_names(PROJECTION),
                    Remat.FULL: jax.checkpoint_policies.nothing_saveable}
 
 

@@ -305,6 +305,7 @@ _SAVED = {"full": ("E", lambda s: s["E"]),
                    lambda s: (s["Q"] + 2 * s["K"] + 2 * s["M"]) // s["t"] + 2 * s["E"]),
           "none": ("2(Q+2K)/t + 4E + 5M/t",
                    lambda s: (2 * (s["Q"] + 2 * s["K"]) + 5 * s["M"]) // s["t"] + 4 * s["E"])}
+_SAVED["projections"] = _SAVED["dots"]  # the same values, found by name (`Remat.PROJECTIONS`)
 
 
 def _weights_at_work(s: dict[str, int]) -> tuple[str, str, int]:
