@@ -104,6 +104,11 @@ def test_row_sets_fit_their_configs():
                 assert c.rl.num_minibatches == 4 and c.rl.num_micro_batches == 2
             if c.rollout.kv_policy != "dense":
                 assert 2 * c.rollout.kv_budget <= c.data.max_prompt_len + c.rollout.max_new_tokens
+    long = runner.ROW_SETS["smollm2_acr_tis_long"]  # saved every 8 steps: resumable
+    assert long.steps > 8 and long.steps % long.checkpoint_every == 0
+    assert runner.checkpointing(long.steps, long.checkpoint_every) == {
+        "train.checkpoint_every": 8, "train.keep_checkpoints": 1}
+    assert runner.checkpointing(8, 0) == {"train.checkpoint_every": 8}  # the other row sets
     sparse = runner.ROW_SETS["smollm2_sparse_rl"].variants
     assert {p for v in sparse for p in known[v].evals} == {"rkv", "snapkv"}
     assert known["fp_mb4"].evals == ("rkv", "snapkv")

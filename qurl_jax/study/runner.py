@@ -25,7 +25,8 @@ wall time counts from when it got the lock, and its peak resident memory is its 
 (`peak_memory_gb`).
 
 `ROW_SETS` name the papers' comparisons on the real model (SmolLM2-135M-Instruct), each one
-command (`--rows=NAME`: config, variants, seeds and steps); their variants' config is checked at
+command (`--rows=NAME`: config, variants, seeds, steps and, for runs longer than a session, a
+save every `checkpoint_every` steps to resume from); their variants' config is checked at
 import (`check_rows`: fields exist, minibatches divide the batch, KV budgets at most half the
 longest row they compress). Row sets share one `--out`, so a row two sets name runs once.
 
@@ -79,6 +80,7 @@ SNAPKV = {"rollout.kv_policy": "snapkv", **KV_BUDGET}
 # less memory, for a machine that other jobs share (a run of 9.3 GB was killed for memory).
 MB4 = {"rl.num_minibatches": 4, "rl.num_micro_batches": 2, "train.remat": "full",
        "train.scan_layers": True, "train.malloc_arenas": 2}
+WARMUP16 = {"optim.warmup_steps": 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +157,14 @@ VARIANTS = (
             "int8 rollout, TIS, 4 minibatches"),
     Variant("int8_acr_mb4", {"rollout.precision": "int8", "rl.loss_mode": "acr", **MB4}, True,
             "int8 rollout, ACR, 4 minibatches"),
+    # The same two with a linear learning-rate warm-up over the first 16 AdamW steps (4 RL
+    # steps), which kept both seeds' 8-step runs off the response limit: the longer rows.
+    Variant("int8_tis_mb4_wu16", {"rollout.precision": "int8", "rl.loss_mode": "tis", **MB4,
+                                  **WARMUP16}, True,
+            "int8 rollout, TIS, 4 minibatches, warm-up 16"),
+    Variant("int8_acr_mb4_wu16", {"rollout.precision": "int8", "rl.loss_mode": "acr", **MB4,
+                                  **WARMUP16}, True,
+            "int8 rollout, ACR, 4 minibatches, warm-up 16"),
     Variant("int8_acr_mb4_s1.5", {"rollout.precision": "int8", "rl.loss_mode": "acr",
                                   "rollout.invariant_scaling": 1.5, **MB4}, True,
             "int8 rollout, ACR, invariant scaling s = 1.5, 4 minibatches"),
@@ -184,12 +194,19 @@ class RowSet:
     variants: tuple[str, ...]
     seeds: int = 2
     steps: int = 8
+    # Save every this many steps, the latest save kept (0: at the last step only), so a run
+    # longer than a session resumes where the stopped one left it.
+    checkpoint_every: int = 0
 
 
 _WORD = "configs/smollm2_135m_word_compare.py"
 ROW_SETS = {
     # QuRL: ACR against TIS (and naive) where they differ, several optimizer steps per RL step.
     "smollm2_acr_tis": RowSet(_WORD, ("int8_naive_mb4", "int8_tis_mb4", "int8_acr_mb4")),
+    # The same, longer (QuRL's TIS failure is a long-run one), with a warm-up that keeps the
+    # several-minibatch runs off the response limit; saved every 8 steps so a run spans sessions.
+    "smollm2_acr_tis_long": RowSet(_WORD, ("int8_tis_mb4_wu16", "int8_acr_mb4_wu16"), steps=32,
+                                   checkpoint_every=8),
     # QuRL's invariant scaling (UAQ) at the paper's s = 1.5, with and without.
     "smollm2_invariant_scaling": RowSet(_WORD, ("int8_acr_mb4", "int8_acr_mb4_s1.5")),
     # Sparse-RL: R-KV and SnapKV rollouts, naive and corrected, against the dense fp rollout;
@@ -226,6 +243,10 @@ FIGURES = {
     "smollm2_acr_tis.png": ("int8 rollout, 4 minibatches per RL step: naive, TIS, ACR", (
         "int8_naive_mb4", "int8_tis_mb4", "int8_acr_mb4"),
         ("rollout/reward_mean", "rollout/response_len", "acr/bound_frac", "acr/grad_rel_diff")),
+    "smollm2_acr_tis_long.png": ("int8 rollout, 4 minibatches, warm-up 16, 32 steps: TIS, ACR", (
+        "int8_tis_mb4_wu16", "int8_acr_mb4_wu16"),
+        ("rollout/reward_mean", "rollout/response_len", "acr/bound_frac", "acr/grad_rel_diff",
+         "kl_behav_prox_k3")),
     "smollm2_invariant_scaling.png": ("int8 + ACR with and without invariant scaling (s = 1.5)", (
         "int8_acr_mb4", "int8_acr_mb4_s1.5"),
         ("rollout/reward_mean", "quant/code_change_fraction", "quant/code_change_fraction_qkv",
@@ -365,6 +386,9 @@ def _check_row_sets() -> None:
     for name, rows in ROW_SETS.items():
         if unknown := [v for v in rows.variants if v not in known]:
             raise RowError(f"ROW_SETS[{name!r}]: unknown variants {unknown}")
+        if rows.checkpoint_every and rows.steps % rows.checkpoint_every:
+            raise RowError(f"ROW_SETS[{name!r}]: checkpoint_every={rows.checkpoint_every} does "
+                           f"not divide steps={rows.steps}")
         path = os.path.join(paths.REPO_ROOT, rows.config)
         if os.path.isfile(path):  # an installed package has no configs/: main() says so
             check_rows(load_config_file(path), [known[v] for v in rows.variants])
@@ -423,6 +447,15 @@ def command(config_path: str, run: Run, overrides: Mapping[str, Any],
 def eval_marker(policy: str) -> str:
     """The file a finished evaluation of a run under the compressed cache `policy` leaves."""
     return f"study_eval_{policy}.json"
+
+
+def checkpointing(steps: int, every: int) -> dict[str, int]:
+    """A run's checkpoint fields: saved at its last step only (`every` 0, so the config's
+    `keep_checkpoints` holds one save), or every `every` steps keeping the latest (a resume needs
+    no other)."""
+    if not every:
+        return {"train.checkpoint_every": steps}
+    return {"train.checkpoint_every": every, "train.keep_checkpoints": 1}
 
 
 def same_command(a: Sequence[str], b: Sequence[str]) -> bool:
@@ -760,7 +793,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = "hf" if base.model.source == "tiny" else base.model.source
     shared.update({
         "model.source": source, "model.path": model_path, "data.split_seed": base.seed,
-        "train.progress": False, "train.checkpoint_every": shared["train.num_steps"],
+        "train.progress": False,
+        **checkpointing(shared["train.num_steps"], rows.checkpoint_every if rows else 0),
         # One persistent compilation cache for all runs: most programs are the same in every run.
         "train.compilation_cache_dir": os.path.join(os.path.abspath(args.out), "compile_cache")})
     runs, jobs = [], []
