@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                          "(bench/learner_vs_torch.py; --rows, --max_prompt_len, "
                          "--max_new_tokens, --rounds, --layers)")
     ap.add_argument("--remat", default="none",
-                    help="with --vs_torch: our learner's train.remat (none | dots | full)")
+                    help="with --vs_torch: our learner's train.remat (none | dots | projections "
+                         "| full)")
     ap.add_argument("--scan_layers", action="store_true",
                     help="with --vs_torch: our learner's layers as one lax.scan")
     ap.add_argument("--cpu_dots", default="auto",
