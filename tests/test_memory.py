@@ -45,6 +45,13 @@ def _temp_bytes(learner: Learner, length: int) -> dict[str, int]:
             "logprobs": memory.compiled_memory(logprobs)["temp_bytes"]}
 
 
+def test_the_plan_counts_saved_activations_for_every_remat_policy():
+    from qurl_jax.models import Remat
+
+    assert set(memory._SAVED) == {r.value for r in Remat}
+    assert memory._SAVED["projections"] == memory._SAVED["dots"]  # the same values, by name
+
+
 @pytest.mark.parametrize("remat", ["full", "none"])
 @pytest.mark.slow  # long; in the 15-minute budget its cousins cover the path
 def test_temp_memory_grows_linearly_with_length(remat):
