@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qurl_jax.parallel.sharding import make_mesh
+from qurl_jax.runtime import checkpoint as checkpoint_lib
 from qurl_jax.runtime.checkpoint import Checkpointer, CheckpointMismatchError
 
 
@@ -26,6 +27,30 @@ def test_round_trip_and_keep(tmp_path):
     assert step == 3 and meta["data"]["position"] == 30
     np.testing.assert_array_equal(state["params"]["w"], np.full((4, 3), 3.0))
     ckpt.close()
+
+
+def test_space_check_refuses_no_room_and_warns_short_of_keep(tmp_path, monkeypatch):
+    """Before anything is written: no room for one checkpoint stops the run (one line naming the
+    directory); room for fewer than keep + 1 (less those already saved) warns; URLs pass."""
+    one = checkpoint_lib.state_bytes(_state(0.0))
+    assert one == 4 * 3 * 4 + 4  # float32 [4, 3] and an int32 scalar
+    free = {"bytes": 0}
+    monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage",
+                        lambda path: type("Usage", (), {"free": free["bytes"]})())
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), interval=1, keep=2)
+    free["bytes"] = one - 1
+    with pytest.raises(checkpoint_lib.CheckpointSpaceError, match=f"^{tmp_path}/ckpt: 0.00 GiB "
+                       "free, one checkpoint of this run is"):
+        ckpt.check_space(_state(0.0))
+    free["bytes"] = 2 * one  # room for two of the three (keep 2 + the one written first)
+    assert "train.keep_checkpoints=2" in ckpt.check_space(_state(0.0))
+    free["bytes"] = 3 * one
+    assert ckpt.check_space(_state(0.0)) is None
+    free["bytes"] = 2 * one
+    ckpt.save(1, _state(1), {"step": 1})  # one already there: two more at most
+    assert ckpt.check_space(_state(0.0)) is None
+    ckpt.close()
+    assert checkpoint_lib.free_bytes("gs://bucket/run") is None
 
 
 def test_corrupt_latest_falls_back_to_previous(tmp_path):

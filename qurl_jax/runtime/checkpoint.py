@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -48,6 +49,30 @@ class CheckpointMismatchError(UserError):
     """A checkpoint's tensors do not match the run's state (structure, shape or dtype)."""
 
     what = "cannot resume"
+
+
+class CheckpointSpaceError(UserError):
+    """The checkpoint directory's file system has no room for one checkpoint of the run."""
+
+    what = "no room for a checkpoint"
+
+
+def state_bytes(template: Any) -> int:
+    """Bytes of one checkpoint's tensors: every leaf of `template` (arrays or
+    `jax.ShapeDtypeStruct`s, global shapes)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(template))
+
+
+def free_bytes(directory: str) -> int | None:
+    """Free bytes of the file system that holds `directory` (its nearest existing ancestor), or
+    None for a URL (gs://...), whose room is not the host's to know."""
+    if "://" in directory:
+        return None
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
 
 
 def _key_name(key: Any) -> str:
@@ -126,6 +151,7 @@ class Checkpointer:
         # A URL (gs://...) is used as it is: orbax writes there through tensorstore (and gcsfs).
         self.directory = directory if "://" in directory else os.path.abspath(directory)
         self.interval = interval
+        self.keep = keep
         self.kinds = dict(kinds or {})
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=interval, create=True,
@@ -139,6 +165,30 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
+
+    def check_space(self, template: Any) -> str | None:
+        """Before a run writes anything: raises `CheckpointSpaceError` when the directory's file
+        system cannot hold one more checkpoint of `template` (the run would train until its
+        first save and fail there), and returns a warning when it cannot hold the rest the run
+        will keep (`keep` saves, plus the one orbax writes before it deletes the oldest, less
+        those already there), else None. Other writers may fill the disk later: this is the
+        room now, not a reservation."""
+        free = free_bytes(self.directory)
+        if free is None:
+            return None
+        one = state_bytes(template)
+        gib = 1 << 30
+        if free < one:
+            raise CheckpointSpaceError(
+                f"{self.directory}: {free / gib:.2f} GiB free, one checkpoint of this run is "
+                f"{one / gib:.2f} GiB; free space there or choose another --workdir")
+        more = self.keep + 1 - len(self.steps())
+        if free < more * one:
+            return (f"{self.directory}: {free / gib:.2f} GiB free, the run keeps up to "
+                    f"{more} more checkpoints of {one / gib:.2f} GiB (train.keep_checkpoints="
+                    f"{self.keep}, plus the one written before the oldest is deleted): a later "
+                    f"save may fail for want of space")
+        return None
 
     def should_save(self, step: int) -> bool:
         return self._manager.should_save(step)

@@ -173,6 +173,8 @@ class Trainer:
         # stops the run here, before the warm-start cache, metrics or a checkpoint are written.
         abstract = self._abstract_state()  # also sizes the rollout layout below
         self.checkpointer.check_compatible(abstract)
+        if warning := self.checkpointer.check_space(abstract):
+            logging.warning("%s", warning)
         if self.checkpointer.steps():
             run_config.check(self._flat_config, self.workdir)
         self._compiled_before = compilation.compile_stats()  # the run's compiles from here on
