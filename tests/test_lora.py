@@ -1,7 +1,8 @@
 """LoRA on a frozen quantized base (`qurl_jax.lora`): b = 0 is the base exactly, an update moves
 only the adapter, the rollout and the learner read the very same base arrays, a rollout with a
 stale adapter stops the run, resume is exact, a LoRA checkpoint and a full fine-tune's refuse
-each other, the config's checks, and the PEFT export against `peft` (slow: needs torch)."""
+each other, the config's checks, remat 'projections' keeping the W8A8 products out of the
+backward, and the PEFT export against `peft` (slow: needs torch)."""
 
 import dataclasses
 import os
