@@ -57,7 +57,7 @@ def _fraction(m, key):
     return 0.0 <= m[key] <= 1.0
 
 
-@pytest.mark.slow  # ~12 min on 2 loaded cores: 13 one-step runs and 6 evaluations, 2 at a time
+@pytest.mark.slow  # ~14 min on 2 loaded cores: 15 one-step runs and 6 evaluations, 2 at a time
 def test_papers_rows_run_one_step_with_their_metrics(tmp_path):
     from qurl_jax.study import runner
 
