@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from qurl_jax.parallel.sharding import make_mesh
 from qurl_jax.runtime import checkpoint as checkpoint_lib
+from qurl_jax.runtime import sizes
 from qurl_jax.runtime.checkpoint import Checkpointer, CheckpointMismatchError
 
 
@@ -32,7 +33,7 @@ def test_round_trip_and_keep(tmp_path):
 def test_space_check_refuses_no_room_and_warns_short_of_keep(tmp_path, monkeypatch):
     """Before anything is written: no room for one checkpoint stops the run (one line naming the
     directory); room for fewer than keep + 1 (less those already saved) warns; URLs pass."""
-    one = checkpoint_lib.state_bytes(_state(0.0))
+    one = sizes.tree_bytes(_state(0.0))
     assert one == 4 * 3 * 4 + 4  # float32 [4, 3] and an int32 scalar
     free = {"bytes": 0}
     monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage",

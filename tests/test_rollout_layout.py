@@ -22,6 +22,7 @@ from qurl_jax.models import param_logical_axes
 from qurl_jax.parallel import rollout_layout as rl
 from qurl_jax.parallel.sharding import make_mesh, shard_params
 from qurl_jax.quant import QuantizedTensor
+from qurl_jax.runtime import sizes
 from qurl_jax.runtime.errors import MeshError
 from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
 from tests.test_refill import LIMITS, PROMPTS6, _assert_prefix_equal
@@ -393,7 +394,7 @@ def test_reshard_in_buckets_gives_the_whole_reshard_with_smaller_programs(qwen) 
     for b in buckets:
         mem = compiled_memory(bucketed.fn(b).lower(b).compile())
         mems.append(mem)
-        out_share = rl.tree_bytes_per_device(jax.tree.map(
+        out_share = sizes.tree_bytes_per_device(jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), b,
             bucketed.shardings(b)))
         assert out_share <= 16 << 10 or len(jax.tree.leaves(b)) == 1, out_share

@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax import quant
-from qurl_jax.bench.sampler import sampler_timer, tree_bytes
+from qurl_jax.bench.sampler import sampler_timer
 from qurl_jax.config.base import load_config_file
 from qurl_jax.config.settings import ModelSettings, RunSettings
 from qurl_jax.models import cast_floats
@@ -84,6 +84,7 @@ from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
 from qurl_jax.models.params import init_params
 from qurl_jax.plan.memory_plan import GIB, build_setup, compiled_memory, model_shape
+from qurl_jax.runtime.sizes import tree_bytes
 from qurl_jax.sampling import Sampler
 
 

@@ -77,6 +77,7 @@ from qurl_jax.cpu_kernels import decode_attention
 from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.kv_quant import KVPrecision, kv_precision
 from qurl_jax.models.params import init_params
+from qurl_jax.runtime.sizes import tree_bytes
 from qurl_jax.sampling import RefillSampler, Sampler, SamplingParams
 
 # ~98M parameters: 73M in 12 decoder layers, 24.6M in the tied 32k x 768 embedding / LM head.
@@ -99,11 +100,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
-
-
-def tree_bytes(tree: Any) -> int:
-    """Bytes of every array of a pytree (a quantized tensor's codes and scales)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def sampler_timer(config: ModelConfig, params: Any, dot_general: Any,

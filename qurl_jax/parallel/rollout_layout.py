@@ -45,9 +45,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.quant._qtensor import QuantizedTensor
 from qurl_jax.runtime.errors import ConfigError, MeshError
+from qurl_jax.runtime.sizes import tree_bytes_per_device
 
 __all__ = ["DEFAULT_BUCKET_MIB", "Reshard", "actor_shardings", "check_concurrent_rows",
-           "parse_tensor", "resolve_tensor", "rollout_mesh", "tree_bytes_per_device"]
+           "parse_tensor", "resolve_tensor", "rollout_mesh"]
 
 AUTO = "auto"
 
@@ -101,15 +102,6 @@ def actor_shardings(actor: Any, logical_axes: Any, mesh: Mesh) -> Any:
         else:
             out[path] = _sharding(mesh, spec, tuple(leaf.shape))
     return traverse_util.unflatten_dict(out)
-
-
-def tree_bytes_per_device(tree: Any) -> int:
-    """Bytes of the first device's shards of a tree of sharded arrays or ShapeDtypeStructs."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
-        total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
-    return total
 
 
 def quantized_parameters(tree: Any) -> int:

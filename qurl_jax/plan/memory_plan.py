@@ -81,6 +81,7 @@ from qurl_jax.parallel import rollout_layout, targets
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.plan import collectives, native_pick
 from qurl_jax.runtime.errors import UserError
+from qurl_jax.runtime.sizes import tree_bytes_per_device
 from qurl_jax.sampling.factory import build_eval_sampler, build_rollout_sampler
 
 GIB = 1 << 30
@@ -278,12 +279,6 @@ def _packed_symbols(setup: Setup, shapes: packed_plan.PackedShapes) -> dict[str,
             "packed rows": shapes.rows, "slices": shapes.slices}
 
 
-def _bytes_per_device(tree: Any) -> int:
-    """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s."""
-    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-               for x in jax.tree.leaves(tree))
-
-
 def _symbols(setup: Setup, rows: int) -> dict[str, int]:
     """b rows per device, T = P + G, G, L, E, M, Q = H*D, K = Hkv*D, V, t = tensor-parallel ways,
     cb = compute dtype bytes, C = log-prob chunk, Pd = parameter bytes per device (f32),
@@ -295,7 +290,7 @@ def _symbols(setup: Setup, rows: int) -> dict[str, int]:
                 E=m.hidden_size, M=m.intermediate_size, Q=m.num_heads * m.head_dim,
                 K=m.num_kv_heads * m.head_dim, V=m.vocab_size, t=s.mesh.tensor,
                 cb=m.compute_dtype.itemsize, C=min(s.train.logprob_chunk, setup.response_len),
-                Pd=_bytes_per_device(setup.params), Pl=_bytes_per_device(layers),
+                Pd=tree_bytes_per_device(setup.params), Pl=tree_bytes_per_device(layers),
                 N1=sum(x.size for x in jax.tree.leaves(layers.get("layers_0", {}))))
 
 
@@ -319,7 +314,7 @@ def _frozen_part(setup: Setup) -> tuple[tuple[str, str, int], ...]:
     if setup.frozen is None:
         return ()
     return (("frozen base (codes + scales, the rollout's layout)", "base",
-             _bytes_per_device(setup.frozen)),)
+             tree_bytes_per_device(setup.frozen)),)
 
 
 def _lora_weights_at_work(setup: Setup, s: dict[str, int]) -> tuple[tuple[str, str, int], ...]:
@@ -406,7 +401,7 @@ def requantize(setup: Setup) -> Program:
     """The rollout actor made from the learner's parameters, every step."""
     lowered = setup.requantize_fn.lower(setup.params)
     s = _symbols(setup, setup.rollout_rows)
-    actor = _bytes_per_device(setup.learner_actor)
+    actor = tree_bytes_per_device(setup.learner_actor)
     return Program(lowered, Estimate((("params (input)", "Pd", s["Pd"]),
                                       ("actor (output)", "codes + scales", actor)), s))
 
@@ -417,15 +412,15 @@ def reshard(setup: Setup) -> Program:
     actor with `rollout.reshard_bucket_mib=0`). While it runs, the buckets before it are
     already on the replicas: the replica's share is in `rollout_decode`'s arguments."""
     r = setup.reshard
-    src = max(r.buckets(setup.learner_actor), key=lambda b: _bytes_per_device(r.abstract(b)))
+    src = max(r.buckets(setup.learner_actor), key=lambda b: tree_bytes_per_device(r.abstract(b)))
     lowered = r.fn(src).lower(src)
     out = r.abstract(src)
     s = _symbols(setup, setup.rollout_rows)
     return Program(lowered, Estimate((
         ("a bucket of the actor on the learner's layout (input)", "codes + scales / devices",
-         _bytes_per_device(src)),
+         tree_bytes_per_device(src)),
         ("its replica share (output)", "codes + scales / rollout.tensor",
-         _bytes_per_device(out))), s))
+         tree_bytes_per_device(out))), s))
 
 
 def _rollout_sampler(setup: Setup) -> tuple[Any, int, int]:
@@ -484,7 +479,7 @@ def _sampler_program(setup: Setup, name: str, sampler: Any, actor: Any, rows: in
               "rollout.kv_policy)",
               b * sampler.engine.cache_slots(setup.prompt_len, response_len) * token)
     parts = (
-        ("actor parameters", "codes + scales per device", _bytes_per_device(actor)),
+        ("actor parameters", "codes + scales per device", tree_bytes_per_device(actor)),
         kv,
         ("last-position logits and sampling", "2*b*V/t * 4", 2 * b * V // t * 4),
     ) + ((("prompt activations at work", "b*P*(3M/t + 2E + 2(Q+2K)/t) * cb",
@@ -568,7 +563,7 @@ def decode_kv(setup: Setup) -> dict[str, int] | None:
         return None
     cache_len = engine.cache_slots(setup.prompt_len, setup.response_len)
     cache = engine.layout.abstract(slots, cache_len)
-    cache_bytes = _bytes_per_device((cache.k, cache.v, cache.k_scale, cache.v_scale))
+    cache_bytes = tree_bytes_per_device((cache.k, cache.v, cache.k_scale, cache.v_scale))
     shards = setup.replicas
     layer = cache.k[0].sharding.shard_shape(cache.k[0].shape)
     out = {"cache_len": int(cache_len), "cache_bytes": cache_bytes,
@@ -750,9 +745,9 @@ def report(settings: RunSettings, shapes_dir: str,
     out["refused"] = {}
     if setup.lora is not None:
         log(f"LoRA rank {setup.lora.rank} on a frozen {setup.lora.base_precision} base: "
-            f"{_bytes_per_device(setup.frozen) / GIB:.2f} GiB of base per device, read by every "
-            "program below; no requantize, the reshard moves the adapter "
-            f"({_bytes_per_device(setup.params) / GIB:.3f} GiB)")
+            f"{tree_bytes_per_device(setup.frozen) / GIB:.2f} GiB of base per device, read by "
+            "every program below; no requantize, the reshard moves the adapter "
+            f"({tree_bytes_per_device(setup.params) / GIB:.3f} GiB)")
     wanted = programs or tuple(n for n in PROGRAMS if n not in _LORA_SKIPS or setup.lora is None)
     for name, build in ((n, b) for n, b in PROGRAMS.items() if n in wanted):
         start = time.perf_counter()

@@ -60,7 +60,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from qurl_jax import quant
@@ -69,6 +68,7 @@ from qurl_jax.models.config import ModelConfig
 from qurl_jax.models.hf import config_from_hf
 from qurl_jax.parallel import sharding as shd
 from qurl_jax.parallel import targets
+from qurl_jax.runtime.sizes import tree_bytes
 from qurl_jax.sampling import Sampler
 
 SHAPES_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "shapes")
@@ -121,10 +121,6 @@ def abstract_actor(config: ModelConfig, actor: str) -> tuple[Any, Any]:
     recipe = quant.get_recipe(actor)
     return (jax.eval_shape(lambda p: quant.requantize(p, recipe, config.compute_dtype), params),
             quant.make_dot_general(recipe))
-
-
-def _bytes(tree: Any) -> int:
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def attention_flops(config: ModelConfig, batch: int, slots: float) -> float:
@@ -247,7 +243,7 @@ def predict(target: targets.Target, model: str, batch: int, actor: str,
         "model": model, "batch": batch, "actor": actor, "attention": "dense",
         "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "compile_s": round(compile_s, 1),
         "pallas_kernel_in_program": _has_pallas_kernel(compiled.as_text()),
-        "weight_bytes": _bytes(params), "cache_slots": slots,
+        "weight_bytes": tree_bytes(params), "cache_slots": slots,
         "kv_cache_bytes": batch * sampler.engine.kv_bytes_per_row(PROMPT_LEN, NEW_TOKENS),
         "argument_bytes": arg_bytes,
         "attention_flops_per_step": attention_flops(config, batch, slots),

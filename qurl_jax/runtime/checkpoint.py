@@ -38,7 +38,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from qurl_jax.runtime import malloc
+from qurl_jax.runtime import malloc, sizes
 from qurl_jax.runtime.errors import UserError
 
 # Sub-directory of the checkpoint directory that unreadable checkpoints are moved to.
@@ -55,13 +55,6 @@ class CheckpointSpaceError(UserError):
     """The checkpoint directory's file system has no room for one checkpoint of the run."""
 
     what = "no room for a checkpoint"
-
-
-def state_bytes(template: Any) -> int:
-    """Bytes of one checkpoint's tensors: every leaf of `template` (arrays or
-    `jax.ShapeDtypeStruct`s, global shapes)."""
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(template))
 
 
 def free_bytes(directory: str) -> int | None:
@@ -176,7 +169,7 @@ class Checkpointer:
         free = free_bytes(self.directory)
         if free is None:
             return None
-        one = state_bytes(template)
+        one = sizes.tree_bytes(template)
         gib = 1 << 30
         if free < one:
             raise CheckpointSpaceError(

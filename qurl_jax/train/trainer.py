@@ -59,7 +59,7 @@ from qurl_jax.plan import memory_plan
 from qurl_jax.plan.rollout_speed import compare_rollout_speed
 from qurl_jax.rl import advantages as adv_lib
 from qurl_jax.rl import objectives
-from qurl_jax.runtime import compilation, malloc, report, xla_cpu
+from qurl_jax.runtime import compilation, malloc, report, sizes, xla_cpu
 from qurl_jax.runtime.checkpoint import Checkpointer
 from qurl_jax.runtime.errors import ConfigError
 from qurl_jax.runtime.metrics import (
@@ -428,7 +428,7 @@ class Trainer:
             r, metrics = self.collect(lora.attach(self.base, adapter, self.lora.scale), timer)
             self._check_rollout_adapter(adapter)
             metrics["reshard/bytes_per_device"] = float(
-                rollout_layout.tree_bytes_per_device(adapter))
+                sizes.tree_bytes_per_device(adapter))
             del adapter
         else:
             with timer.phase("requantize"):
