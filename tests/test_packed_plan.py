@@ -28,6 +28,9 @@ def test_worst_case_is_one_sequence_per_row():
     budget = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216)
     assert (budget.slices, budget.rows_per_slice, budget.sequences) == (32, 8, 32 * 256)
     assert budget.seq_index
+    # The log-prob pass without shared prompts: one index row per sequence, not per slot.
+    lp = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216, by_token=True)
+    assert (lp.slices, lp.rows, lp.sequences, lp.seq_index) == (32, 256, 256, False)
     # Every real packing of those sequences fits the worst case's rows.
     rng = np.random.default_rng(0)
     for _ in range(5):
@@ -77,9 +80,11 @@ def test_plan_compiles_the_packed_programs():
     # Rows of 2 a micro-batch, up to 2 micro-batches (one sequence a row), 4 slots each.
     assert shapes["tokens"] == (4, 48) and shapes["seq_index"] == (8,)
     logprobs = memory.learner_logprobs(setup)
-    # The whole rollout's 8 sequences: up to 4 slices of 2 rows; resp_mask gives B.
-    assert logprobs.lowered.args_info[0][1]["tokens"].shape == (8, 48)
-    assert logprobs.lowered.args_info[0][1]["resp_mask"].shape == (8, 24)
+    # The whole rollout's 8 sequences: up to 4 slices of 2 rows, and one index per sequence
+    # (not 4 slices x 8 slots).
+    args = logprobs.lowered.args_info[0][1]
+    assert args["tokens"].shape == (8, 48) and args["resp_flat"].shape == (8, 24)
+    assert "resp_index" not in args and "seq_index" not in args
 
 
 def test_plan_and_preflight_errors_name_the_packing_fields(monkeypatch):

@@ -413,6 +413,19 @@ def test_pack_budget_assigns_whole_sequences_to_micro_batches():
         real = batch["attn_mask"][seq, P:]
         np.testing.assert_array_equal(rows_k[out["resp_index"][slot][real] + 1],
                                       batch["tokens"][seq, P:][real])
+    # The log-prob pass's index: per sequence, into all rows in their packed (= merged) order.
+    flat = out["tokens"].reshape(-1)
+    for seq in range(16):
+        real = batch["attn_mask"][seq, P:]
+        np.testing.assert_array_equal(flat[out["resp_flat"][seq][real] + 1],
+                                      batch["tokens"][seq, P:][real])
+    # Another process's block (row_offset): its rows follow all of the first block's.
+    shifted = packing.pack_budget(batch["tokens"], batch["attn_mask"], G, length, num_micro=m,
+                                  rows_per_micro=rows, seqs_per_micro=seqs,
+                                  resp_mask=batch["resp_mask"], row_offset=rows).arrays
+    real = batch["attn_mask"][:, P:]
+    np.testing.assert_array_equal(shifted["resp_flat"][real],
+                                  out["resp_flat"][real] + m * rows * length)
 
 
 @pytest.mark.slow  # two update compiles (~1 min here)
@@ -460,7 +473,7 @@ def test_fp8_block_training_on_packed_rows():
 
 def test_token_budget_logprobs_match_padded():
     """`logprobs` under train.tokens_per_micro_batch: the whole batch's sequences packed into
-    slices of 2 rows of 16 (a lax.map), scattered back to [B, G] by sequence."""
+    slices of 2 rows of 16 (a lax.map), gathered back to [B, G] by sequence (`resp_flat`)."""
     objective = ObjectiveConfig()
     params = init_params(CFG, jax.random.key(2))
     batch = _padded(PROMPTS * 2, RESPONSES * 2, seed=5)

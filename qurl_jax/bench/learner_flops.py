@@ -224,13 +224,21 @@ def count(config_path: str, target_name: str, seed: int = 0,
         b.update({k: _spec(mesh, *batch_spec(k, seq_rows, p, g)) for k in keys})
         return b
 
+    def logprob_batch(slots: int, seq_rows: int) -> dict[str, Any]:
+        """One log-prob slice's: the sequences' `resp_flat` index (`packing.TOKEN_KEYS`), or
+        with shared prompts their slots."""
+        if train.share_prompts > 1:
+            return packed_batch(slots, seq_rows, ("resp_mask",))
+        b = packed_batch(slots, seq_rows, ())
+        del b["resp_index"], b["seq_index"]
+        return {**b, "resp_flat": _spec(mesh, (seq_rows, g), i32)}
+
     upd, lp = compile_pair(True, budget, packed_batch(update_seqs, mb, per_seq),
-                           packed_batch(lp_seqs, rows, ("resp_mask",)))
+                           logprob_batch(lp_seqs, rows))
     lp_prox = lp
     if prox.recompute and (prox_seqs, prox_rows) != (lp_seqs, rows):
         # The pi_prox pass's slices hold another number of sequence slots: their own program.
-        lp_prox = compile_pair(True, budget, None,
-                               packed_batch(prox_seqs, prox_rows, ("resp_mask",)))[1]
+        lp_prox = compile_pair(True, budget, None, logprob_batch(prox_seqs, prox_rows))[1]
     lp_flops = (lp_prox * prox_m if prox.recompute else 0.0) + (lp * lp_m if kl else 0.0)
     # Beside it, the same step with pi_prox's pass over every row (as before `prox.skip_first`,
     # and as where the update's forward gives pi_prox the pass would be)

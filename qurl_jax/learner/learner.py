@@ -152,15 +152,7 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
     first token is predicted at its prompt's last position, whose next token in the row is
     another response's. The head then runs on the slots' hidden states (float products only).
     """
-    mask = rows["attn_mask"]
-    model, params = quant.bind_train_precision(model, params, precision, token_mask=mask)
-    segments = rows["segment_ids"]
-    if "prefix_ids" in rows:
-        segments = PackedSegments(segments, rows["prefix_ids"])
-    hidden, _ = model.apply({"params": params}, rows["tokens"], rows["positions"], mask,
-                            return_hidden=True, segment_ids=segments)
-    head_dot = _head_dot(precision)
-    head = lambda h: lm_head_logits(model.config, params, h, head_dot)  # noqa: E731
+    hidden, head = _packed_hidden(model, params, rows, precision)
     exact = model.config.numerics == "exact"
     tokens = rows["tokens"]
     if resp_target is not None:
@@ -169,7 +161,7 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
         hidden = hidden.reshape(-1, hidden.shape[-1])[resp_index]  # [B, G, E]
         return chunked_token_logprobs(head, hidden, resp_target, temperature, chunk=chunk,
                                       with_entropy=with_entropy)
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    targets = _next_tokens(tokens)
     if resp_index.size < targets.size and not quant.get_recipe(precision).quantizes:
         # Fewer response slots than packed positions (short responses after long prompts): the
         # head runs on the slots' hidden states only, gathered first, instead of on every
@@ -183,6 +175,38 @@ def packed_response_logprobs(model: Transformer, params: Any, rows: Batch,
                                            with_entropy=with_entropy, exact=exact)
     take = lambda x: x.reshape(-1)[resp_index]  # noqa: E731
     return take(logp), None if entropy is None else take(entropy)
+
+
+def _next_tokens(tokens: jax.Array) -> jax.Array:
+    """Each packed position's next token in its row (0 after the last)."""
+    return jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+
+
+def _packed_hidden(model: Transformer, params: Any, rows: Batch, precision: str | quant.Recipe
+                   ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """The last hidden states of packed rows and the LM head that reads them (FP8 scales of the
+    real tokens only)."""
+    mask = rows["attn_mask"]
+    model, params = quant.bind_train_precision(model, params, precision, token_mask=mask)
+    segments = rows["segment_ids"]
+    if "prefix_ids" in rows:
+        segments = PackedSegments(segments, rows["prefix_ids"])
+    hidden, _ = model.apply({"params": params}, rows["tokens"], rows["positions"], mask,
+                            return_hidden=True, segment_ids=segments)
+    head_dot = _head_dot(precision)
+    return hidden, lambda h: lm_head_logits(model.config, params, h, head_dot)
+
+
+def packed_token_logprobs(model: Transformer, params: Any, rows: Batch, temperature: float, *,
+                          chunk: int, precision: str | quant.Recipe = "fp") -> jax.Array:
+    """f32[R, L]: every packed position's log-prob of the next token in its row (the last
+    position's of token 0), the LM head in chunks over every position. What
+    `packed_response_logprobs` reads its slots from, before any gather: a token-budget log-prob
+    pass gathers all its micro-batches' at once (`packing.TOKEN_KEYS`)."""
+    hidden, head = _packed_hidden(model, params, rows, precision)
+    logp, _ = chunked_token_logprobs(head, hidden, _next_tokens(rows["tokens"]), temperature,
+                                     chunk=chunk, exact=model.config.numerics == "exact")
+    return logp
 
 
 def split_rows(batch: Batch, n: int) -> Batch:
@@ -657,7 +681,9 @@ class Learner:
             batch = self.pack_budget_batch(batch)
         else:
             batch = self._maybe_pack(batch, b // lbs if lbs and lbs < b else 1)
-        if "seq_index" in batch:
+        if "resp_flat" in batch:
+            keys = ("tokens", "positions", "segment_ids", "attn_mask") + packing_lib.TOKEN_KEYS
+        elif "seq_index" in batch:
             keys = packing_lib.PACKED_KEYS + ("seq_index", "resp_mask") + tuple(
                 k for k in packing_lib.SHARED_KEYS if k in batch)
         else:
@@ -669,7 +695,8 @@ class Learner:
         """The jitted `logprobs` for arrays shaped and placed like these (arrays or
         `jax.ShapeDtypeStruct`s with shardings); `.lower(params, batch, frozen)` compiles
         without data."""
-        response_len = batch["resp_index" if "resp_index" in batch else "resp_mask"].shape[1]
+        response_len = next(batch[k] for k in ("resp_flat", "resp_index", "resp_mask")
+                            if k in batch).shape[1]
         key = (response_len, jax.tree.structure(batch),
                tuple((k, v.shape) for k, v in sorted(batch.items())))
         if key not in self._logprob_fns:
@@ -684,6 +711,8 @@ class Learner:
 
     def _logprobs(self, params: Any, batch: Batch, frozen: Any, response_len: int) -> jax.Array:
         params = self.policy(params, frozen)
+        if "resp_flat" in batch:
+            return self._token_logprobs(params, batch)
         if "seq_index" in batch:
             return self._budget_logprobs(params, batch)
         if "segment_ids" in batch:
@@ -746,6 +775,24 @@ class Learner:
         out, _ = jax.lax.scan(lambda acc, p: (scatter(acc, p), None), out, split_rows(part, m))
         return out
 
+    def _token_logprobs(self, params: Any, batch: Batch) -> jax.Array:
+        """`_logprobs` of token-budget micro-batches without shared prompts: each micro-batch's
+        rows give every position's log-prob (a `lax.map`), merged back into row order, and
+        `resp_flat` gathers f32[B, G] from them once. Its arrays are the rows' and [B, G], so
+        the program is linear in the rollout however many sequences a micro-batch holds (a
+        slot layout, `_budget_logprobs`, is micro-batches x slots x G in the worst case)."""
+        m, _ = self._budget_micro(*batch["tokens"].shape)
+
+        def forward(part: Batch) -> jax.Array:
+            part = self._constrain_rows(part)
+            return packed_token_logprobs(self.model, params, _packed_rows(part),
+                                         self.temperature, chunk=self.logprob_chunk,
+                                         precision=self.precision)
+
+        rows = _packed_rows(batch)
+        logp = forward(rows) if m == 1 else merge_rows(jax.lax.map(forward, split_rows(rows, m)))
+        return logp.reshape(-1)[batch["resp_flat"]]
+
     # ------------------------------------------------------------------------------------- update
     def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The objective on one (micro-)batch; differentiable in `params`."""
@@ -792,7 +839,8 @@ class Learner:
         `params` is the adapter and `frozen` the base it is attached to (read, never donated).
         """
         if self.budget_packing and "segment_ids" not in batch:
-            batch = self.pack_budget_batch(batch)
+            batch = {k: v for k, v in self.pack_budget_batch(batch).items()
+                     if k not in packing_lib.TOKEN_KEYS}  # the log-prob pass's, not the loss's
         else:
             batch = self._maybe_pack(batch, self.num_micro_batches)
         return self.update_fn(params, opt_state, batch, frozen)(params, opt_state, batch, frozen)

@@ -36,6 +36,12 @@ PACKED_KEYS = ("tokens", "positions", "segment_ids", "attn_mask", "resp_index")
 # With shared prompts (`pack_budget(..., group=n)`) also: prefix_ids i32[n * R, L], the segment
 # each token attends to beside its own; resp_target i32[B, G], the token of each response slot.
 SHARED_KEYS = ("prefix_ids", "resp_target")
+# Token-budget micro-batches (`pack_budget`, no shared prompts) also carry, for the log-prob pass,
+#   resp_flat i32[B, G]: per sequence (not per slot), the flat index into the log-probs of every
+#   packed row, all micro-batches merged back into row order ([n * R, L] over all processes), of
+#   the position whose next-token log-prob is response token t's. Linear in the sequences, where
+#   `resp_index` over `seq_index`'s slots is micro-batches x slots (quadratic in the worst case).
+TOKEN_KEYS = ("resp_flat",)
 # Segment id of padding: never equal to a real sequence's (0, 1, ... within a row).
 PAD_SEGMENT = -1
 
@@ -297,7 +303,8 @@ def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pa
     names the sequence (+ `seq_offset`, a process's first global sequence; -1 for an empty slot)
     at slot s * num_micro + k: the learner gathers the per-sequence arrays with it, so a
     micro-batch's loss sees exactly the sequences its rows hold, and `resp_index` is laid out the
-    same way (slot, not sequence). `row_offset`: see `pack`.
+    same way (slot, not sequence). `row_offset`: see `pack`. Without shared prompts also
+    `resp_flat` i32[B, G] (`TOKEN_KEYS`), what the log-prob pass gathers with.
 
     group > 1: the sequences of each group of `group` share their prompt (checked), and each
     unit (`_units`) packs it once, then its responses, each response a segment of its own whose
@@ -336,6 +343,8 @@ def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pa
     out["attn_mask"] = np.zeros((m * rows_per_micro, length), bool)
     out["resp_index"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
     out["seq_index"] = np.full((m * seqs_per_micro,), -1, np.int32)
+    if group == 1:
+        out["resp_flat"] = np.zeros((tokens.shape[0], response_len), np.int32)
     if group > 1:
         out["prefix_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
         out["resp_target"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
@@ -374,6 +383,9 @@ def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pa
                 at = np.where(t - g + s == f, o + p, at)
                 out["resp_target"][slot] = np.where(ok, tokens[seq, t - g:], 0)
             out["resp_index"][slot] = np.where(ok, (row_offset + j) * length + at - 1, 0)
+            if group == 1:  # row j of micro-batch k sits at merged row (row_offset + j) m + k
+                out["resp_flat"][seq] = np.where(ok, ((row_offset + j) * m + k) * length
+                                                 + at - 1, 0)
             col += n
     return Packed(out, rows_used=int(row_in.max(initial=-1)) + 1,
                   real_tokens=int(out["attn_mask"].sum()) if group > 1 else base.real_tokens)

@@ -252,18 +252,20 @@ def _packed_shapes(setup: Setup, program: str) -> packed_plan.PackedShapes | Non
         return packed_plan.worst_case(sequences, slices, length, devices,
                                       learner.tokens_per_micro_batch,
                                       processes=dist.row_block(setup.mesh)[1],
-                                      buckets=learner.pack_buckets)
+                                      buckets=learner.pack_buckets,
+                                      by_token=program == "logprobs"
+                                      and learner.share_prompts <= 1)
     except ValueError as e:
         raise PlanError(str(e)) from None
 
 
 def _abstract_packed(setup: Setup, shapes: packed_plan.PackedShapes) -> dict[str, Any]:
     """The packed keys of a learner batch (`packing.PACKED_KEYS`, and `seq_index` with a token
-    budget) at `shapes`."""
+    budget; the log-prob pass's `packing.TOKEN_KEYS` instead of the slots') at `shapes`."""
     r, n, g = shapes.rows, shapes.length, setup.response_len
     spec = {"tokens": ((r, n), jnp.int32), "positions": ((r, n), jnp.int32),
             "segment_ids": ((r, n), jnp.int32), "attn_mask": ((r, n), jnp.bool_),
-            "resp_index": ((shapes.sequences, g), jnp.int32)}
+            "resp_flat" if shapes.by_token else "resp_index": ((shapes.sequences, g), jnp.int32)}
     if shapes.seq_index:
         spec["seq_index"] = ((shapes.sequences,), jnp.int32)
     return {k: jax.ShapeDtypeStruct(shape, dtype,
@@ -394,6 +396,10 @@ def learner_logprobs(setup: Setup) -> Program:
         ("log-probs of the whole rollout (output)", "rows/device * G * 4",
          rows_per_device * s["G"] * 4),
     )
+    if shapes is not None and shapes.by_token:
+        devices = setup.settings.mesh.data * setup.settings.mesh.fsdp
+        parts += (("every packed position's log-prob (resp_flat reads them)",
+                   "packed rows/device * T * 4", -(-shapes.rows // devices) * T * 4),)
     return Program(lowered, Estimate(parts, s))
 
 
