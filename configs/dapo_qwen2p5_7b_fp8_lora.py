@@ -16,11 +16,10 @@ so each chip's products read its own quarter of the base where the rollout place
 22,528-token row per group and micro-batch, layers rematerialised and unrolled.
 
 `python -m qurl_jax.bench.memory --config=configs/dapo_qwen2p5_7b_fp8_lora.py --target=tpu:v5e-8`:
-the rollout and evaluation programs fit (<= 7.92 GiB per chip); libtpu refuses the learner's
-update (25.4 GiB of temporaries) and log-prob pass (docs/lora.md). With `--config.mesh.fsdp=1
---target=tpu:v5p-8` the update fits (57.67 of 80.75 GiB per chip); the log-prob pass's plan
-does not on any slice: its token-budget worst case is quadratic in the rollout's rows
-(docs/lora.md).
+the rollout, evaluation and log-prob programs fit (<= 7.92 GiB per chip); libtpu refuses the
+learner's update (25.4 GiB of temporaries; docs/lora.md). With `--config.mesh.fsdp=1
+--target=tpu:v5p-8` every program fits, the largest the update at 57.67 of 80.75 GiB per chip:
+the smallest slice this step plans on is one v5p-8.
 """
 
 import os
