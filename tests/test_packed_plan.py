@@ -29,8 +29,14 @@ def test_worst_case_is_one_sequence_per_row():
     assert (budget.slices, budget.rows_per_slice, budget.sequences) == (32, 8, 32 * 256)
     assert budget.seq_index
     # The log-prob pass without shared prompts: one index row per sequence, not per slot.
-    lp = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216, by_token=True)
+    assert budget.index == "resp_span"  # 3 int32 a slot
+    lp = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216,
+                                logprob_pass=True)
     assert (lp.slices, lp.rows, lp.sequences, lp.seq_index) == (32, 256, 256, False)
+    assert lp.index == "resp_flat"
+    shared = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216,
+                                    shared_prompts=True, logprob_pass=True)
+    assert shared.index == "resp_index" and shared.sequences == 32 * 256
     # Every real packing of those sequences fits the worst case's rows.
     rng = np.random.default_rng(0)
     for _ in range(5):
@@ -79,6 +85,7 @@ def test_plan_compiles_the_packed_programs():
     shapes = _arg_shapes(memory.learner_update(setup))
     # Rows of 2 a micro-batch, up to 2 micro-batches (one sequence a row), 4 slots each.
     assert shapes["tokens"] == (4, 48) and shapes["seq_index"] == (8,)
+    assert shapes["resp_span"] == (8, 3) and "resp_index" not in shapes
     logprobs = memory.learner_logprobs(setup)
     # The whole rollout's 8 sequences: up to 4 slices of 2 rows, and one index per sequence
     # (not 4 slices x 8 slots).

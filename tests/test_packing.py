@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from qurl_jax.learner import packing
-from qurl_jax.learner.learner import Learner, OptimConfig
+from qurl_jax.learner.learner import Learner, OptimConfig, span_index
 from qurl_jax.models import ModelConfig, init_params
 from qurl_jax.models import attention as attn
 from qurl_jax.parallel import sharding as shd
@@ -404,15 +404,18 @@ def test_pack_budget_assigns_whole_sequences_to_micro_batches():
                               resp_mask=batch["resp_mask"]).arrays
     assert out["tokens"].shape == (m * rows, length) and out["seq_index"].shape == (m * seqs,)
     assert sorted(out["seq_index"][out["seq_index"] >= 0].tolist()) == list(range(16))
+    assert out["resp_span"].shape == (m * seqs, 3) and "resp_index" not in out
+    index = np.asarray(span_index(out["resp_span"], G))  # as the update widens it
     for slot, seq in enumerate(out["seq_index"]):
         k = slot % m  # slot s * m + k is micro-batch k's; its rows are j * m + k
         rows_k = out["tokens"][k::m].reshape(-1)
         if seq < 0:
-            assert not out["resp_index"][slot].any()
+            assert not index[slot].any()
             continue
         real = batch["attn_mask"][seq, P:]
-        np.testing.assert_array_equal(rows_k[out["resp_index"][slot][real] + 1],
+        np.testing.assert_array_equal(rows_k[index[slot][real] + 1],
                                       batch["tokens"][seq, P:][real])
+        assert not index[slot][~real].any()  # 0 off the response, as the slot layout had
     # The log-prob pass's index: per sequence, into all rows in their packed (= merged) order.
     flat = out["tokens"].reshape(-1)
     for seq in range(16):

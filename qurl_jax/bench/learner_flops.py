@@ -220,7 +220,11 @@ def count(config_path: str, target_name: str, seed: int = 0,
              "positions": _spec(mesh, (per, length), i32),
              "segment_ids": _spec(mesh, (per, length), i32),
              "attn_mask": _spec(mesh, (per, length), jnp.bool_),
-             "resp_index": _spec(mesh, (slots, g), i32), "seq_index": _spec(mesh, (slots,), i32)}
+             "seq_index": _spec(mesh, (slots,), i32)}
+        if train.share_prompts > 1:
+            b["resp_index"] = _spec(mesh, (slots, g), i32)
+        else:  # `packing.SLOT_KEYS`
+            b["resp_span"] = _spec(mesh, (slots, 3), i32)
         b.update({k: _spec(mesh, *batch_spec(k, seq_rows, p, g)) for k in keys})
         return b
 
@@ -230,7 +234,7 @@ def count(config_path: str, target_name: str, seed: int = 0,
         if train.share_prompts > 1:
             return packed_batch(slots, seq_rows, ("resp_mask",))
         b = packed_batch(slots, seq_rows, ())
-        del b["resp_index"], b["seq_index"]
+        del b["resp_span"], b["seq_index"]
         return {**b, "resp_flat": _spec(mesh, (seq_rows, g), i32)}
 
     upd, lp = compile_pair(True, budget, packed_batch(update_seqs, mb, per_seq),

@@ -278,6 +278,21 @@ def _packed_rows(batch: Batch) -> Batch:
                                   "prefix_ids") if k in batch}
 
 
+def span_index(span: jax.Array, response_len: int) -> jax.Array:
+    """i32[slots, G] response index of token-budget slots from their `resp_span` i32[slots, 3]
+    (`packing.SLOT_KEYS`): start + t for first <= t < end, 0 elsewhere."""
+    t = jnp.arange(response_len, dtype=span.dtype)
+    start, first, end = (span[:, i:i + 1] for i in range(3))
+    return jnp.where((t >= first) & (t < end), start + t, 0)
+
+
+def _resp_index(batch: Batch) -> jax.Array:
+    """A packed (micro-)batch's response index: `resp_index`, or widened from `resp_span`."""
+    if "resp_index" in batch:
+        return batch["resp_index"]
+    return span_index(batch["resp_span"], batch["resp_mask"].shape[1])
+
+
 def _gather_sequences(batch: Batch) -> Batch:
     """A token-budget packed batch with its per-sequence arrays in `seq_index`'s slots (empty
     slots: no response token in the loss, advantage 0)."""
@@ -287,7 +302,7 @@ def _gather_sequences(batch: Batch) -> Batch:
     for k, v in batch.items():
         if k == "seq_index":
             continue
-        if k in packing_lib.PACKED_KEYS + packing_lib.SHARED_KEYS:
+        if k in packing_lib.PACKED_KEYS + packing_lib.SHARED_KEYS + packing_lib.SLOT_KEYS:
             out[k] = v
             continue
         x = jnp.take(v, jnp.maximum(index, 0), axis=0)
@@ -610,9 +625,11 @@ class Learner:
     def pack_budget_batch(self, batch: Batch) -> Batch:
         """The padded batch packed into micro-batches of sequences of its own choosing
         (`packing.pack_budget`): token-budget ones (`tokens_per_micro_batch`), or with shared
-        prompts `num_micro_batches` of whole groups. Returns the packed rows, `resp_index` and
-        `seq_index` of each micro-batch (and the shared prompts' `packing.SHARED_KEYS`), and the
-        per-sequence arrays as they are (the update gathers them by `seq_index`). The counts of
+        prompts `num_micro_batches` of whole groups. Returns the packed rows, `seq_index` and the
+        response index of each micro-batch's slots (`resp_span`; with shared prompts
+        `resp_index` and `packing.SHARED_KEYS`), the log-prob pass's `resp_flat` (no shared
+        prompts), and the per-sequence arrays as they are (the update gathers them by
+        `seq_index`). The counts of
         micro-batches, rows and sequences per micro-batch are agreed over processes (the
         largest, bucketed). The same batch again (the reference log-probs after pi_prox's) reuses
         the packing."""
@@ -800,7 +817,7 @@ class Learner:
         need_entropy = self.objective.entropy_coef != 0.0
         if "segment_ids" in batch:
             logp, entropy = packed_response_logprobs(
-                self.model, params, _packed_rows(batch), batch["resp_index"], self.temperature,
+                self.model, params, _packed_rows(batch), _resp_index(batch), self.temperature,
                 chunk=self.logprob_chunk, with_entropy=need_entropy, precision=self.precision,
                 resp_target=batch.get("resp_target"))
         else:

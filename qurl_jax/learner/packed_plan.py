@@ -14,10 +14,11 @@ sequence longer than half a row, one sequence per row. Then
   tokens_per_micro_batch // pack_length on each process (rounded up to its devices), and the
   worst case is in their number: one row per sequence, `bucket_rows(ceil(sequences / rows))`
   micro-batches. The update gives each a slot for every sequence of its process (a micro-batch
-  of short sequences can hold them all): its [slots, G] index arrays are charged that many times
-  over, micro-batches x sequences, quadratic in the minibatch's sequences. The log-prob pass
-  without shared prompts reads one [sequences, G] index (`packing.TOKEN_KEYS`) instead: linear
-  in the rollout's sequences (with shared prompts it keeps the slots).
+  of short sequences can hold them all), micro-batches x sequences slots, quadratic in the
+  minibatch's sequences; each slot's response index is 3 int32 (`packing.SLOT_KEYS`; with
+  shared prompts one per response token). The log-prob pass without shared prompts reads one
+  [sequences, G] index (`packing.TOKEN_KEYS`) instead of slots: linear in the rollout's
+  sequences.
 
 In a multi-process run (a TPU target of more than one host) every process packs its own block of
 sequences into its own rows, as the learner does.
@@ -42,18 +43,24 @@ class PackedShapes:
 
     rows: packed rows of the whole program (every micro-batch or slice), each `length` tokens;
     slices: micro-batches (update) or log-prob slices the rows split into (rows % slices == 0);
-    sequences: leading size of `resp_index`: the batch's sequences, or with a token budget the
-    sequence slots (slices x slots per slice); `seq_index`: whether the program gathers its
-    sequences by slot (token budget); `by_token`: the token-budget log-prob pass without shared
-    prompts, which reads `resp_flat` i32[sequences, G] (the batch's sequences) instead of slots
-    (`packing.TOKEN_KEYS`)."""
+    sequences: leading size of the response index `index`: the batch's sequences, or with a
+    token budget the sequence slots (slices x slots per slice); `seq_index`: whether the program
+    gathers its sequences by slot (token budget); `index`: the response index's key,
+    `resp_index` i32[sequences, G], or with a token budget and no shared prompts the update's
+    `resp_span` i32[slots, 3] (`packing.SLOT_KEYS`) and the log-prob pass's `resp_flat`
+    i32[sequences, G] (`packing.TOKEN_KEYS`: the batch's sequences, no slots)."""
 
     rows: int
     length: int
     slices: int
     sequences: int
     seq_index: bool
-    by_token: bool = False
+    index: str = "resp_index"
+
+    @property
+    def by_token(self) -> bool:
+        """The token-budget log-prob pass gathering by sequence (`resp_flat`)."""
+        return self.index == "resp_flat"
 
     @property
     def rows_per_slice(self) -> int:
@@ -85,25 +92,27 @@ def budget_rows(tokens_per_micro_batch: int, length: int, devices: int) -> int:
 
 def worst_case(sequences: int, slices: int, length: int, devices: int,
                tokens_per_micro_batch: int = 0, processes: int = 1,
-               buckets: int = packing.PER_DOUBLING, by_token: bool = False) -> PackedShapes:
+               buckets: int = packing.PER_DOUBLING, shared_prompts: bool = False,
+               logprob_pass: bool = False) -> PackedShapes:
     """The largest packed program the learner can run on `sequences` sequences cut into `slices`
     micro-batch slices of sequences (or, with `tokens_per_micro_batch`, into token-budget
     micro-batches), its rows split over `devices` (data x fsdp) of `processes` processes, each
     packing its own block of sequences (`Learner.pack_batch`, `Learner.pack_budget_batch`): one
     sequence per row, counts rounded to `buckets` sizes per doubling (`train.pack_buckets`).
-    by_token: the log-prob pass of token-budget micro-batches without shared prompts, whose
-    per-sequence index is the batch's sequences, not every micro-batch's slots."""
+    Token-budget programs without `shared_prompts` index responses linearly: the log-prob pass
+    (`logprob_pass`) by sequence, the update's slots by span (`PackedShapes.index`)."""
     local = devices // processes  # a process's devices: its rows are a multiple of them
     own = sequences // processes
     if tokens_per_micro_batch:
         rows = budget_rows(tokens_per_micro_batch, length, local)
         num = packing.bucket_rows(math.ceil(own / rows), 1, buckets)
-        if by_token:
+        if logprob_pass and not shared_prompts:
             return PackedShapes(rows=num * rows * processes, length=length, slices=num,
-                                sequences=sequences, seq_index=False, by_token=True)
+                                sequences=sequences, seq_index=False, index="resp_flat")
         slots = packing.bucket_rows(own, local, buckets)
         return PackedShapes(rows=num * rows * processes, length=length, slices=num,
-                            sequences=num * slots * processes, seq_index=True)
+                            sequences=num * slots * processes, seq_index=True,
+                            index="resp_index" if shared_prompts else "resp_span")
     rows = packing.bucket_rows(own // slices, local, buckets)
     return PackedShapes(rows=slices * rows * processes, length=length, slices=slices,
                         sequences=sequences, seq_index=False)

@@ -42,6 +42,12 @@ SHARED_KEYS = ("prefix_ids", "resp_target")
 #   the position whose next-token log-prob is response token t's. Linear in the sequences, where
 #   `resp_index` over `seq_index`'s slots is micro-batches x slots (quadratic in the worst case).
 TOKEN_KEYS = ("resp_flat",)
+# ... and, for the update, in place of `resp_index` over the slots:
+#   resp_span i32[slots, 3]: (start, first, end): response slot t of the slot's sequence is at
+#   flat index start + t of its micro-batch's rows for first <= t < end, 0 elsewhere (a
+#   sequence's response is contiguous in its row), so the index is 3 int32 a slot, not G; the
+#   learner widens it per micro-batch (`learner.span_index`).
+SLOT_KEYS = ("resp_span",)
 # Segment id of padding: never equal to a real sequence's (0, 1, ... within a row).
 PAD_SEGMENT = -1
 
@@ -302,9 +308,10 @@ def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pa
     k at j * num_micro + k). Beside `PACKED_KEYS`, `seq_index` i32[num_micro * seqs_per_micro]
     names the sequence (+ `seq_offset`, a process's first global sequence; -1 for an empty slot)
     at slot s * num_micro + k: the learner gathers the per-sequence arrays with it, so a
-    micro-batch's loss sees exactly the sequences its rows hold, and `resp_index` is laid out the
-    same way (slot, not sequence). `row_offset`: see `pack`. Without shared prompts also
-    `resp_flat` i32[B, G] (`TOKEN_KEYS`), what the log-prob pass gathers with.
+    micro-batch's loss sees exactly the sequences its rows hold, and its response index is laid
+    out the same way (slot, not sequence): `resp_span` (`SLOT_KEYS`), or with shared prompts
+    `resp_index`. `row_offset`: see `pack`. Without shared prompts also `resp_flat` i32[B, G]
+    (`TOKEN_KEYS`), what the log-prob pass gathers with.
 
     group > 1: the sequences of each group of `group` share their prompt (checked), and each
     unit (`_units`) packs it once, then its responses, each response a segment of its own whose
@@ -341,11 +348,13 @@ def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pa
            for k in ("tokens", "positions")}
     out["segment_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
     out["attn_mask"] = np.zeros((m * rows_per_micro, length), bool)
-    out["resp_index"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
     out["seq_index"] = np.full((m * seqs_per_micro,), -1, np.int32)
     if group == 1:
+        out["resp_span"] = np.zeros((m * seqs_per_micro, 3), np.int32)
         out["resp_flat"] = np.zeros((tokens.shape[0], response_len), np.int32)
-    if group > 1:
+    else:
+        out["resp_index"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
+
         out["prefix_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
         out["resp_target"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
     seg_count = np.zeros(m * rows_per_micro, np.int32)
@@ -375,15 +384,17 @@ def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pa
             out["seq_index"][slot] = seq + seq_offset
             # Response slot s sits at padded column t - g + s, at packed column
             # col + (t - g + s - f); the position before predicts it (with a shared prompt, the
-            # prompt's last one for s = 0).
+            # prompt's last one for s = 0). Real for first <= s < end.
             at = col + (t - g + s - f)
-            ok = (t - g + s >= int(first[seq]) + 1) & (t - g + s < f + n)
+            lo, hi = int(first[seq]) + 1 - (t - g), f + n - (t - g)
+            ok = (s >= lo) & (s < hi)
             if group > 1:
                 out["prefix_ids"][dst, col:col + n] = prefix
                 at = np.where(t - g + s == f, o + p, at)
                 out["resp_target"][slot] = np.where(ok, tokens[seq, t - g:], 0)
-            out["resp_index"][slot] = np.where(ok, (row_offset + j) * length + at - 1, 0)
-            if group == 1:  # row j of micro-batch k sits at merged row (row_offset + j) m + k
+                out["resp_index"][slot] = np.where(ok, (row_offset + j) * length + at - 1, 0)
+            else:  # row j of micro-batch k sits at merged row (row_offset + j) m + k
+                out["resp_span"][slot] = ((row_offset + j) * length + at[0] - 1, lo, hi)
                 out["resp_flat"][seq] = np.where(ok, ((row_offset + j) * m + k) * length
                                                  + at - 1, 0)
             col += n

@@ -253,19 +253,20 @@ def _packed_shapes(setup: Setup, program: str) -> packed_plan.PackedShapes | Non
                                       learner.tokens_per_micro_batch,
                                       processes=dist.row_block(setup.mesh)[1],
                                       buckets=learner.pack_buckets,
-                                      by_token=program == "logprobs"
-                                      and learner.share_prompts <= 1)
+                                      shared_prompts=learner.share_prompts > 1,
+                                      logprob_pass=program == "logprobs")
     except ValueError as e:
         raise PlanError(str(e)) from None
 
 
 def _abstract_packed(setup: Setup, shapes: packed_plan.PackedShapes) -> dict[str, Any]:
-    """The packed keys of a learner batch (`packing.PACKED_KEYS`, and `seq_index` with a token
-    budget; the log-prob pass's `packing.TOKEN_KEYS` instead of the slots') at `shapes`."""
+    """The packed keys of a learner batch (the rows', `seq_index` with a token budget, and the
+    response index `shapes.index`) at `shapes`."""
     r, n, g = shapes.rows, shapes.length, setup.response_len
     spec = {"tokens": ((r, n), jnp.int32), "positions": ((r, n), jnp.int32),
             "segment_ids": ((r, n), jnp.int32), "attn_mask": ((r, n), jnp.bool_),
-            "resp_flat" if shapes.by_token else "resp_index": ((shapes.sequences, g), jnp.int32)}
+            shapes.index: ((shapes.sequences, 3 if shapes.index == "resp_span" else g),
+                           jnp.int32)}
     if shapes.seq_index:
         spec["seq_index"] = ((shapes.sequences,), jnp.int32)
     return {k: jax.ShapeDtypeStruct(shape, dtype,
