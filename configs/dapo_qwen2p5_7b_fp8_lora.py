@@ -18,7 +18,7 @@ so each chip's products read its own quarter of the base where the rollout place
 `python -m qurl_jax.bench.memory --config=configs/dapo_qwen2p5_7b_fp8_lora.py --target=tpu:v5e-8`:
 the rollout, evaluation and log-prob programs fit (<= 7.92 GiB per chip); libtpu refuses the
 learner's update (25.4 GiB of temporaries; docs/lora.md). With `--config.mesh.fsdp=1
---target=tpu:v5p-8` every program fits, the largest the update at 57.67 of 80.75 GiB per chip:
+--target=tpu:v5p-8` every program fits, the largest the update at 47.68 of 80.75 GiB per chip:
 the smallest slice this step plans on is one v5p-8.
 """
 
