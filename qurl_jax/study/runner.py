@@ -205,7 +205,7 @@ ROW_SETS = {
     "smollm2_acr_tis": RowSet(_WORD, ("int8_naive_mb4", "int8_tis_mb4", "int8_acr_mb4")),
     # The same, longer (QuRL's TIS failure is a long-run one), with a warm-up that keeps the
     # several-minibatch runs off the response limit; saved every 8 steps so a run spans sessions.
-    "smollm2_acr_tis_long": RowSet(_WORD, ("int8_tis_mb4_wu16", "int8_acr_mb4_wu16"), steps=32,
+    "smollm2_acr_tis_long": RowSet(_WORD, ("int8_tis_mb4_wu16", "int8_acr_mb4_wu16"), steps=48,
                                    checkpoint_every=8),
     # QuRL's invariant scaling (UAQ) at the paper's s = 1.5, with and without.
     "smollm2_invariant_scaling": RowSet(_WORD, ("int8_acr_mb4", "int8_acr_mb4_s1.5")),
@@ -243,7 +243,7 @@ FIGURES = {
     "smollm2_acr_tis.png": ("int8 rollout, 4 minibatches per RL step: naive, TIS, ACR", (
         "int8_naive_mb4", "int8_tis_mb4", "int8_acr_mb4"),
         ("rollout/reward_mean", "rollout/response_len", "acr/bound_frac", "acr/grad_rel_diff")),
-    "smollm2_acr_tis_long.png": ("int8 rollout, 4 minibatches, warm-up 16, 32 steps: TIS, ACR", (
+    "smollm2_acr_tis_long.png": ("int8 rollout, 4 minibatches, warm-up 16, 48 steps: TIS, ACR", (
         "int8_tis_mb4_wu16", "int8_acr_mb4_wu16"),
         ("rollout/reward_mean", "rollout/response_len", "acr/bound_frac", "acr/grad_rel_diff",
          "kl_behav_prox_k3")),
@@ -839,7 +839,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Accuracy: the full-precision policy after RL (`<policy>_cache`: under that compressed "
         "KV cache); reward: mean of the last quarter of the steps; other columns: mean over "
         "steps 2.. (step 1 compiles); vetoed seqs: total over the run; run min and peak GB: the "
-        "whole run (evaluations included); mean ± std over seeds.", "",
+        "invocation that finished the run (evaluations included; a run resumed after a stop "
+        "counts from its resume); mean ± std over seeds.", "",
         table(results, before), "", "Per run and evaluation:", "", job_lines(jobs), ""]
         + ([QUICK_NOTE, ""] if args.quick else [])
         + ([f"Failed (see their log*.txt): {', '.join(failed)}", ""] if failed else []))
