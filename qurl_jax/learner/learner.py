@@ -629,10 +629,9 @@ class Learner:
         response index of each micro-batch's slots (`resp_span`; with shared prompts
         `resp_index` and `packing.SHARED_KEYS`), the log-prob pass's `resp_flat` (no shared
         prompts), and the per-sequence arrays as they are (the update gathers them by
-        `seq_index`). The counts of
-        micro-batches, rows and sequences per micro-batch are agreed over processes (the
-        largest, bucketed). The same batch again (the reference log-probs after pi_prox's) reuses
-        the packing."""
+        `seq_index`). The counts of micro-batches, rows and sequences per micro-batch are agreed
+        over processes (the largest, bucketed). The same batch again (the reference log-probs
+        after pi_prox's) reuses the packing."""
         cached = self._budget_cache
         if cached is not None and cached[0] is batch["tokens"]:
             self.last_pack = cached[2]

@@ -354,7 +354,6 @@ def pack_budget(tokens: np.ndarray, attn_mask: np.ndarray, response_len: int, pa
         out["resp_flat"] = np.zeros((tokens.shape[0], response_len), np.int32)
     else:
         out["resp_index"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
-
         out["prefix_ids"] = np.full((m * rows_per_micro, length), PAD_SEGMENT, np.int32)
         out["resp_target"] = np.zeros((m * seqs_per_micro, response_len), np.int32)
     seg_count = np.zeros(m * rows_per_micro, np.int32)
