@@ -170,18 +170,23 @@ def test_same_command_ignores_the_evaluation_before_rl_and_how_the_config_is_nam
                                   "--config.seed=0"])
 
 
-def test_run_all_takes_the_lock_per_job_and_follows_prerequisites(tmp_path):
+def test_run_all_takes_the_lock_per_job_and_follows_prerequisites(tmp_path, monkeypatch):
     import fcntl
     import threading
 
+    from qurl_jax.study import runner
     from qurl_jax.study.runner import FileLock, Job, run_all
+
+    monkeypatch.setattr(runner, "SPENT_EVERY_S", 0.2)  # written down while "a" runs, too
 
     def job(name, code, needs=None):
         return Job(name, str(tmp_path / name.split()[0]), f"{name.split()[-1]}.json",
                    [sys.executable, "-c", code], needs=needs)
 
-    jobs = [job("a", "import time; time.sleep(1.5)"), job("a then", "pass", needs="a"),
+    jobs = [job("a", "import time; time.sleep(1.5)"), job("a then", "import time; time.sleep(1)", needs="a"),
             job("c", "raise SystemExit(3)"), job("c then", "pass", needs="c")]
+    os.makedirs(jobs[0].workdir)
+    jobs[0].keep_spent(100.0, 5.0)  # an earlier attempt of "a", stopped: it counts
     lock_path = tmp_path / "machine.lock"
     holder = open(lock_path, "a")
     fcntl.flock(holder, fcntl.LOCK_EX)
@@ -191,9 +196,12 @@ def test_run_all_takes_the_lock_per_job_and_follows_prerequisites(tmp_path):
     assert failed == ["c", "c then"]
     first, second = jobs[0].done(), jobs[1].done()
     assert first["lock_wait_s"] >= 0.5 and second["lock_wait_s"] < 0.5  # held by the test first
-    assert 0.001 < first["peak_rss_gb"] < 1.0  # a Python process, sampled while it slept
-    assert first["wall_s"] > 0 and first["command"] == jobs[0].command
+    assert first["peak_rss_gb"] == 5.0  # the earlier attempt's, the larger
+    assert 0.001 < second["peak_rss_gb"] < 1.0  # a Python process, sampled while it slept
+    assert 101.0 < first["wall_s"] < 110.0 and first["command"] == jobs[0].command
+    assert 0.0 < second["wall_s"] < 10.0  # one attempt
     assert jobs[2].done() is None and jobs[3].done() is None
+    assert 0.0 < jobs[2].spent()[0] < 10.0  # a failed attempt's time is kept for the next
     assert run_all(jobs[:2], 1) == []  # finished jobs are not run again
 
 

@@ -21,8 +21,9 @@ A variant's `evals` evaluate its finished run's checkpoint again under a compres
 (`python -m qurl_jax.evaluate --config.eval.kv_cache=rollout`, one subprocess each, in the run's
 workdir). `--lock=FILE` takes that file's lock (flock) for each subprocess and gives it back
 after it, so runs of several studies or users on one machine take turns run by run; each run's
-wall time counts from when it got the lock, and its peak resident memory is its process's
-(`peak_memory_gb`).
+wall time counts from when it got the lock, summed over its attempts (a run resumed after a stop
+or a crash adds what its earlier attempts took, written down every 10 s while one runs:
+`Job.spent`), and its peak resident memory is its processes' (`peak_memory_gb`).
 
 `ROW_SETS` name the papers' comparisons on the real model (SmolLM2-135M-Instruct), each one
 command (`--rows=NAME`: config, variants, seeds, steps and, for runs longer than a session, a
@@ -426,6 +427,21 @@ class Job:
     def done(self) -> dict[str, Any] | None:
         return _read_json(os.path.join(self.workdir, self.marker))
 
+    @property
+    def spent_path(self) -> str:
+        """The wall time its attempts have taken so far, kept while it runs and after an attempt
+        that failed or was stopped, so a resumed job's marker counts every attempt."""
+        return os.path.join(self.workdir, f"spent_{self.marker}")
+
+    def spent(self) -> tuple[float, float | None]:
+        """(wall s, peak GB) of its attempts so far."""
+        kept = _read_json(self.spent_path) or {}
+        return float(kept.get("wall_s", 0.0)), kept.get("peak_rss_gb")
+
+    def keep_spent(self, wall_s: float, peak_gb: float | None = None) -> None:
+        with open(self.spent_path, "w", encoding="utf-8") as f:
+            json.dump({"wall_s": wall_s, "peak_rss_gb": peak_gb}, f)
+
 
 def _read_json(path: str) -> dict[str, Any] | None:
     if not os.path.isfile(path):
@@ -512,10 +528,14 @@ def peak_memory_gb(pid: int) -> float | None:
     return None
 
 
+SPENT_EVERY_S = 10.0  # how often a running job's wall time so far is written down
+
+
 def run_all(jobs: Sequence[Job], parallel: int, lock: FileLock | None = None) -> list[str]:
     """Runs the unfinished jobs, `parallel` at a time (1 with a `lock`, taken for each job), each
     once the job it needs has finished; writes each finished job's marker (its wall time from
-    when it started, lock wait, peak memory, command). The peak is its process's VmHWM, read
+    when it started, summed over its attempts: `Job.spent`, kept every `SPENT_EVERY_S` while it
+    runs; lock wait, peak memory, command). The peak is its process's VmHWM, read
     every half second while it runs, up to the last read before it exits (None where /proc
     has none); the verifier's worker processes are not in it. Returns the jobs that failed or
     whose prerequisite did."""
@@ -523,8 +543,9 @@ def run_all(jobs: Sequence[Job], parallel: int, lock: FileLock | None = None) ->
         raise ValueError(f"a lock is taken per job: run one at a time, not {parallel}")
     waiting = [j for j in jobs if j.done() is None]
     failed: list[str] = []
-    active: list[tuple[Job, subprocess.Popen, float, Any, float]] = []
+    active: list[tuple[Job, subprocess.Popen, float, Any, float, tuple[float, Any]]] = []
     peaks: dict[str, float] = {}  # job -> its process's peak memory, sampled while it runs
+    kept: dict[str, float] = {}  # job -> when its spent time was last written
     total, finished = len(waiting), 0
     while waiting or active:
         while len(active) < parallel:
@@ -543,24 +564,31 @@ def run_all(jobs: Sequence[Job], parallel: int, lock: FileLock | None = None) ->
             log = open(os.path.join(job.workdir, log_name), "a", encoding="utf-8")
             print(f"[study] start {job.name}", flush=True)
             proc = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT)
-            active.append((job, proc, time.monotonic(), log, waited))
+            active.append((job, proc, time.monotonic(), log, waited, job.spent()))
         time.sleep(0.5)
         for item in list(active):
-            job, proc, start, log, waited = item
+            job, proc, start, log, waited, (before, before_peak) = item
             peak = peak_memory_gb(proc.pid)  # before poll() reaps it: /proc then still has it
-            if peak is not None:
-                peaks[job.name] = max(peaks.get(job.name, 0.0), peak)
+            if peak is not None or before_peak is not None:
+                peaks[job.name] = max(peaks.get(job.name, 0.0), peak or 0.0, before_peak or 0.0)
+            now = time.monotonic()
             if proc.poll() is None:
+                if now - kept.get(job.name, start) >= SPENT_EVERY_S:
+                    # a stop loses at most this interval
+                    job.keep_spent(before + now - start, peaks.get(job.name))
+                    kept[job.name] = now
                 continue
             peak = peaks.get(job.name)
-            wall = time.monotonic() - start
+            wall = before + now - start
+            job.keep_spent(wall, peak)
             active.remove(item)
             log.close()
             if lock is not None:
                 lock.release()
             finished += 1
             print(f"[study] {finished}/{total} {job.name}: exit {proc.returncode}, "
-                  f"{wall:.0f} s" + ("" if peak is None else f", peak {peak:.1f} GB"), flush=True)
+                  f"{now - start:.0f} s" + (f" ({wall:.0f} s over its attempts)" if before else "")
+                  + ("" if peak is None else f", peak {peak:.1f} GB"), flush=True)
             if proc.returncode == 0:
                 with open(os.path.join(job.workdir, job.marker), "w", encoding="utf-8") as f:
                     json.dump({"wall_s": wall, "lock_wait_s": waited, "peak_rss_gb": peak,
@@ -839,8 +867,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Accuracy: the full-precision policy after RL (`<policy>_cache`: under that compressed "
         "KV cache); reward: mean of the last quarter of the steps; other columns: mean over "
         "steps 2.. (step 1 compiles); vetoed seqs: total over the run; run min and peak GB: the "
-        "invocation that finished the run (evaluations included; a run resumed after a stop "
-        "counts from its resume); mean ± std over seeds.", "",
+        "whole run (evaluations included; a run resumed after a stop: over its attempts); "
+        "mean ± std over seeds.", "",
         table(results, before), "", "Per run and evaluation:", "", job_lines(jobs), ""]
         + ([QUICK_NOTE, ""] if args.quick else [])
         + ([f"Failed (see their log*.txt): {', '.join(failed)}", ""] if failed else []))
