@@ -28,8 +28,8 @@ def test_worst_case_is_one_sequence_per_row():
     budget = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216)
     assert (budget.slices, budget.rows_per_slice, budget.sequences) == (32, 8, 32 * 256)
     assert budget.seq_index
-    # The log-prob pass without shared prompts: one index row per sequence, not per slot.
     assert budget.index == "resp_span"  # 3 int32 a slot
+    # The log-prob pass without shared prompts: one index row per sequence, not per slot.
     lp = packed_plan.worst_case(256, 32, 9216, 8, tokens_per_micro_batch=8 * 9216,
                                 logprob_pass=True)
     assert (lp.slices, lp.rows, lp.sequences, lp.seq_index) == (32, 256, 256, False)

@@ -183,7 +183,8 @@ def test_run_all_takes_the_lock_per_job_and_follows_prerequisites(tmp_path, monk
         return Job(name, str(tmp_path / name.split()[0]), f"{name.split()[-1]}.json",
                    [sys.executable, "-c", code], needs=needs)
 
-    jobs = [job("a", "import time; time.sleep(1.5)"), job("a then", "import time; time.sleep(1)", needs="a"),
+    jobs = [job("a", "import time; time.sleep(1.5)"),
+            job("a then", "import time; time.sleep(1)", needs="a"),
             job("c", "raise SystemExit(3)"), job("c then", "pass", needs="c")]
     os.makedirs(jobs[0].workdir)
     jobs[0].keep_spent(100.0, 5.0)  # an earlier attempt of "a", stopped: it counts

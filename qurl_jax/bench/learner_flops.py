@@ -215,27 +215,25 @@ def count(config_path: str, target_name: str, seed: int = 0,
         f"over {minibatches} minibatches x {epochs} epochs, log-probs {lp_m} slices"
         + (f" (pi_prox: {prox_m} slices of {prox_rows} rows)" if prox.skip_first else ""))
 
+    packed_rows = {k: _spec(mesh, (per, length), jnp.bool_ if k == "attn_mask" else i32)
+                   for k in ("tokens", "positions", "segment_ids", "attn_mask")}
+
     def packed_batch(slots: int, seq_rows: int, keys: tuple[str, ...]) -> dict[str, Any]:
-        b = {"tokens": _spec(mesh, (per, length), i32),
-             "positions": _spec(mesh, (per, length), i32),
-             "segment_ids": _spec(mesh, (per, length), i32),
-             "attn_mask": _spec(mesh, (per, length), jnp.bool_),
-             "seq_index": _spec(mesh, (slots,), i32)}
-        if train.share_prompts > 1:
-            b["resp_index"] = _spec(mesh, (slots, g), i32)
-        else:  # `packing.SLOT_KEYS`
-            b["resp_span"] = _spec(mesh, (slots, 3), i32)
-        b.update({k: _spec(mesh, *batch_spec(k, seq_rows, p, g)) for k in keys})
-        return b
+        """One update micro-batch's (or with shared prompts one log-prob slice's): the rows,
+        their sequence slots and each slot's response index (`packing.SLOT_KEYS`, or with
+        shared prompts one per response token)."""
+        index = (("resp_index", (slots, g)) if train.share_prompts > 1
+                 else ("resp_span", (slots, 3)))
+        return {**packed_rows, "seq_index": _spec(mesh, (slots,), i32),
+                index[0]: _spec(mesh, index[1], i32),
+                **{k: _spec(mesh, *batch_spec(k, seq_rows, p, g)) for k in keys}}
 
     def logprob_batch(slots: int, seq_rows: int) -> dict[str, Any]:
-        """One log-prob slice's: the sequences' `resp_flat` index (`packing.TOKEN_KEYS`), or
-        with shared prompts their slots."""
+        """One log-prob slice's: the rows and the sequences' `resp_flat` index
+        (`packing.TOKEN_KEYS`), or with shared prompts their slots."""
         if train.share_prompts > 1:
             return packed_batch(slots, seq_rows, ("resp_mask",))
-        b = packed_batch(slots, seq_rows, ())
-        del b["resp_span"], b["seq_index"]
-        return {**b, "resp_flat": _spec(mesh, (seq_rows, g), i32)}
+        return {**packed_rows, "resp_flat": _spec(mesh, (seq_rows, g), i32)}
 
     upd, lp = compile_pair(True, budget, packed_batch(update_seqs, mb, per_seq),
                            logprob_batch(lp_seqs, rows))
