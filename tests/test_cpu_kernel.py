@@ -97,6 +97,24 @@ def test_the_path_is_the_best_the_cpu_runs_under_the_cap() -> None:
     assert [choose(level, "avx512") for level in (2, 1, 0)] == ["avx512", "avx2", ""]
     assert [choose(level, "avx2") for level in (2, 1, 0)] == ["avx2", "avx2", ""]
     assert [choose(level, "none") for level in (2, 1, 0)] == ["", "", ""]
+    assert [choose(level, "amx") for level in (2, 1, 0)] == ["avx512", "avx2", ""]
+
+
+@pytest.mark.parametrize("flags,cap,isa,rows", [
+    ({"avx512f", "amx_tile", "amx_int8", "avx2", "fma"}, "amx", "amx", 16),
+    ({"avx512f", "amx_tile", "amx_int8", "avx2", "fma"}, "avx512", "avx512", 64),
+    ({"avx512f", "avx2", "fma"}, "amx", "avx512", 64),
+    ({"avx2", "fma"}, "amx", "avx2", 64)])
+def test_an_amx_cpu_leaves_products_of_more_than_16_rows_to_xla(monkeypatch, flags, cap, isa,
+                                                                 rows) -> None:
+    """Where XLA's int8 GEMM runs on AMX tiles the kernel takes at most `AMX_MAX_ROWS` rows;
+    `QURL_JAX_CPU_ISA=avx512` takes an AVX512 CPU's choice on such a CPU."""
+    from qurl_jax.runtime import xla_cpu
+
+    monkeypatch.setattr(xla_cpu, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv(xla_cpu.ISA_ENV, cap)
+    assert xla_cpu.cpu_isa() == isa and _cpu_kernel.max_rows() == rows
+    assert xla_cpu.has_avx512() == (isa != "avx2")
 
 
 @pytest.mark.skipif("avx2" not in PATHS, reason="the CPU has no AVX2")
@@ -142,8 +160,8 @@ def test_kernel_is_in_the_compiled_program_only_for_decode_shapes() -> None:
     w = _int8(rng, (256, 256))
     f = jax.jit(lambda x, w: _cpu_kernel.int8_dot_general(x, w, LINEAR,
                                                           preferred_element_type=jnp.int32))
-    decode = _int8(rng, (_cpu_kernel.MAX_ROWS, 256))
-    prefill = _int8(rng, (_cpu_kernel.MAX_ROWS + 1, 256))
+    decode = _int8(rng, (_cpu_kernel.max_rows(), 256))
+    prefill = _int8(rng, (_cpu_kernel.max_rows() + 1, 256))
     assert "qurl_int8_matmul" in f.lower(decode, w).as_text()
     assert "qurl_int8_matmul" not in f.lower(prefill, w).as_text()
     small = _int8(rng, (256, 255))  # under MIN_KERNEL_ELEMENTS: XLA's dot
@@ -210,6 +228,40 @@ def test_pack_for_decode_packs_only_what_the_kernel_reads() -> None:
     rollout = pack_for_decode(requantize(params, "int8"))
     with pytest.raises(ValueError, match="packed"):
         rollout["layers_0"]["mlp"]["gate_proj"]["kernel"].dequantize()
+
+
+@requires_kernel
+def test_pack_for_decode_packs_only_for_the_rows_the_kernel_takes(monkeypatch) -> None:
+    params = requantize(init_params(CONFIG, jax.random.key(0)), "int8")
+    monkeypatch.setattr(_cpu_kernel, "max_rows", lambda: 4)
+    kernel = lambda p: p["layers_0"]["mlp"]["gate_proj"]["kernel"]  # noqa: E731
+    assert kernel(pack_for_decode(params, 4)).packed
+    assert kernel(pack_for_decode(params)).packed  # rows unknown: packed
+    assert not kernel(pack_for_decode(params, 5)).packed
+
+
+@requires_kernel
+def test_int8_sampler_decodes_more_rows_than_the_kernel_takes_on_xla(monkeypatch) -> None:
+    """A decode loop of more rows than `max_rows()` (an AMX CPU's 16) keeps its codes unpacked
+    and runs XLA's int8 product; the tokens and log-probs are the kernel's (integer products)."""
+    params = requantize(init_params(CONFIG, jax.random.key(0)), "int8")
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+
+    def sample() -> tuple[str, np.ndarray, np.ndarray]:
+        sampler = Sampler(CONFIG, rollout_dot_general, max_prompt_len=8, max_new_tokens=12)
+        program = sampler.lower_programs(jax.eval_shape(lambda: params), 6, 8, 16,
+                                         n=2)["decode"].as_text()
+        out = sampler.sample(params, prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
+                             key=jax.random.key(3), n=2)
+        return program, np.asarray(out.tokens), np.asarray(out.logp)
+
+    program, tokens, logp = sample()
+    assert "qurl_int8_matmul_packed" in program
+    monkeypatch.setattr(_cpu_kernel, "max_rows", lambda: 4)  # 6 rows decode on XLA's product
+    program, tokens_xla, logp_xla = sample()
+    assert "qurl_int8_matmul" not in program
+    np.testing.assert_array_equal(tokens, tokens_xla)
+    np.testing.assert_array_equal(logp, logp_xla)
 
 
 @requires_kernel

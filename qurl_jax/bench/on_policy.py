@@ -282,9 +282,9 @@ def _rollout_record(config: ModelConfig, params: Params, precision: str,
                                                         mask))
 
     (_, cache), pre = prefill(rp, jnp.asarray(tokens), jnp.asarray(pmask))
-    prepared = jax.jit(engine.prepare)(rp)
-    model = engine.decode_model(prepared)
     b = len(prompts) * n
+    prepared = engine.preparer(b)(rp)
+    model = engine.decode_model(prepared)
     if paged:
         layout = PagedKV(config, engine.kv_policy, engine.sharding,
                          Paging(b * -(-(p_len + g_len) // PAGE_SIZE), PAGE_SIZE))

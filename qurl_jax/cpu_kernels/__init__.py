@@ -113,6 +113,8 @@ def load(source: str, isa: str, targets: tuple[tuple[str, tuple[tuple[str, str],
 def choose(level: int, cap: str) -> str:
     """The path to use on a CPU whose library says `level` (2: AVX512 and AVX2 paths run, 1: the
     AVX2 one, 0: none) under `QURL_JAX_CPU_ISA`'s `cap`: the best at most the cap ('' none)."""
+    from qurl_jax.runtime.xla_cpu import CPU_ISAS
+
     runs = [path for path, need in _LEVELS.items() if need <= level]
-    return max((p for p in runs if _LEVELS[p] <= _LEVELS.get(cap, 0)), key=_LEVELS.get,
+    return max((p for p in runs if CPU_ISAS.index(p) <= CPU_ISAS.index(cap)), key=_LEVELS.get,
                default="")

@@ -2,7 +2,7 @@
 
 `int8_dot_general` has the signature of `jax.lax.dot_general` and is what the int8 recipe's AQT
 config uses for its s8 x s8 -> s32 product (`DotGeneralRaw.dot_general`). On an x86 CPU, for a
-product of at most `MAX_ROWS` rows (decode: one row per sequence) of x[M, K] @ w[K, N], it calls
+product of at most `max_rows()` rows (decode: one row per sequence) of x[M, K] @ w[K, N], it calls
 the FFI custom call `qurl_int8_matmul` (`qurl_jax/cpu_kernels/int8_matmul.cc`), or on a CPU
 without AVX512-VNNI its AVX2 path `qurl_int8_matmul_avx2` (`kernel_isa`); everything else, and
 every other platform, goes to `lax.dot_general`. Results are bit-identical on either path
@@ -22,8 +22,13 @@ for both paths) once per rollout (the sampler does this as loop-invariant work);
 packed codes, `packed_int8_dot_general`, then streams the weights contiguously with no per-call
 repacking (about 2x faster again at batch 8).
 
+On a CPU with AMX-INT8 tiles XLA's own int8 GEMM runs on the tile unit, and from a few dozen rows
+on it beats the kernel (`AMX_MAX_ROWS`): there the kernel takes decode products of at most 16
+rows, and a decode loop of more rows keeps its codes unpacked for XLA (`pack_for_decode`'s
+`rows`). `QURL_JAX_CPU_ISA=avx512` takes an AVX512 CPU's choice (64 rows) on such a CPU.
+
 Limits: the custom call is not partitionable, so under a multi-device mesh XLA gathers its
-operands (correct, not fast); prefill-sized products (more than `MAX_ROWS` rows) use XLA's GEMM.
+operands (correct, not fast); prefill-sized products (more than `max_rows()` rows) use XLA's GEMM.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ _TARGETS = {"avx512": ("qurl_int8_matmul", "qurl_int8_matmul_packed", "qurl_int8
 _SYMBOLS = {"avx512": ("QurlInt8Matmul", "QurlInt8MatmulPacked", "QurlInt8Pack"),
             "avx2": ("QurlInt8MatmulAvx2", "QurlInt8MatmulPackedAvx2", "QurlInt8PackAvx2")}
 MAX_ROWS = 64
+# With AMX-INT8, XLA's int8 GEMM against the packed kernel at SmolLM2's decode shapes (576 wide,
+# 960 / 576 / 3,072 / 576 / 49,152 outputs; 2-core Intel Xeon with AMX, 2026-11-30): the kernel
+# took 0.53-0.88x XLA's time at 8 rows, 0.84-1.33x at 16, 0.88-2.10x at 32 and 1.24-3.19x at 64.
+AMX_MAX_ROWS = 16
 # Smaller kernels stay on XLA's int8 dot: for them the custom call's fixed cost is not repaid
 # (measured on the embedded default's 128-wide model, where the kernel made the int8 rollout
 # slower than fp32).
@@ -58,6 +67,14 @@ def kernel_isa() -> str:
     not built, loaded and supported by this CPU (`qurl_jax.cpu_kernels.load`)."""
     return cpu_kernels.load("int8_matmul.cc", "qurl_int8_matmul_isa", tuple(
         (path, tuple(zip(_TARGETS[path], _SYMBOLS[path], strict=True))) for path in _TARGETS))
+
+
+def max_rows() -> int:
+    """The most rows of a product the kernel takes on this CPU: `MAX_ROWS`, or `AMX_MAX_ROWS` where
+    XLA's int8 GEMM runs on AMX tiles (`runtime.xla_cpu.cpu_isa() == 'amx'`)."""
+    from qurl_jax.runtime.xla_cpu import cpu_isa
+
+    return AMX_MAX_ROWS if cpu_isa() == "amx" else MAX_ROWS
 
 
 def kernel_available() -> bool:
@@ -160,7 +177,7 @@ def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     # Without preferred_element_type an int8 product is int8, which the kernel does not make.
     eligible = (
         _is_int8_linear(lhs, rhs, dimension_numbers, preferred_element_type or lhs.dtype, kwargs)
-        and lhs.shape[0] <= MAX_ROWS and rhs.size >= MIN_KERNEL_ELEMENTS
+        and lhs.shape[0] <= max_rows() and rhs.size >= MIN_KERNEL_ELEMENTS
     )
     # Which branch runs follows the platform the program is lowered for (`platform_dependent`):
     # a CPU host compiling for a TPU or GPU gets XLA's product. The default-backend test only
@@ -177,13 +194,16 @@ def _packable(x: Any) -> bool:
             and x.qvalue.size >= MIN_KERNEL_ELEMENTS)
 
 
-def pack_for_decode(params: Any) -> Any:
-    """Rollout parameters for a decode loop: every int8 W8A8 kernel the int8 kernel can read is
-    stored packed (`pack_int8`, `QuantizedTensor.packed`). Traceable; meant to run once per
-    rollout, outside the loop. Returns `params` unchanged when the default backend is not the CPU
-    or the kernel is unavailable. Callers pack only in programs for CPU devices (the sampler: when
-    its platform, its mesh's devices', is 'cpu'); packed codes mean nothing to another platform."""
-    if jax.default_backend() != "cpu" or not kernel_available():
+def pack_for_decode(params: Any, rows: int | None = None) -> Any:
+    """Rollout parameters for a decode loop of `rows` rows (None: any): every int8 W8A8 kernel the
+    int8 kernel can read is stored packed (`pack_int8`, `QuantizedTensor.packed`). Traceable;
+    meant to run once per rollout, outside the loop. Returns `params` unchanged when the default
+    backend is not the CPU, the kernel is unavailable, or `rows` is more than it takes on this CPU
+    (`max_rows()`: with AMX, XLA's product is the faster one there). Callers pack only in programs
+    for CPU devices (the sampler: when its platform, its mesh's devices', is 'cpu'); packed codes
+    mean nothing to another platform."""
+    if jax.default_backend() != "cpu" or not kernel_available() or (
+            rows is not None and rows > max_rows()):
         return params
     is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
     return jax.tree.map(

@@ -35,17 +35,20 @@ from typing import Any
 
 CPU_DOTS = ("auto", "xla", "learner", "eigen")
 _FLAG_NAME = "xla_cpu_experimental_ynn_fusion_type"
-# The instruction sets the library's CPU choices tell apart, lowest first.
-CPU_ISAS = ("none", "avx2", "avx512")
+# The instruction sets the library's CPU choices tell apart, lowest first ('amx': AVX512 with
+# AMX-INT8 tiles, where XLA's int8 GEMM runs on the tile unit).
+CPU_ISAS = ("none", "avx2", "avx512", "amx")
 ISA_ENV = "QURL_JAX_CPU_ISA"
 
 
 def isa_cap() -> str:
-    """The most `QURL_JAX_CPU_ISA` lets the library use (one of `CPU_ISAS`; unset: 'avx512', no
+    """The most `QURL_JAX_CPU_ISA` lets the library use (one of `CPU_ISAS`; unset: 'amx', no
     cap). 'avx2' makes an AVX512 CPU take every AVX2 CPU's choices (the CPU kernels' AVX2 paths,
-    `train.cpu_dots='auto'`'s 'learner'), to test and time them; 'none' turns the kernels off.
-    XLA's own code generation has its own cap (`XLA_FLAGS=--xla_cpu_max_isa=AVX2`)."""
-    value = os.environ.get(ISA_ENV, "").strip().lower() or "avx512"
+    `train.cpu_dots='auto'`'s 'learner'), to test and time them; 'avx512' makes an AMX CPU take
+    an AVX512 one's (the int8 kernel's decode rows, `quant.int8_kernel_rows`); 'none' turns the
+    kernels off. XLA's own code generation has its own cap (`XLA_FLAGS=--xla_cpu_max_isa=AVX2`);
+    it is not capped here: XLA's int8 GEMM uses AMX where the CPU has it."""
+    value = os.environ.get(ISA_ENV, "").strip().lower() or "amx"
     if value not in CPU_ISAS:
         raise ValueError(f"{ISA_ENV}={value!r} must be one of {CPU_ISAS}")
     return value
@@ -62,16 +65,17 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def cpu_isa() -> str:
-    """The best of `CPU_ISAS` this host's CPU has (AVX512F; AVX2 with FMA), capped by
-    `isa_cap()`."""
+    """The best of `CPU_ISAS` this host's CPU has (AMX-INT8 tiles with AVX512F; AVX512F; AVX2
+    with FMA), capped by `isa_cap()`."""
     flags = _cpu_flags()
-    best = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "none"
+    best = ("amx" if {"avx512f", "amx_tile", "amx_int8"} <= flags else "avx512"
+            if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "none")
     return min(best, isa_cap(), key=CPU_ISAS.index)
 
 
 def has_avx512() -> bool:
     """Whether this host's CPU has AVX512F and `QURL_JAX_CPU_ISA` does not cap it lower."""
-    return cpu_isa() == "avx512"
+    return CPU_ISAS.index(cpu_isa()) >= CPU_ISAS.index("avx512")
 
 
 def resolve(choice: str) -> str:

@@ -285,6 +285,7 @@ class Engine:
         if self.kv_precision.quantizes and decode_attention != "xla" \
                 and not self.kv_policy.compresses:
             _warn_float_copy(self._devices, paging is not None, self.config.kv_scale)
+        self._preparers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------------------ shapes
     @property
@@ -364,6 +365,12 @@ class Engine:
         return jax.lax.while_loop(cond, lambda c: jax.lax.fori_loop(0, chunk, one, c), carry)
 
     # ------------------------------------------------------------------------------ programs
+    def preparer(self, rows: int) -> Any:
+        """`prepare` for a decode loop of `rows` rows, jitted (one program per row count)."""
+        if rows not in self._preparers:
+            self._preparers[rows] = jax.jit(functools.partial(self.prepare, rows=rows))
+        return self._preparers[rows]
+
     def prefill(self, params: Params, tokens: jax.Array, mask: jax.Array
                 ) -> tuple[jax.Array, Cache]:
         """The P prompts' forward (tokens i32[P, p_len], mask bool[P, p_len]): last-position
@@ -372,9 +379,10 @@ class Engine:
         logits, cache = self.layout.prefill(self.prompt_model, params, tokens, mask)
         return self.sharding.rows(logits), self.layout.constrain(cache)
 
-    def prepare(self, params: Params) -> Params:
-        """The decode loop's parameters: loop-invariant work on `params`, done once per `sample`
-        call by both samplers, in a program of its own (the decode programs take its output).
+    def prepare(self, params: Params, rows: int | None = None) -> Params:
+        """The decode loop's parameters for a loop of `rows` rows (None: any): loop-invariant work
+        on `params`, done once per `sample` call by both samplers, in a program of its own (the
+        decode programs take its output; `preparer`).
 
         Float parameters are cast to the compute dtype here rather than by the model every step.
         On GPU devices the 8-bit linear kernels are stored transposed, in the layout the GPU's
@@ -391,7 +399,8 @@ class Engine:
           product.
         - On a single device, int8 kernels are stored once in qurl_jax's int8 matmul kernel's
           packed layout (`quant.pack_for_decode`, a packed copy of those weights) where this
-          machine can run it.
+          machine can run it and takes `rows` rows (on an AMX CPU XLA's GEMM is faster for more
+          than `quant.int8_kernel_rows()`).
         - An int8 LM head (`rollout.quantize_vocab`) holds its codes in the compute dtype
           (`QuantizedTensor.codes_as`: the same values): XLA:CPU casts int8 codes outside the
           product, i.e. the whole head every step (about 5x the float head's time, [768, 32000]).
@@ -405,7 +414,7 @@ class Engine:
         if self.platform != "cpu":
             return params
         if self.sharding.single_device:
-            params = pack_for_decode(params)
+            params = pack_for_decode(params, rows)
         is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
         widen = lambda x: x.codes_as(cfg.compute_dtype) if is_q(x) and (  # noqa: E731
             x.act_format is None and not x.packed and jnp.issubdtype(x.qvalue.dtype, jnp.integer)

@@ -203,7 +203,6 @@ class RefillSampler:
         self.refill_min = int(refill_min)
         self.max_steps_per_call = int(max_steps_per_call)
         self.shrink = bool(shrink)
-        self._prepare = jax.jit(self.engine.prepare)
         self._refill_programs: dict[tuple, Any] = {}
         self.last_run = RefillRun()
 
@@ -314,7 +313,7 @@ class RefillSampler:
         state = self._program("init", slots, rows, cache_len, g_len, shards,
                               e.prefill_slots(p_len))()
         held = [-1] * shards  # the prompt whose prefill each shard holds
-        prepared = self._prepare(params)
+        prepared = e.preparer(slots)(params)
         put = e.sharding.put_batch
         # Slots per shard the shrink moves the live rows into once no row waits: each a half.
         sizes = [per_shard]
@@ -439,7 +438,7 @@ class RefillSampler:
         init = self._program("init", slots, rows, cache_len, g_len, shards,
                              e.prefill_slots(p_len))
         state = abstract_outputs(init)
-        prepared = abstract_outputs(self._prepare, abstract_params)
+        prepared = abstract_outputs(e.preparer(slots), abstract_params)
         k = bucket(slots, power_of_two_buckets(1, slots))
         # A shard's admitted rows are consecutive in its prompt-major queue, and the prompt at
         # its head is held when it was partly admitted before: m rows need ceil(m / n) new
@@ -462,7 +461,7 @@ class RefillSampler:
         return {
             "prefill": insert.trace(*insert_args).lower(lowering_platforms=lowering_platforms),
             "decode": decode.trace(*decode_args).lower(lowering_platforms=lowering_platforms),
-            "prepare": self._prepare.trace(abstract_params).lower(
+            "prepare": e.preparer(slots).trace(abstract_params).lower(
                 lowering_platforms=lowering_platforms),
         }
 

@@ -72,7 +72,6 @@ class Sampler:
                  max_concurrent_rows: int = 0, **engine_kwargs: Any) -> None:
         self.engine = Engine(config, dot_general, **engine_kwargs)
         self.max_concurrent_rows = check_concurrent_rows(max_concurrent_rows)
-        self._prepare = jax.jit(self.engine.prepare)
         self._programs: dict[tuple, tuple[Any, Any]] = {}
 
     @property
@@ -132,7 +131,7 @@ class Sampler:
         put = e.sharding.put_batch if blocks == 1 else functools.partial(
             e.sharding.put_local, blocks=blocks)
         rows = local_group * n
-        prepared = self._prepare(params)
+        prepared = e.preparer(rows)(params)
         chunks = []
         done = [0, 0]  # rows and tokens of the chunks known to have finished (`progress`)
 
@@ -210,14 +209,14 @@ class Sampler:
         i32, batch = jnp.int32, e.sharding.abstract_batch
         prefill_args = (abstract_params, batch((group, p_len), i32), batch((group, p_len),
                                                                             jnp.bool_))
-        decode_args = (abstract_outputs(self._prepare, abstract_params),
+        decode_args = (abstract_outputs(e.preparer(rows), abstract_params),
                        e.layout.abstract(rows, e.layout.slots(p_len, g_len)),
                        batch((rows, e.config.vocab_size), jnp.float32), batch((rows,), i32),
                        Decoding.abstract(8), jax.ShapeDtypeStruct((), i32))
         return {
             "prefill": prefill.trace(*prefill_args).lower(lowering_platforms=lowering_platforms),
             "decode": decode.trace(*decode_args).lower(lowering_platforms=lowering_platforms),
-            "prepare": self._prepare.trace(abstract_params).lower(
+            "prepare": e.preparer(rows).trace(abstract_params).lower(
                 lowering_platforms=lowering_platforms),
         }
 

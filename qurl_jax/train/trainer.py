@@ -159,10 +159,11 @@ class Trainer:
                          "attending to it (train.share_prompts)", s.train.share_prompts)
         if targets.platform_of(self.mesh) == "cpu":
             logging.info("%s", xla_cpu.describe(s.train.cpu_dots))
+            int8 = quant.int8_kernel_isa()
             logging.info("CPU kernels (%s=%s): int8 products %s, decode attention %s",
                          xla_cpu.ISA_ENV, xla_cpu.isa_cap(),
-                         quant.int8_kernel_isa() or "off (XLA's)",
-                         cpu_attention.kernel_isa() or "off (XLA's)")
+                         f"{int8} up to {quant.int8_kernel_rows()} rows" if int8
+                         else "off (XLA's)", cpu_attention.kernel_isa() or "off (XLA's)")
         check_task_data(self.settings)  # the data files and prompt lengths, before any write
         for warning in resolved.warnings:
             logging.warning("%s", warning)
