@@ -1,5 +1,5 @@
-"""`bench.lora_step`: the two sides' configs differ only in the learner (same rollout, RL and data
-settings), and the table counts only like-for-like steps."""
+"""`bench.lora_step`: the two shipped configs it compares differ only in the learner (the same
+rollout, RL, data, reward and memory settings), and the table counts only like-for-like steps."""
 
 from __future__ import annotations
 

@@ -4,13 +4,11 @@
         [--order=full,lora,lora,full] [--model_path=PATH]
 
 Each run is `python -m qurl_jax.main` in a process of its own, one at a time in `--order` (A B B A:
-load drifts hit both sides alike). 'full' is `configs/smollm2_135m_word.py` as shipped; 'lora' is
-`configs/smollm2_135m_word_lora.py` with the word config's learner, reward and memory settings put
-back (`LORA_SETTINGS`: layers in a scan, warm-up 5, overlong 32, 2 malloc arenas and trims) and
-the learner running the rollout's own W8A8 product of the base with remat 'projections'
-(`FAST_LORA`), so the adapter, its learning rate and how the learner reads the base are the only
-differences; the rollout settings are the same. No evaluation; `--steps` steps each; the configs
-run are written beside the runs (`<workdir>/<side>.py`).
+load drifts hit both sides alike): 'full' is `configs/smollm2_135m_word.py`, 'lora'
+`configs/smollm2_135m_word_lora.py` (the same task, rollout, objective and memory settings; rank-16
+adapters on a frozen int8 base, the learner running the rollout's W8A8 product with remat
+'projections', LoRA's learning rate), each as shipped but for `--steps` steps and no evaluation.
+The configs run are written beside the runs (`<workdir>/<side>.py`).
 
 Step 1 compiles, and a run whose packed batch shrinks compiles again (static shapes), so the table
 takes the steps from 2 on at which every run updated the same number of packed rows (`like_steps`).
@@ -38,23 +36,14 @@ _MODEL = flags.DEFINE_string("model_path", "", "The GGUF file (default: the conf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = {"full": "configs/smollm2_135m_word.py", "lora": "configs/smollm2_135m_word_lora.py"}
-# What the shipped LoRA config leaves out of the word config (its figures predate them).
-LORA_SETTINGS = {"optim.warmup_steps": 5, "rl.overlong_buffer": 32, "train.scan_layers": True,
-                 "train.malloc_arenas": 2, "train.malloc_trim_steps": True}
-# The fast LoRA learner: the rollout's W8A8 product (an int8 input gradient too), each
-# projection's output kept for the backward.
-FAST_LORA = {"model.lora.learner_products": "w8a8", "train.remat": "projections"}
 METRICS = ("step", "rollout", "update")
 
 
 def config_source(side: str, steps: int, model_path: str = "") -> str:
-    """The config file a `side` run takes: the shipped config, `steps` steps, no evaluation, and
-    for 'lora' `LORA_SETTINGS` and `FAST_LORA`."""
+    """The config file a `side` run takes: the shipped config, `steps` steps, no evaluation."""
     if side not in CONFIGS:
         raise ValueError(f"--order: {side!r} is not one of {sorted(CONFIGS)}")
-    sets = {"train.num_steps": steps, "eval.files": ()}
-    if side == "lora":
-        sets.update(LORA_SETTINGS, **FAST_LORA)
+    sets: dict[str, Any] = {"train.num_steps": steps, "eval.files": ()}
     if model_path:
         sets["model.path"] = model_path
     lines = ["from qurl_jax.config.base import load_config_file", "", "", "def get_config():",
