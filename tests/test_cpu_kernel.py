@@ -230,20 +230,33 @@ def test_pack_for_decode_packs_only_what_the_kernel_reads() -> None:
         rollout["layers_0"]["mlp"]["gate_proj"]["kernel"].dequantize()
 
 
+def _amx_cpu(monkeypatch, rows: int, amx: bool = True) -> None:
+    """This process as an AMX CPU whose kernel takes at most `rows` rows (`amx=False`: as an
+    AVX512 CPU without AMX)."""
+    from qurl_jax.runtime import xla_cpu
+
+    monkeypatch.setattr(xla_cpu, "_cpu_flags", lambda: frozenset(
+        {"avx512f", "avx2", "fma"} | ({"amx_tile", "amx_int8"} if amx else set())))
+    monkeypatch.delenv(xla_cpu.ISA_ENV, raising=False)
+    monkeypatch.setattr(_cpu_kernel, "AMX_MAX_ROWS", rows)
+
+
 @requires_kernel
-def test_pack_for_decode_packs_only_for_the_rows_the_kernel_takes(monkeypatch) -> None:
+def test_pack_for_decode_on_an_amx_cpu_packs_only_the_rows_the_kernel_takes(monkeypatch) -> None:
     params = requantize(init_params(CONFIG, jax.random.key(0)), "int8")
-    monkeypatch.setattr(_cpu_kernel, "max_rows", lambda: 4)
     kernel = lambda p: p["layers_0"]["mlp"]["gate_proj"]["kernel"]  # noqa: E731
+    _amx_cpu(monkeypatch, 4, amx=False)
+    assert kernel(pack_for_decode(params, 200)).packed  # not AMX: packed at any rows
+    _amx_cpu(monkeypatch, 4)
     assert kernel(pack_for_decode(params, 4)).packed
     assert kernel(pack_for_decode(params)).packed  # rows unknown: packed
     assert not kernel(pack_for_decode(params, 5)).packed
 
 
 @requires_kernel
-def test_int8_sampler_decodes_more_rows_than_the_kernel_takes_on_xla(monkeypatch) -> None:
-    """A decode loop of more rows than `max_rows()` (an AMX CPU's 16) keeps its codes unpacked
-    and runs XLA's int8 product; the tokens and log-probs are the kernel's (integer products)."""
+def test_an_amx_sampler_decodes_more_rows_than_the_kernel_takes_on_xla(monkeypatch) -> None:
+    """On an AMX CPU a decode loop of more rows than `AMX_MAX_ROWS` keeps its codes unpacked and
+    runs XLA's int8 product; the tokens and log-probs are the kernel's (integer products)."""
     params = requantize(init_params(CONFIG, jax.random.key(0)), "int8")
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
 
@@ -257,7 +270,7 @@ def test_int8_sampler_decodes_more_rows_than_the_kernel_takes_on_xla(monkeypatch
 
     program, tokens, logp = sample()
     assert "qurl_int8_matmul_packed" in program
-    monkeypatch.setattr(_cpu_kernel, "max_rows", lambda: 4)  # 6 rows decode on XLA's product
+    _amx_cpu(monkeypatch, 4)  # 6 rows decode on XLA's product
     program, tokens_xla, logp_xla = sample()
     assert "qurl_int8_matmul" not in program
     np.testing.assert_array_equal(tokens, tokens_xla)

@@ -69,12 +69,17 @@ def kernel_isa() -> str:
         (path, tuple(zip(_TARGETS[path], _SYMBOLS[path], strict=True))) for path in _TARGETS))
 
 
-def max_rows() -> int:
-    """The most rows of a product the kernel takes on this CPU: `MAX_ROWS`, or `AMX_MAX_ROWS` where
-    XLA's int8 GEMM runs on AMX tiles (`runtime.xla_cpu.cpu_isa() == 'amx'`)."""
+def _amx() -> bool:
+    """Whether XLA's int8 GEMM runs on AMX tiles here (`runtime.xla_cpu.cpu_isa() == 'amx'`)."""
     from qurl_jax.runtime.xla_cpu import cpu_isa
 
-    return AMX_MAX_ROWS if cpu_isa() == "amx" else MAX_ROWS
+    return cpu_isa() == "amx"
+
+
+def max_rows() -> int:
+    """The most rows of an unpacked product the kernel takes on this CPU: `MAX_ROWS`, or
+    `AMX_MAX_ROWS` where XLA's int8 GEMM runs on AMX tiles."""
+    return AMX_MAX_ROWS if _amx() else MAX_ROWS
 
 
 def kernel_available() -> bool:
@@ -196,14 +201,15 @@ def _packable(x: Any) -> bool:
 
 def pack_for_decode(params: Any, rows: int | None = None) -> Any:
     """Rollout parameters for a decode loop of `rows` rows (None: any): every int8 W8A8 kernel the
-    int8 kernel can read is stored packed (`pack_int8`, `QuantizedTensor.packed`). Traceable;
-    meant to run once per rollout, outside the loop. Returns `params` unchanged when the default
-    backend is not the CPU, the kernel is unavailable, or `rows` is more than it takes on this CPU
-    (`max_rows()`: with AMX, XLA's product is the faster one there). Callers pack only in programs
-    for CPU devices (the sampler: when its platform, its mesh's devices', is 'cpu'); packed codes
-    mean nothing to another platform."""
+    int8 kernel can read is stored packed (`pack_int8`, `QuantizedTensor.packed`); the packed
+    product then runs on the kernel at any rows. Traceable; meant to run once per rollout,
+    outside the loop. Returns `params` unchanged when the default backend is not the CPU, the
+    kernel is unavailable, or on an AMX CPU for more than `AMX_MAX_ROWS` rows (XLA's product is
+    the faster one there; on other CPUs the packed kernel is kept at any rows). Callers pack only
+    in programs for CPU devices (the sampler: when its platform, its mesh's devices', is 'cpu');
+    packed codes mean nothing to another platform."""
     if jax.default_backend() != "cpu" or not kernel_available() or (
-            rows is not None and rows > max_rows()):
+            rows is not None and rows > AMX_MAX_ROWS and _amx()):
         return params
     is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
     return jax.tree.map(
