@@ -241,16 +241,11 @@ def _amx_cpu(monkeypatch, rows: int, amx: bool = True) -> None:
     monkeypatch.setattr(_cpu_kernel, "AMX_MAX_ROWS", rows)
 
 
-@requires_kernel
-def test_pack_for_decode_on_an_amx_cpu_packs_only_the_rows_the_kernel_takes(monkeypatch) -> None:
-    params = requantize(init_params(CONFIG, jax.random.key(0)), "int8")
-    kernel = lambda p: p["layers_0"]["mlp"]["gate_proj"]["kernel"]  # noqa: E731
+def test_an_amx_cpu_packs_only_the_decode_loops_of_the_rows_the_kernel_takes(monkeypatch) -> None:
     _amx_cpu(monkeypatch, 4, amx=False)
-    assert kernel(pack_for_decode(params, 200)).packed  # not AMX: packed at any rows
+    assert _cpu_kernel.packs_for_decode(200)  # not AMX: packed at any rows
     _amx_cpu(monkeypatch, 4)
-    assert kernel(pack_for_decode(params, 4)).packed
-    assert kernel(pack_for_decode(params)).packed  # rows unknown: packed
-    assert not kernel(pack_for_decode(params, 5)).packed
+    assert _cpu_kernel.packs_for_decode(4) and not _cpu_kernel.packs_for_decode(5)
 
 
 @requires_kernel

@@ -23,9 +23,9 @@ packed codes, `packed_int8_dot_general`, then streams the weights contiguously w
 repacking (about 2x faster again at batch 8).
 
 On a CPU with AMX-INT8 tiles XLA's own int8 GEMM runs on the tile unit, and from a few dozen rows
-on it beats the kernel (`AMX_MAX_ROWS`): there the kernel takes decode products of at most 16
-rows, and a decode loop of more rows keeps its codes unpacked for XLA (`pack_for_decode`'s
-`rows`). `QURL_JAX_CPU_ISA=avx512` takes an AVX512 CPU's choice (64 rows) on such a CPU.
+on it beats the kernel (`AMX_MAX_ROWS`): there the kernel takes decode products of at most 16 rows,
+and a decode loop of more rows keeps its codes unpacked for XLA (`packs_for_decode`).
+`QURL_JAX_CPU_ISA=avx512` takes an AVX512 CPU's choice (64 rows) on such a CPU.
 
 Limits: the custom call is not partitionable, so under a multi-device mesh XLA gathers its
 operands (correct, not fast); prefill-sized products (more than `max_rows()` rows) use XLA's GEMM.
@@ -199,17 +199,22 @@ def _packable(x: Any) -> bool:
             and x.qvalue.size >= MIN_KERNEL_ELEMENTS)
 
 
-def pack_for_decode(params: Any, rows: int | None = None) -> Any:
-    """Rollout parameters for a decode loop of `rows` rows (None: any): every int8 W8A8 kernel the
-    int8 kernel can read is stored packed (`pack_int8`, `QuantizedTensor.packed`); the packed
-    product then runs on the kernel at any rows. Traceable; meant to run once per rollout,
-    outside the loop. Returns `params` unchanged when the default backend is not the CPU, the
-    kernel is unavailable, or on an AMX CPU for more than `AMX_MAX_ROWS` rows (XLA's product is
-    the faster one there; on other CPUs the packed kernel is kept at any rows). Callers pack only
-    in programs for CPU devices (the sampler: when its platform, its mesh's devices', is 'cpu');
-    packed codes mean nothing to another platform."""
-    if jax.default_backend() != "cpu" or not kernel_available() or (
-            rows is not None and rows > AMX_MAX_ROWS and _amx()):
+def packs_for_decode(rows: int) -> bool:
+    """Whether a decode loop of `rows` rows should read packed codes (`pack_for_decode`): yes,
+    except on an AMX CPU for more than `AMX_MAX_ROWS` rows, where XLA's product is the faster
+    one (on other CPUs the packed kernel is kept at any rows)."""
+    return rows <= AMX_MAX_ROWS or not _amx()
+
+
+def pack_for_decode(params: Any) -> Any:
+    """Rollout parameters for a decode loop: every int8 W8A8 kernel the int8 kernel can read is
+    stored packed (`pack_int8`, `QuantizedTensor.packed`); the packed product then runs on the
+    kernel at any rows (`packs_for_decode` says for which loops to). Traceable; meant to run once
+    per rollout, outside the loop. Returns `params` unchanged when the default backend is not the
+    CPU or the kernel is unavailable. Callers pack only in programs for CPU devices (the sampler:
+    when its platform, its mesh's devices', is 'cpu'); packed codes mean nothing to another
+    platform."""
+    if jax.default_backend() != "cpu" or not kernel_available():
         return params
     is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
     return jax.tree.map(

@@ -55,7 +55,13 @@ from qurl_jax.models.transformer import (
 )
 from qurl_jax.parallel.sharding import activation_pinner, logical_to_mesh_spec
 from qurl_jax.parallel.targets import platform_of
-from qurl_jax.quant import FusedDecode, QuantizedTensor, pack_for_decode, transpose_for_gpu
+from qurl_jax.quant import (
+    FusedDecode,
+    QuantizedTensor,
+    pack_for_decode,
+    packs_for_decode,
+    transpose_for_gpu,
+)
 from qurl_jax.sampling._cache import Cache, Paging, cache_layout
 from qurl_jax.sampling._distributions import SamplingMode, sample_tokens
 from qurl_jax.sampling._host import (
@@ -285,7 +291,7 @@ class Engine:
         if self.kv_precision.quantizes and decode_attention != "xla" \
                 and not self.kv_policy.compresses:
             _warn_float_copy(self._devices, paging is not None, self.config.kv_scale)
-        self._preparers: dict[int, Any] = {}
+        self._preparers: dict[bool, Any] = {}
 
     # ------------------------------------------------------------------------------ shapes
     @property
@@ -366,10 +372,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------ programs
     def preparer(self, rows: int) -> Any:
-        """`prepare` for a decode loop of `rows` rows, jitted (one program per row count)."""
-        if rows not in self._preparers:
-            self._preparers[rows] = jax.jit(functools.partial(self.prepare, rows=rows))
-        return self._preparers[rows]
+        """`prepare` for a decode loop of `rows` rows, jitted: one program per packing choice
+        (`quant.packs_for_decode`), so the loops of a run that pack alike share it."""
+        pack = packs_for_decode(rows)
+        if pack not in self._preparers:
+            self._preparers[pack] = jax.jit(functools.partial(self.prepare, pack=pack))
+        return self._preparers[pack]
 
     def prefill(self, params: Params, tokens: jax.Array, mask: jax.Array
                 ) -> tuple[jax.Array, Cache]:
@@ -379,10 +387,10 @@ class Engine:
         logits, cache = self.layout.prefill(self.prompt_model, params, tokens, mask)
         return self.sharding.rows(logits), self.layout.constrain(cache)
 
-    def prepare(self, params: Params, rows: int | None = None) -> Params:
-        """The decode loop's parameters for a loop of `rows` rows (None: any): loop-invariant work
-        on `params`, done once per `sample` call by both samplers, in a program of its own (the
-        decode programs take its output; `preparer`).
+    def prepare(self, params: Params, pack: bool = True) -> Params:
+        """The decode loop's parameters: loop-invariant work on `params`, done once per `sample`
+        call by both samplers, in a program of its own (the decode programs take its output;
+        `preparer`).
 
         Float parameters are cast to the compute dtype here rather than by the model every step.
         On GPU devices the 8-bit linear kernels are stored transposed, in the layout the GPU's
@@ -399,8 +407,8 @@ class Engine:
           product.
         - On a single device, int8 kernels are stored once in qurl_jax's int8 matmul kernel's
           packed layout (`quant.pack_for_decode`, a packed copy of those weights) where this
-          machine can run it and takes `rows` rows (on an AMX CPU XLA's GEMM is faster for more
-          than `quant.int8_kernel_rows()`).
+          machine can run it and `pack` (`quant.packs_for_decode(rows)`: not on an AMX CPU for a
+          loop of more rows than the kernel takes, where XLA's GEMM is faster).
         - An int8 LM head (`rollout.quantize_vocab`) holds its codes in the compute dtype
           (`QuantizedTensor.codes_as`: the same values): XLA:CPU casts int8 codes outside the
           product, i.e. the whole head every step (about 5x the float head's time, [768, 32000]).
@@ -413,8 +421,8 @@ class Engine:
             return transpose_for_gpu(params)
         if self.platform != "cpu":
             return params
-        if self.sharding.single_device:
-            params = pack_for_decode(params, rows)
+        if self.sharding.single_device and pack:
+            params = pack_for_decode(params)
         is_q = lambda x: isinstance(x, QuantizedTensor)  # noqa: E731
         widen = lambda x: x.codes_as(cfg.compute_dtype) if is_q(x) and (  # noqa: E731
             x.act_format is None and not x.packed and jnp.issubdtype(x.qvalue.dtype, jnp.integer)
