@@ -13,8 +13,8 @@ fine-tune's (alpha / rank = 2). The evaluation samples the learner's policy, gre
 goal's figure; Avg@4 doubles its time: `--config.eval.greedy_only=False`).
 
 Measured 2026-11-30 on a 2-core Intel Xeon with AMX-INT8 (docs/lora.md): held-out greedy 15.2% ->
-58.2% in 30 steps, 21:20 wall, 4.77 GB peak; each step 1.88x faster than the full fine-tune's
-(`python -m qurl_jax.bench.lora_step`; 1.42x on an AMD EPYC without AMX).
+58.2% in 30 steps, 19:32 wall from a fresh clone, 4.76 GB peak; each step 1.88x faster than the
+full fine-tune's (`python -m qurl_jax.bench.lora_step`; 1.42x on an AMD EPYC without AMX).
 
     python -m qurl_jax.main --config=configs/smollm2_135m_word_lora.py --workdir=/tmp/word_lora \
         --export_hf=/tmp/word_lora/hf   # + the PEFT adapter in /tmp/word_lora/hf/lora_adapter
