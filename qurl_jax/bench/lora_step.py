@@ -29,6 +29,8 @@ from typing import Any
 
 from absl import app, flags
 
+from qurl_jax.runtime.metrics import read_metrics
+
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/lora_step", "Where the runs and the JSON go.")
 _STEPS = flags.DEFINE_integer("steps", 5, "RL steps per run (step 1 compiles).")
 _ORDER = flags.DEFINE_list("order", ["full", "lora", "lora", "full"], "Runs, one at a time.")
@@ -52,17 +54,12 @@ def config_source(side: str, steps: int, model_path: str = "") -> str:
     return "\n".join(lines + ["    return c", ""])
 
 
-def read_steps(metrics_path: str) -> list[dict[str, float]]:
+def read_steps(run_dir: str) -> list[dict[str, float]]:
     """Per RL step of a run's metrics.jsonl: its seconds (`METRICS`) and packed rows."""
-    out = []
-    with open(metrics_path, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if "time/step_s" in row:
-                out.append({**{m: row[f"time/{m}_s"] for m in METRICS},
-                            "rows": row.get("learner/packed_rows", 0.0),
-                            "kl_k3": row.get("kl_behav_prox_k3", float("nan"))})
-    return out
+    return [{**{m: row[f"time/{m}_s"] for m in METRICS},
+             "rows": row.get("learner/packed_rows", 0.0),
+             "kl_k3": row.get("kl_behav_prox_k3", float("nan"))}
+            for row in read_metrics(run_dir) if "time/step_s" in row]
 
 
 def like_steps(runs: Sequence[dict[str, Any]]) -> list[int]:
@@ -118,25 +115,18 @@ def describe_cpu() -> str:
     from qurl_jax import quant
     from qurl_jax.runtime import xla_cpu
 
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), name)
-    except OSError:
-        pass
+    name = xla_cpu.cpu_model() or "unknown CPU"
     isa = quant.int8_kernel_isa()
     kernel = f"int8 kernel {isa} up to {quant.int8_kernel_rows()} rows" if isa else (
         "no int8 kernel")
     return f"{name}, {os.cpu_count()} cores, {xla_cpu.cpu_isa()} ({kernel})"
 
 
-def run_one(side: str, workdir: str, steps: int, model_path: str) -> dict[str, Any]:
-    """One run of `side` in its own process; its steps and peak RSS."""
+def run_one(index: int, side: str, workdir: str, steps: int, model_path: str) -> dict[str, Any]:
+    """Run `index` (from 0), of `side`, in its own process; its steps and peak RSS."""
     config = os.path.join(workdir, f"{side}.py")
     with open(config, "w", encoding="utf-8") as f:
         f.write(config_source(side, steps, model_path))
-    index = len([d for d in os.listdir(workdir) if d.startswith("run")])
     run_dir = os.path.join(workdir, f"run{index}_{side}")
     log = run_dir + ".log"
     with open(log, "w", encoding="utf-8") as out:
@@ -147,7 +137,7 @@ def run_one(side: str, workdir: str, steps: int, model_path: str) -> dict[str, A
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise RuntimeError(f"lora_step: the {side} run failed (exit {proc.returncode}); see {log}")
-    return {"side": side, "steps": read_steps(os.path.join(run_dir, "metrics.jsonl")),
+    return {"side": side, "steps": read_steps(run_dir),
             "peak_gb": usage.ru_maxrss * 1024 / 1e9}
 
 
@@ -161,8 +151,8 @@ def main(argv: list[str]) -> None:
         config_source(side, _STEPS.value)  # a bad --order fails before any run
     cpu = describe_cpu()
     runs = []
-    for side in _ORDER.value:
-        runs.append(run_one(side, workdir, _STEPS.value, _MODEL.value))
+    for index, side in enumerate(_ORDER.value):
+        runs.append(run_one(index, side, workdir, _STEPS.value, _MODEL.value))
         print(f"{side}: steps {[round(s['step'], 1) for s in runs[-1]['steps']]} s, peak "
               f"{runs[-1]['peak_gb']:.2f} GB", flush=True)
     summary = summarize(runs)

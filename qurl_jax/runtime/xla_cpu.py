@@ -55,13 +55,24 @@ def isa_cap() -> str:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """This host's CPU flags (Linux's /proc/cpuinfo; none where it cannot tell)."""
+def _cpuinfo(key: str) -> str:
+    """The value of the first `key` line of Linux's /proc/cpuinfo ('' where it cannot tell)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return frozenset(next((line.split() for line in f if line.startswith("flags")), ()))
+            return next((line.split(":", 1)[-1].strip() for line in f if line.startswith(key)),
+                        "")
     except OSError:
-        return frozenset()
+        return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    """This host's CPU flags (none where /proc/cpuinfo cannot tell)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """This host's CPU model name ('' where /proc/cpuinfo cannot tell)."""
+    return _cpuinfo("model name")
 
 
 def cpu_isa() -> str:
