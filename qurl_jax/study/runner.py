@@ -166,6 +166,15 @@ VARIANTS = (
     Variant("int8_acr_mb4_wu16", {"rollout.precision": "int8", "rl.loss_mode": "acr", **MB4,
                                   **WARMUP16}, True,
             "int8 rollout, ACR, 4 minibatches, warm-up 16"),
+    # The same two at the smallest TIS cap the papers' released configs take (C = 1.5, Sparse-RL's;
+    # FlashRL's GSM8K recipe and the rows above: 2): more tokens are truncated, so ACR's wider
+    # bound has more tokens to act on.
+    Variant("int8_tis_mb4_wu16_c1.5", {"rollout.precision": "int8", "rl.loss_mode": "tis", **MB4,
+                                       **WARMUP16, "rl.cap": 1.5}, True,
+            "int8 rollout, TIS, 4 minibatches, warm-up 16, C = 1.5"),
+    Variant("int8_acr_mb4_wu16_c1.5", {"rollout.precision": "int8", "rl.loss_mode": "acr", **MB4,
+                                       **WARMUP16, "rl.cap": 1.5}, True,
+            "int8 rollout, ACR, 4 minibatches, warm-up 16, C = 1.5"),
     Variant("int8_acr_mb4_s1.5", {"rollout.precision": "int8", "rl.loss_mode": "acr",
                                   "rollout.invariant_scaling": 1.5, **MB4}, True,
             "int8 rollout, ACR, invariant scaling s = 1.5, 4 minibatches"),
@@ -208,6 +217,10 @@ ROW_SETS = {
     # several-minibatch runs off the response limit; saved every 8 steps so a run spans sessions.
     "smollm2_acr_tis_long": RowSet(_WORD, ("int8_tis_mb4_wu16", "int8_acr_mb4_wu16"), steps=48,
                                    checkpoint_every=8),
+    # The pair at C = 1.5, where ACR's bound has more truncated tokens to act on; 16 steps, saved
+    # every 8 so that a later session can take it further.
+    "smollm2_acr_tis_cap": RowSet(_WORD, ("int8_tis_mb4_wu16_c1.5", "int8_acr_mb4_wu16_c1.5"),
+                                  steps=16, checkpoint_every=8),
     # QuRL's invariant scaling (UAQ) at the paper's s = 1.5, with and without.
     "smollm2_invariant_scaling": RowSet(_WORD, ("int8_acr_mb4", "int8_acr_mb4_s1.5")),
     # Sparse-RL: R-KV and SnapKV rollouts, naive and corrected, against the dense fp rollout;
@@ -248,6 +261,10 @@ FIGURES = {
         "int8_tis_mb4_wu16", "int8_acr_mb4_wu16"),
         ("rollout/reward_mean", "rollout/response_len", "acr/bound_frac", "acr/grad_rel_diff",
          "kl_behav_prox_k3")),
+    "smollm2_acr_tis_cap.png": ("int8 rollout, 4 minibatches, warm-up 16, TIS cap C = 1.5: TIS, "
+                                "ACR", ("int8_tis_mb4_wu16_c1.5", "int8_acr_mb4_wu16_c1.5"),
+        ("rollout/reward_mean", "rollout/response_len", "truncated_frac", "acr/bound_frac",
+         "acr/grad_rel_diff", "kl_behav_prox_k3")),
     "smollm2_invariant_scaling.png": ("int8 + ACR with and without invariant scaling (s = 1.5)", (
         "int8_acr_mb4", "int8_acr_mb4_s1.5"),
         ("rollout/reward_mean", "quant/code_change_fraction", "quant/code_change_fraction_qkv",
