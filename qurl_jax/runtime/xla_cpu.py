@@ -65,6 +65,7 @@ def _cpuinfo(key: str) -> str:
         return ""
 
 
+@functools.cache
 def _cpu_flags() -> frozenset[str]:
     """This host's CPU flags (none where /proc/cpuinfo cannot tell)."""
     return frozenset(_cpuinfo("flags").split())
