@@ -104,13 +104,15 @@ def test_row_sets_fit_their_configs():
                 assert c.rl.num_minibatches == 4 and c.rl.num_micro_batches == 2
             if c.rollout.kv_policy != "dense":
                 assert 2 * c.rollout.kv_budget <= c.data.max_prompt_len + c.rollout.max_new_tokens
-    base = load_config_file(os.path.join(REPO, runner._WORD))
     long = runner.ROW_SETS["smollm2_acr_tis_long"]  # saved every 8 steps: resumable
     assert long.steps > 8 and long.steps % long.checkpoint_every == 0
     assert runner.checkpointing(long.steps, long.checkpoint_every) == {
         "train.checkpoint_every": 8, "train.keep_checkpoints": 1}
     assert runner.checkpointing(8, 0) == {"train.checkpoint_every": 8}  # the other row sets
     cap = runner.ROW_SETS["smollm2_acr_tis_cap"]  # the long pair at a smaller TIS cap, alone
+    assert [known[v].overrides for v in cap.variants] == [
+        {**known[v].overrides, "rl.cap": 1.5} for v in long.variants]
+    base = load_config_file(os.path.join(REPO, cap.config))
     pair = [runner._configured(base, known[v].overrides, v) for v in cap.variants]
     assert [c.rl.loss_mode for c in pair] == ["tis", "acr"]
     assert all(c.rl.cap == 1.5 < base.rl.cap for c in pair)
